@@ -1,0 +1,27 @@
+"""Fuel: a lazy tensor graph with an open registry of fused ops and exact, fast CPU kernels."""
+
+from fuel import ops
+from fuel.dispatch.executor import realize, trace
+from fuel.dispatch.fused import default_kernel_registry as kernels
+from fuel.dtype import DType, bf16, f16, f32, f64, i64, u8, u32
+from fuel.errors import (
+    DTypeError,
+    FuelError,
+    IndexOutOfRange,
+    KernelError,
+    NoDecomposition,
+    NotDifferentiable,
+    ParamError,
+    ShapeError,
+)
+from fuel.graph.autograd import grad
+from fuel.graph.node import DynScalar, dyn
+from fuel.graph.registry import default_registry
+from fuel.graph.tensor import Tensor, concat, full, matmul, ones, pad, tensor, where, zeros
+
+__all__ = [
+    "DType", "DTypeError", "DynScalar", "FuelError", "IndexOutOfRange", "KernelError",
+    "NoDecomposition", "NotDifferentiable", "ParamError", "ShapeError", "Tensor", "bf16",
+    "concat", "default_registry", "dyn", "f16", "f32", "f64", "full", "grad", "i64", "kernels",
+    "matmul", "ones", "ops", "pad", "realize", "tensor", "trace", "u8", "u32", "where", "zeros",
+]

@@ -1,0 +1,57 @@
+"""Half-precision plumbing for Numba kernels: bf16 as uint16 bits, widened and rounded by hand.
+
+Numba has no half arithmetic. bf16 widens exactly with a 16-bit shift and narrows with
+round-to-nearest-even on the f32 bits (NaN stays NaN); f16 goes through NumPy's exact casts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from fuel.dtype import DType
+
+
+@njit(inline="always", cache=True)
+def widen_bf16_row(src: Any, dst_bits: Any) -> None:
+    """dst_bits (uint32) <- src (uint16 bf16 bits) << 16; view dst_bits as float32 to read it."""
+    for j in range(src.shape[0]):
+        dst_bits[j] = np.uint32(src[j]) << np.uint32(16)
+
+
+@njit(inline="always", cache=True)
+def narrow_bf16_row(src_bits: Any, dst: Any) -> None:
+    """dst (uint16) <- round-to-nearest-even of src_bits (float32 bits as uint32)."""
+    for j in range(src_bits.shape[0]):
+        b = src_bits[j]
+        if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+            dst[j] = np.uint16((b >> np.uint32(16)) | np.uint32(0x40))
+        else:
+            dst[j] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The uint16 bits of a bf16 array (no copy)."""
+    return a.view(np.uint16)
+
+
+def rows2d(a: np.ndarray) -> np.ndarray:
+    """A contiguous array seen as [outer, last] (rank 0 and 1 included)."""
+    last = a.shape[-1] if a.ndim else 1
+    return a.reshape(-1, last) if last else a.reshape(0, 0)
+
+
+def via_f32(kernel: Callable[[list[np.ndarray], np.ndarray, Any], None]) -> Callable[..., None]:
+    """Run an f32 kernel for f16 data: widen inputs exactly, compute in f32, round once into out."""
+
+    def run(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+        wide = [a.astype(np.float32) if a.dtype == DType.F16.np else a for a in inputs]
+        tmp = np.empty(out.shape, np.float32)
+        kernel(wide, tmp, params)
+        np.copyto(out, tmp, casting="unsafe")
+
+    run.__wrapped__ = kernel  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,198 @@
+"""NumPy kernels of the primitive ops: one table, each `kernel(inputs, node) -> array`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from fuel.dtype import DType
+from fuel.errors import IndexOutOfRange, KernelError
+from fuel.graph.node import Node, Op
+from fuel.graph.prims import reduce_to_axes
+
+PrimKernel = Callable[[list[np.ndarray], Node], np.ndarray]
+
+
+def _work(x: np.ndarray, dtype: DType) -> np.ndarray:
+    """Half types compute in f32 (widening is exact); the result is rounded once on store."""
+    return x.astype(np.float32) if dtype.is_half else x
+
+
+def _store(y: np.ndarray, node: Node) -> np.ndarray:
+    return y if y.dtype == node.dtype.np else y.astype(node.dtype.np)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1 / (1 + e), e / (1 + e)).astype(x.dtype, copy=False)
+
+
+_UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
+    Op.NEG: np.negative,
+    Op.ABS: np.abs,
+    Op.SQR: np.square,
+    Op.SQRT: np.sqrt,
+    Op.RSQRT: lambda x: 1 / np.sqrt(x),
+    Op.RECIP: lambda x: 1 / x,
+    Op.EXP: np.exp,
+    Op.LOG: np.log,
+    Op.TANH: np.tanh,
+    Op.SIN: np.sin,
+    Op.COS: np.cos,
+    Op.SIGMOID: _sigmoid,
+    Op.RELU: lambda x: np.maximum(x, 0).astype(x.dtype, copy=False),
+    Op.SILU: lambda x: x * _sigmoid(x),
+    Op.SIGN: lambda x: np.sign(x),
+    Op.STEP: lambda x: (x > 0).astype(x.dtype),
+    Op.FLOOR: np.floor,
+}
+
+_BINARY: dict[Op, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide,
+    Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum,
+    Op.EQ: np.equal, Op.NE: np.not_equal, Op.LT: np.less, Op.LE: np.less_equal,
+    Op.GT: np.greater, Op.GE: np.greater_equal,
+}
+
+
+def _unary(op: Op) -> PrimKernel:
+    f = _UNARY[op]
+    return lambda xs, n: _store(f(_work(xs[0], n.dtype)), n)
+
+
+def _binary(op: Op) -> PrimKernel:
+    f = _BINARY[op]
+    return lambda xs, n: _store(f(_work(xs[0], n.inputs[0].dtype), _work(xs[1], n.inputs[1].dtype)), n)
+
+
+def _scalar(f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> PrimKernel:
+    def kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
+        x = _work(xs[0], n.dtype)
+        return _store(f(x, np.asarray(n.arg, dtype=x.dtype)), n)
+    return kernel
+
+
+def _powi(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    """Repeated squaring in the order of compiler-builtins __powi (not np.power)."""
+    a = _work(xs[0], n.dtype)
+    p = abs(int(n.arg))
+    r = np.ones_like(a)
+    while True:
+        if p & 1:
+            r = r * a
+        p >>= 1
+        if p == 0:
+            break
+        a = a * a
+    if int(n.arg) < 0:
+        r = 1 / r
+    return _store(r, n)
+
+
+def _cast(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    x, target = xs[0], n.dtype
+    if n.inputs[0].dtype.is_float and not target.is_float:
+        info = np.iinfo(target.np)
+        x = np.clip(np.nan_to_num(x.astype(np.float64), nan=0.0), info.min, info.max)
+    return x.astype(target.np)
+
+
+def _reduce_to(f: Callable[..., np.ndarray]) -> PrimKernel:
+    def kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
+        axes = reduce_to_axes(n.op.name.lower(), n.inputs[0].shape, n.shape)
+        y = f(_work(xs[0], n.dtype), axis=axes, keepdims=True)
+        return _store(np.reshape(y, n.shape), n)
+    return kernel
+
+
+def _dim(f: Callable[..., np.ndarray]) -> PrimKernel:
+    return lambda xs, n: _store(np.asarray(f(_work(xs[0], n.dtype), axis=n.arg)), n)
+
+
+def _matmul(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    a, b = _work(xs[0], n.dtype), _work(xs[1], n.dtype)
+    if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
+        # b broadcast over the batch (a weight): one GEMM over all rows of a.
+        y = np.matmul(a.reshape(-1, a.shape[-1]), b[(0,) * (b.ndim - 2)]).reshape(n.shape)
+    else:
+        y = np.matmul(a, b)
+    return _store(y, n)
+
+
+def _check_index(op: str, idx: np.ndarray, size: int) -> np.ndarray:
+    if idx.size and (int(idx.max()) >= size or (idx.dtype.kind == "i" and int(idx.min()) < 0)):
+        bad = idx[(idx >= size) | (idx < 0)].ravel()[0]
+        raise IndexOutOfRange(f"{op}: index {int(bad)} is out of range for an axis of size {size}")
+    return idx.astype(np.intp, copy=False)
+
+
+def _gather(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    idx = _check_index("gather", xs[1], n.inputs[0].shape[n.arg])
+    return np.take_along_axis(xs[0], idx, axis=n.arg)
+
+
+def _index_select(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    idx = _check_index("index_select", xs[1], n.inputs[0].shape[n.arg])
+    return np.take(xs[0], idx, axis=n.arg)
+
+
+def _scatter_add(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    base, src = _work(xs[0], n.dtype), _work(xs[2], n.dtype)
+    idx = _check_index("scatter_add", xs[1], n.shape[n.arg])
+    out = np.array(base, copy=True)
+    grids = list(np.indices(idx.shape, sparse=True))
+    grids[n.arg] = idx
+    np.add.at(out, tuple(grids), src)
+    return _store(out, n)
+
+
+def _index_add(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    base, src = _work(xs[0], n.dtype), _work(xs[2], n.dtype)
+    idx = _check_index("index_add", xs[1], n.shape[n.arg])
+    out = np.array(base, copy=True)
+    np.add.at(out, (slice(None),) * n.arg + (idx,), src)
+    return _store(out, n)
+
+
+def _pad(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    widths, value = n.arg
+    return np.pad(xs[0], widths, mode="constant", constant_values=np.asarray(value, dtype=n.dtype.np))
+
+
+def _no_kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
+    raise KernelError(f"{n.op.name.lower()}: has no primitive kernel; the executor handles it")
+
+
+PRIM_KERNELS: dict[Op, PrimKernel] = {
+    **{op: _unary(op) for op in _UNARY},
+    **{op: _binary(op) for op in _BINARY},
+    Op.WHERE: lambda xs, n: np.where(xs[0] != 0, xs[1], xs[2]),
+    Op.ADD_SCALAR: _scalar(np.add),
+    Op.MUL_SCALAR: _scalar(np.multiply),
+    Op.POWI: _powi,
+    Op.CAST: _cast,
+    Op.REDUCE_SUM_TO: _reduce_to(np.sum),
+    Op.REDUCE_MAX_TO: _reduce_to(np.max),
+    Op.SUM_DIM: _dim(np.sum),
+    Op.MAX_DIM: _dim(np.max),
+    Op.MEAN_DIM: _dim(np.mean),
+    Op.BROADCAST_TO: lambda xs, n: np.broadcast_to(xs[0], n.shape),
+    Op.RESHAPE: lambda xs, n: np.reshape(xs[0], n.shape),
+    Op.PERMUTE: lambda xs, n: np.transpose(xs[0], n.arg),
+    Op.SLICE: lambda xs, n: xs[0][tuple(slice(*r) for r in n.arg)],
+    Op.UNSQUEEZE: lambda xs, n: np.expand_dims(xs[0], n.arg),
+    Op.SQUEEZE: lambda xs, n: np.squeeze(xs[0], axis=n.arg),
+    Op.CONCAT: lambda xs, n: np.concatenate(xs, axis=n.arg),
+    Op.PAD: _pad,
+    Op.CONTIGUIZE: lambda xs, n: np.ascontiguousarray(xs[0]),
+    Op.MATMUL: _matmul,
+    Op.GATHER: _gather,
+    Op.INDEX_SELECT: _index_select,
+    Op.SCATTER_ADD: _scatter_add,
+    Op.INDEX_ADD: _index_add,
+    Op.VIEW: _no_kernel,
+    Op.CONST: _no_kernel,
+    Op.FUSED: _no_kernel,
+}
+assert set(PRIM_KERNELS) == set(Op), "every primitive needs a CPU kernel"

@@ -1,0 +1,209 @@
+"""Softmax over the last axis (entry 1) and its backward (entry 7): Numba, one thread per row block.
+
+Each row is computed by one thread in a fixed order, so results are bit-stable. The f32 path uses a
+vectorisable Cephes-style expf (measured error in the impl's PrecisionGuarantee); f64 uses libm exp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
+from fuel.dispatch.fused import (
+    CONTIGUOUS_ONLY,
+    BackendImpl,
+    FusedKernelRegistry,
+    PrecisionGuarantee,
+    elementwise_cost,
+    revision_of,
+)
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.graph.registry import FusedOps
+
+# Reassociation lets the row sums vectorise (a fixed order per build: still bit-stable);
+# no nnan/ninf, so NaN and inf rows keep IEEE behaviour.
+FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
+CHUNKS = 256
+
+_LOG2E = np.float32(1.44269504088896341)
+_C1 = np.float32(0.693359375)
+_C2 = np.float32(-2.12194440e-4)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+_HALF = np.float32(0.5)
+_ONE = np.float32(1.0)
+_LOW = np.float32(-87.33)
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _row_max(x: Any) -> Any:
+    m = x[0]
+    for j in range(1, x.shape[0]):
+        v = x[j]
+        m = v if v > m else m
+    return m
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _softmax_row_f32(x: Any, o: Any, scale_bits: Any) -> None:
+    """o <- softmax(x) for one f32 row; scale_bits is an int32 scratch row."""
+    n = x.shape[0]
+    m = _row_max(x)
+    for j in range(n):
+        t = x[j] - m
+        tc = _LOW if t < _LOW else t
+        fx = np.floor(tc * _LOG2E + _HALF)
+        r = tc - fx * _C1
+        r = r - fx * _C2
+        p = ((((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * (r * r) + r) + _ONE
+        o[j] = p
+        scale_bits[j] = 0 if t < _LOW else (np.int32(fx) + 127) << 23
+    scale = scale_bits.view(np.float32)
+    s = np.float32(0.0)
+    for j in range(n):
+        e = o[j] * scale[j]
+        o[j] = e
+        s += e
+    inv = _ONE / s
+    for j in range(n):
+        o[j] = o[j] * inv
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _softmax_f32(x: Any, out: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    for c in prange(chunks):
+        scale_bits = np.empty(n, np.int32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            _softmax_row_f32(x[r], out[r], scale_bits)
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _softmax_bf16(x: Any, out: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    for c in prange(chunks):
+        scale_bits = np.empty(n, np.int32)
+        wide = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wide)
+            _softmax_row_f32(wide.view(np.float32), res, scale_bits)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+
+
+@njit(cache=True, parallel=True)
+def _softmax_f64(x: Any, out: Any) -> None:
+    rows, n = x.shape
+    for r in prange(rows):
+        m = _row_max(x[r])
+        s = 0.0
+        for j in range(n):
+            e = math.exp(x[r, j] - m)
+            out[r, j] = e
+            s += e
+        inv = 1.0 / s
+        for j in range(n):
+            out[r, j] = out[r, j] * inv
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _softmax_backward(y: Any, g: Any, out: Any) -> None:
+    """out = y * (g - sum(g * y)) per row; f32 or f64 (the arrays' own type)."""
+    rows, n = y.shape
+    for r in prange(rows):
+        dot = y[r, 0] * g[r, 0] * 0
+        for j in range(n):
+            dot += y[r, j] * g[r, j]
+        for j in range(n):
+            out[r, j] = y[r, j] * (g[r, j] - dot)
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _softmax_backward_bf16(y: Any, g: Any, out: Any) -> None:
+    rows, n = y.shape
+    chunks = min(rows, CHUNKS)
+    for c in prange(chunks):
+        wy = np.empty(n, np.uint32)
+        wg = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(y[r], wy)
+            widen_bf16_row(g[r], wg)
+            fy = wy.view(np.float32)
+            fg = wg.view(np.float32)
+            dot = np.float32(0.0)
+            for j in range(n):
+                dot += fy[j] * fg[j]
+            for j in range(n):
+                res[j] = fy[j] * (fg[j] - dot)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+
+
+def softmax_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+    if out.size:
+        _softmax_f32(rows2d(inputs[0]), rows2d(out))
+
+
+def softmax_f64(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+    if out.size:
+        _softmax_f64(rows2d(inputs[0]), rows2d(out))
+
+
+def softmax_bf16(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+    if out.size:
+        _softmax_bf16(rows2d(bits(inputs[0])), rows2d(bits(out)))
+
+
+softmax_f16 = via_f32(softmax_f32)
+
+
+def softmax_backward_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+    if out.size:
+        _softmax_backward(rows2d(inputs[0]), rows2d(inputs[1]), rows2d(out))
+
+
+softmax_backward_f64 = softmax_backward_f32
+
+
+def softmax_backward_bf16(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+    if out.size:
+        _softmax_backward_bf16(rows2d(bits(inputs[0])), rows2d(bits(inputs[1])), rows2d(bits(out)))
+
+
+softmax_backward_f16 = via_f32(softmax_backward_f32)
+
+
+SOFTMAX_PRECISION = {
+    DType.F32: PrecisionGuarantee(True, None, 4e-6, 1e-7, "Cephes-style expf polynomial; f32 accumulation"),
+    DType.F64: PrecisionGuarantee(True, None, 1e-13, 1e-16, "libm exp; f64 accumulation"),
+    DType.BF16: PrecisionGuarantee(True, None, 4.0e-3, 1e-6, "f32 compute, one RNE rounding on store"),
+    DType.F16: PrecisionGuarantee(True, None, 5.0e-4, 1e-6, "f32 compute, one RNE rounding on store"),
+}
+SOFTMAX_BACKWARD_PRECISION = {
+    DType.F32: PrecisionGuarantee(True, None, 1e-5, 1e-6, "f32 accumulation of sum(g*y)"),
+    DType.F64: PrecisionGuarantee(True, None, 1e-12, 1e-14, "f64 accumulation"),
+    DType.BF16: PrecisionGuarantee(True, None, 8e-3, 4e-3, "f32 compute, one RNE rounding on store"),
+    DType.F16: PrecisionGuarantee(True, None, 1e-3, 5e-4, "f32 compute, one RNE rounding on store"),
+}
+
+
+def register(registry: FusedKernelRegistry) -> None:
+    rev = revision_of(_softmax_f32)
+    forward = {DType.F32: softmax_f32, DType.F64: softmax_f64, DType.BF16: softmax_bf16, DType.F16: softmax_f16}
+    backward = {DType.F32: softmax_backward_f32, DType.F64: softmax_backward_f64,
+                DType.BF16: softmax_backward_bf16, DType.F16: softmax_backward_f16}
+    for dt in FLOAT_DTYPES:
+        registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM, "cpu", forward[dt], (dt, dt),
+                                      elementwise_cost(5), SOFTMAX_PRECISION[dt], CONTIGUOUS_ONLY, rev))
+        registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, "cpu", backward[dt], (dt, dt, dt),
+                                      elementwise_cost(4), SOFTMAX_BACKWARD_PRECISION[dt], CONTIGUOUS_ONLY, rev))

@@ -1,0 +1,147 @@
+"""The kernel side of the registry: implementations per (fused op, backend, dtype tuple)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import hashlib
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fuel.dtype import DType
+from fuel.errors import FuelError
+from fuel.graph.node import Shape
+from fuel.graph.registry import FusedOpId, FusedOps
+
+Kernel = Callable[[list[np.ndarray], Any, Any], None]
+
+
+@dataclass(frozen=True)
+class CostEstimate:
+    """Work of one call: floating-point operations and bytes read plus written."""
+
+    flops: int
+    bytes_moved: int
+
+
+CostFn = Callable[[Sequence[Shape], Sequence[DType], Any], CostEstimate]
+
+
+@dataclass(frozen=True)
+class PrecisionGuarantee:
+    """Measured bound against the float64 reference on the same (dtype-rounded) inputs.
+
+    An output element passes when `|out - ref| <= max_absolute * max|ref| + max_relative * |ref|`
+    (the absolute part scales with the row-set's magnitude so one bound serves every input scale).
+    """
+
+    bit_stable_on_same_hardware: bool
+    max_ulp: int | None
+    max_relative: float | None
+    max_absolute: float | None
+    notes: str
+
+
+@dataclass(frozen=True)
+class KernelCaps:
+    """What an impl accepts beyond contiguous, offset-0, row-major inputs."""
+
+    strided_input: bool
+
+
+CONTIGUOUS_ONLY = KernelCaps(strided_input=False)
+
+
+@dataclass(frozen=True)
+class BackendImpl:
+    """One kernel for one dtype tuple. `dtypes` = input dtypes in order, then the output's."""
+
+    op_id: FusedOpId
+    backend: str
+    kernel: Kernel
+    dtypes: tuple[DType, ...]
+    cost: CostFn
+    precision: PrecisionGuarantee
+    caps: KernelCaps
+    revision: str
+
+    @property
+    def name(self) -> str:
+        return f"{FusedOps.NAMES[self.op_id]}[{self.backend}:{','.join(d.value for d in self.dtypes)}]"
+
+    @property
+    def source(self) -> str:
+        """`file:line` of the kernel function."""
+        fn = inspect.unwrap(self.kernel)
+        try:
+            file = inspect.getsourcefile(fn) or "?"
+            line = inspect.getsourcelines(fn)[1]
+        except (OSError, TypeError):
+            return "?"
+        marker = "/src/"
+        return f"{file[file.rfind(marker) + len(marker):] if marker in file else file}:{line}"
+
+
+def revision_of(*objects: Any) -> str:
+    """A hash of the source of the modules holding `objects`: it changes when a kernel does."""
+    h = hashlib.sha256()
+    modules = {inspect.getmodule(inspect.unwrap(o)) for o in objects}
+    for mod in sorted((m for m in modules if m is not None), key=lambda m: m.__name__):
+        h.update(inspect.getsource(mod).encode())
+    return h.hexdigest()[:16]
+
+
+class KernelRegistryError(FuelError):
+    """Two impls claim the same key, or an impl names an unknown op."""
+
+
+class FusedKernelRegistry:
+    """Impls by (op id, backend, dtype tuple)."""
+
+    def __init__(self) -> None:
+        self._impls: dict[tuple[int, str, tuple[DType, ...]], BackendImpl] = {}
+
+    def register(self, impl: BackendImpl) -> None:
+        if impl.op_id not in FusedOps.NAMES:
+            raise KernelRegistryError(f"kernels: impl for unknown op id {impl.op_id}")
+        key = (impl.op_id, impl.backend, impl.dtypes)
+        if key in self._impls:
+            raise KernelRegistryError(f"kernels: {impl.name} is registered twice")
+        self._impls[key] = impl
+
+    def lookup(self, op_id: int, backend: str, dtypes: tuple[DType, ...]) -> BackendImpl | None:
+        return self._impls.get((op_id, backend, dtypes))
+
+    def impls(self, op_id: int) -> list[BackendImpl]:
+        return [i for (oid, _, _), i in self._impls.items() if oid == op_id]
+
+    def __iter__(self) -> Iterator[BackendImpl]:
+        return iter(sorted(self._impls.values(), key=lambda i: (i.op_id, i.backend, [d.value for d in i.dtypes])))
+
+    def __len__(self) -> int:
+        return len(self._impls)
+
+
+@functools.cache
+def default_kernel_registry() -> FusedKernelRegistry:
+    """Every CPU impl, registered once."""
+    from fuel.dispatch.dispatch import register_default_fused_kernels
+
+    reg = FusedKernelRegistry()
+    register_default_fused_kernels(reg)
+    return reg
+
+
+def elementwise_cost(flops_per_element: int) -> CostFn:
+    """Cost of a row-wise op: `k` flops per output element; every input and the output move once."""
+
+    def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:
+        n = math.prod(shapes[-1])
+        moved = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+        return CostEstimate(flops=flops_per_element * n, bytes_moved=moved)
+
+    return cost

@@ -1,0 +1,35 @@
+"""Errors raised by Fuel. Every message names the op, what it expected and what it received."""
+
+from __future__ import annotations
+
+
+class FuelError(Exception):
+    """Base class of every error Fuel raises on purpose."""
+
+
+class ShapeError(FuelError, ValueError):
+    """An input's shape does not fit the op (raised when the graph is built)."""
+
+
+class DTypeError(FuelError, TypeError):
+    """An input's dtype does not fit the op (raised when the graph is built)."""
+
+
+class ParamError(FuelError, ValueError):
+    """A parameter is out of its domain, or a dynamic scalar is unbound."""
+
+
+class IndexOutOfRange(FuelError, IndexError):
+    """An index tensor points outside the tensor it indexes (checked before reading)."""
+
+
+class KernelError(FuelError, RuntimeError):
+    """No kernel can run a node, or a kernel broke its contract."""
+
+
+class NoDecomposition(FuelError):
+    """A fused op has no lowering to primitives."""
+
+
+class NotDifferentiable(FuelError):
+    """A gradient was asked through an op that has none."""

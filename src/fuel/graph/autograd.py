@@ -1,0 +1,196 @@
+"""grad(): lazy reverse-mode gradients. Primitive VJPs live here; fused entries bring their own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fuel.errors import DTypeError, NotDifferentiable, ShapeError
+from fuel.graph.node import Node, Op, topo_order
+from fuel.graph.prims import COMPARE, make
+from fuel.graph.registry import default_registry
+from fuel.graph.tensor import Tensor, full, where, zeros
+
+Grads = list[Tensor | None]
+PrimVjp = Callable[[list[Tensor], Node, Tensor, Tensor], Grads]
+
+
+def _t(op: Op, inputs: Sequence[Tensor], arg: object = None) -> Tensor:
+    return Tensor(make(op, tuple(i.node for i in inputs), arg))
+
+
+def _max_share(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
+    """Gradient of a max: tied maxima share the upstream gradient equally (like torch.amax)."""
+    mask = (x == y.broadcast_to(x.shape)).cast(x.dtype)
+    counts = _t(Op.REDUCE_SUM_TO, [mask], y.shape)
+    return mask * (g / counts).broadcast_to(x.shape)
+
+
+def _slice_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
+    out = g
+    for axis, ((start, stop, step), size) in enumerate(zip(n.arg, xs[0].shape, strict=True)):
+        m = out.shape[axis]
+        if step > 1 and m:
+            widths = [(0, 0)] * (out.ndim + 1)
+            widths[axis + 1] = (0, step - 1)
+            spread = _t(Op.PAD, [out.unsqueeze(axis + 1)], (tuple(widths), 0.0))
+            shape = list(out.shape)
+            shape[axis] = m * step
+            out = spread.reshape(shape)
+            if m * step > size - start:
+                keep = [(0, d, 1) for d in out.shape]
+                keep[axis] = (0, size - start, 1)
+                out = _t(Op.SLICE, [out], tuple(keep))
+        widths = [(0, 0)] * out.ndim
+        widths[axis] = (start, size - start - out.shape[axis])
+        if widths[axis] != (0, 0):
+            out = _t(Op.PAD, [out], (tuple(widths), 0.0))
+    return [out]
+
+
+def _concat_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
+    grads: Grads = []
+    at = 0
+    for x in xs:
+        ranges = [(0, d, 1) for d in g.shape]
+        ranges[n.arg] = (at, at + x.shape[n.arg], 1)
+        grads.append(_t(Op.SLICE, [g], tuple(ranges)))
+        at += x.shape[n.arg]
+    return grads
+
+
+def _pad_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
+    widths, _ = n.arg
+    return [_t(Op.SLICE, [g], tuple((b, b + s, 1) for (b, _a), s in zip(widths, xs[0].shape, strict=True)))]
+
+
+def _powi_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
+    k = int(n.arg)
+    if k == 0:
+        return [zeros(xs[0].shape, xs[0].dtype)]
+    return [g * (_t(Op.POWI, xs, k - 1) * float(k))]
+
+
+def _maxmin_vjp(op: Op) -> PrimVjp:
+    def vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
+        a, b = xs
+        zero = zeros(g.shape, g.dtype)
+        wins_a = (a > b) if op is Op.MAXIMUM else (a < b)
+        wins_b = (b > a) if op is Op.MAXIMUM else (b < a)
+        half = where(a == b, g * 0.5, zero)
+        return [where(wins_a, g, half), where(wins_b, g, half)]
+    return vjp
+
+
+def _inverse(perm: Sequence[int]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+def _none(arity: int) -> PrimVjp:
+    return lambda xs, n, y, g: [None] * arity
+
+
+PRIM_VJP: dict[Op, PrimVjp] = {
+    Op.NEG: lambda xs, n, y, g: [-g],
+    Op.ABS: lambda xs, n, y, g: [g * xs[0].sign()],
+    Op.SQR: lambda xs, n, y, g: [g * (xs[0] + xs[0])],
+    Op.SQRT: lambda xs, n, y, g: [g / (y + y)],
+    Op.RSQRT: lambda xs, n, y, g: [g * (y * y * y * -0.5)],
+    Op.RECIP: lambda xs, n, y, g: [-(g * y * y)],
+    Op.EXP: lambda xs, n, y, g: [g * y],
+    Op.LOG: lambda xs, n, y, g: [g / xs[0]],
+    Op.TANH: lambda xs, n, y, g: [g * (1.0 - y * y)],
+    Op.SIN: lambda xs, n, y, g: [g * xs[0].cos()],
+    Op.COS: lambda xs, n, y, g: [-(g * xs[0].sin())],
+    Op.SIGMOID: lambda xs, n, y, g: [g * (y * (1.0 - y))],
+    Op.RELU: lambda xs, n, y, g: [g * _t(Op.STEP, xs)],
+    Op.SILU: lambda xs, n, y, g: [g * (xs[0].sigmoid() + y * (1.0 - xs[0].sigmoid()))],
+    Op.SIGN: _none(1),
+    Op.STEP: _none(1),
+    Op.FLOOR: _none(1),
+    Op.ADD: lambda xs, n, y, g: [g, g],
+    Op.SUB: lambda xs, n, y, g: [g, -g],
+    Op.MUL: lambda xs, n, y, g: [g * xs[1], g * xs[0]],
+    Op.DIV: lambda xs, n, y, g: [g / xs[1], -(g * y) / xs[1]],
+    Op.MAXIMUM: _maxmin_vjp(Op.MAXIMUM),
+    Op.MINIMUM: _maxmin_vjp(Op.MINIMUM),
+    **{op: _none(2) for op in COMPARE},
+    Op.WHERE: lambda xs, n, y, g: [None, where(xs[0], g, 0.0), where(xs[0], 0.0, g)],
+    Op.ADD_SCALAR: lambda xs, n, y, g: [g],
+    Op.MUL_SCALAR: lambda xs, n, y, g: [g * float(n.arg)],
+    Op.POWI: _powi_vjp,
+    Op.CAST: lambda xs, n, y, g: [g.cast(xs[0].dtype) if xs[0].dtype.is_float else None],
+    Op.REDUCE_SUM_TO: lambda xs, n, y, g: [g.broadcast_to(xs[0].shape)],
+    Op.REDUCE_MAX_TO: lambda xs, n, y, g: [_max_share(xs[0], y, g)],
+    Op.SUM_DIM: lambda xs, n, y, g: [g.unsqueeze(n.arg).broadcast_to(xs[0].shape)],
+    Op.MEAN_DIM: lambda xs, n, y, g: [(g * (1.0 / xs[0].shape[n.arg])).unsqueeze(n.arg).broadcast_to(xs[0].shape)],
+    Op.MAX_DIM: lambda xs, n, y, g: [_max_share(xs[0], y.unsqueeze(n.arg), g.unsqueeze(n.arg))],
+    Op.BROADCAST_TO: lambda xs, n, y, g: [_t(Op.REDUCE_SUM_TO, [g], xs[0].shape)],
+    Op.RESHAPE: lambda xs, n, y, g: [g.reshape(xs[0].shape)],
+    Op.PERMUTE: lambda xs, n, y, g: [g.permute(*_inverse(n.arg))],
+    Op.SLICE: _slice_vjp,
+    Op.UNSQUEEZE: lambda xs, n, y, g: [g.squeeze(n.arg)],
+    Op.SQUEEZE: lambda xs, n, y, g: [g.unsqueeze(n.arg)],
+    Op.CONCAT: _concat_vjp,
+    Op.PAD: _pad_vjp,
+    Op.CONTIGUIZE: lambda xs, n, y, g: [g],
+    Op.MATMUL: lambda xs, n, y, g: [_t(Op.MATMUL, [g, xs[1].transpose()]), _t(Op.MATMUL, [xs[0].transpose(), g])],
+    Op.GATHER: lambda xs, n, y, g: [_t(Op.SCATTER_ADD, [zeros(xs[0].shape, g.dtype), xs[1], g], n.arg), None],
+    Op.INDEX_SELECT: lambda xs, n, y, g: [_t(Op.INDEX_ADD, [zeros(xs[0].shape, g.dtype), xs[1], g], n.arg), None],
+    Op.SCATTER_ADD: lambda xs, n, y, g: [g, None, _t(Op.GATHER, [g, xs[1]], n.arg)],
+    Op.INDEX_ADD: lambda xs, n, y, g: [g, None, _t(Op.INDEX_SELECT, [g, xs[1]], n.arg)],
+}
+
+
+def _vjp(node: Node, g: Tensor) -> Grads:
+    xs = [Tensor(i) for i in node.inputs]
+    y = Tensor(node)
+    if node.op is Op.FUSED:
+        op_id, params = node.arg
+        entry = default_registry().entry(op_id)
+        if entry.vjp is None:
+            raise NotDifferentiable(f"grad: {entry.name} is not differentiable ({entry.backward})")
+        return entry.vjp(xs, params, y, g)
+    rule = PRIM_VJP.get(node.op)
+    if rule is None:
+        raise NotDifferentiable(f"grad: primitive {node.op.name.lower()} has no gradient rule")
+    return rule(xs, node, y, g)
+
+
+def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None) -> list[Tensor]:
+    """Gradients of `out` (weighted by `grad_out`, default ones for a one-element out) w.r.t. `wrt`."""
+    if not out.dtype.is_float:
+        raise DTypeError(f"grad: output must be a float tensor, got {out.dtype.value}")
+    if grad_out is None:
+        if out.size != 1:
+            raise ShapeError(f"grad: output has shape {list(out.shape)}; pass grad_out for non-scalar outputs")
+        grad_out = full(out.shape, 1.0, out.dtype)
+    elif grad_out.shape != out.shape or grad_out.dtype != out.dtype:
+        raise ShapeError(f"grad: grad_out is {list(grad_out.shape)} {grad_out.dtype.value}, "
+                         f"output is {list(out.shape)} {out.dtype.value}")
+    for w in wrt:
+        if not w.dtype.is_float:
+            raise DTypeError(f"grad: cannot differentiate with respect to a {w.dtype.value} tensor")
+    order = topo_order([out.node], stop_at_leaves=False)
+    targets = {w.node for w in wrt}
+    needed: set[Node] = set()
+    for n in order:
+        if n in targets or any(i in needed for i in n.inputs):
+            needed.add(n)
+    grads: dict[Node, Tensor] = {out.node: grad_out}
+    for node in reversed(order):
+        g = grads.get(node)
+        if g is None or node not in needed or node.op is Op.CONST or not node.inputs:
+            continue
+        for inp, gi in zip(node.inputs, _vjp(node, g), strict=True):
+            if gi is None or inp not in needed:
+                continue
+            if gi.shape != inp.shape or gi.dtype != inp.dtype:
+                raise ShapeError(f"grad: rule for {node!r} gave {list(gi.shape)} {gi.dtype.value} "
+                                 f"for input {list(inp.shape)} {inp.dtype.value}")
+            prev = grads.get(inp)
+            grads[inp] = gi if prev is None else prev + gi
+    return [grads.get(w.node, zeros(w.shape, w.dtype)) for w in wrt]
+

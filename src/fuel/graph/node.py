@@ -1,0 +1,179 @@
+"""The IR: immutable nodes over a closed primitive op set plus FUSED."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fuel.dtype import DType
+
+Shape = tuple[int, ...]
+
+
+class Op(enum.Enum):
+    """Primitive ops (closed set) and FUSED, whose arg is `(FusedOpId, params)`."""
+
+    CONST = enum.auto()
+    # elementwise unary
+    NEG = enum.auto()
+    ABS = enum.auto()
+    SQR = enum.auto()
+    SQRT = enum.auto()
+    RSQRT = enum.auto()
+    RECIP = enum.auto()
+    EXP = enum.auto()
+    LOG = enum.auto()
+    TANH = enum.auto()
+    SIN = enum.auto()
+    COS = enum.auto()
+    SIGMOID = enum.auto()
+    RELU = enum.auto()
+    SILU = enum.auto()
+    SIGN = enum.auto()
+    STEP = enum.auto()
+    FLOOR = enum.auto()
+    # elementwise binary (same shape, same dtype)
+    ADD = enum.auto()
+    SUB = enum.auto()
+    MUL = enum.auto()
+    DIV = enum.auto()
+    MAXIMUM = enum.auto()
+    MINIMUM = enum.auto()
+    # comparisons -> U8
+    EQ = enum.auto()
+    NE = enum.auto()
+    LT = enum.auto()
+    LE = enum.auto()
+    GT = enum.auto()
+    GE = enum.auto()
+    WHERE = enum.auto()
+    # scalar-parameterised elementwise
+    ADD_SCALAR = enum.auto()
+    MUL_SCALAR = enum.auto()
+    POWI = enum.auto()
+    CAST = enum.auto()
+    # reductions
+    REDUCE_SUM_TO = enum.auto()
+    REDUCE_MAX_TO = enum.auto()
+    SUM_DIM = enum.auto()
+    MAX_DIM = enum.auto()
+    MEAN_DIM = enum.auto()
+    # movement
+    BROADCAST_TO = enum.auto()
+    RESHAPE = enum.auto()
+    PERMUTE = enum.auto()
+    SLICE = enum.auto()
+    UNSQUEEZE = enum.auto()
+    SQUEEZE = enum.auto()
+    CONCAT = enum.auto()
+    PAD = enum.auto()
+    CONTIGUIZE = enum.auto()
+    # contraction and indexing
+    MATMUL = enum.auto()
+    GATHER = enum.auto()
+    INDEX_SELECT = enum.auto()
+    SCATTER_ADD = enum.auto()
+    INDEX_ADD = enum.auto()
+    # multi-output projection and fused ops
+    VIEW = enum.auto()
+    FUSED = enum.auto()
+
+
+@dataclass(frozen=True)
+class DynScalar:
+    """A runtime integer bound at `realize(..., env={name: value})`; part of no plan key."""
+
+    name: str
+
+    def resolve(self, env: dict[str, int] | None) -> int:
+        from fuel.errors import ParamError
+
+        if env is None or self.name not in env:
+            raise ParamError(f"realize: dynamic scalar {self.name!r} is unbound; pass env={{{self.name!r}: …}}")
+        return int(env[self.name])
+
+
+def dyn(name: str) -> DynScalar:
+    return DynScalar(name)
+
+
+_serial = itertools.count()
+
+
+class Node:
+    """One value in the graph. Structure is immutable; `value` caches a realised array."""
+
+    __slots__ = ("__weakref__", "arg", "dtype", "inputs", "op", "serial", "shape", "value")
+
+    def __init__(
+        self,
+        op: Op,
+        inputs: tuple[Node, ...],
+        shape: Shape,
+        dtype: DType,
+        arg: Any = None,
+        value: np.ndarray | None = None,
+    ) -> None:
+        self.op = op
+        self.inputs = inputs
+        self.shape = shape
+        self.dtype = dtype
+        self.arg = arg
+        self.value = value
+        self.serial = next(_serial)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.value is not None
+
+    def with_inputs(self, inputs: tuple[Node, ...]) -> Node:
+        """The same op over other inputs (self when nothing changed)."""
+        if all(a is b for a, b in zip(inputs, self.inputs, strict=True)):
+            return self
+        return Node(self.op, inputs, self.shape, self.dtype, self.arg)
+
+    def __repr__(self) -> str:
+        arg = "" if self.arg is None or self.op is Op.CONST else f" {self.arg!r}"
+        return f"Node#{self.serial}({self.op.name}{arg} {list(self.shape)} {self.dtype.value})"
+
+
+def topo_order(roots: list[Node] | tuple[Node, ...], stop_at_leaves: bool = True) -> list[Node]:
+    """Post-order DFS from the roots, inputs before users; leaves are not descended."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    for root in roots:
+        if id(root) in seen:
+            continue
+        stack: list[tuple[Node, int]] = [(root, 0)]
+        seen.add(id(root))
+        while stack:
+            node, i = stack.pop()
+            if stop_at_leaves and node.value is not None:
+                order.append(node)
+                continue
+            if i < len(node.inputs):
+                stack.append((node, i + 1))
+                child = node.inputs[i]
+                if id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append((child, 0))
+            else:
+                order.append(node)
+    return order
+
+
+def consumer_counts(order: list[Node], roots: list[Node] | tuple[Node, ...]) -> dict[int, int]:
+    """Uses of each node (by id): one per input edge and one per root occurrence."""
+    counts: dict[int, int] = {}
+    for node in order:
+        if node.value is not None:
+            continue
+        for inp in node.inputs:
+            counts[id(inp)] = counts.get(id(inp), 0) + 1
+    for r in roots:
+        counts[id(r)] = counts.get(id(r), 0) + 1
+    return counts

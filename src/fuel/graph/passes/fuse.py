@@ -1,0 +1,48 @@
+"""Pattern fusion: every live pattern of the registry, matched top-down with consumer counts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fuel.graph.node import Node, Op, consumer_counts, topo_order
+from fuel.graph.registry import FusedOpRegistry, fused_node
+
+
+class _Counts(dict[Node, int]):
+    def __missing__(self, key: Node) -> int:
+        return 0
+
+
+def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
+    """Replace each subgraph a pattern recognises by its fused node; repeat until nothing changes."""
+    patterns = [(e.id, e.pattern) for e in registry if e.pattern is not None]
+    current = list(roots)
+    for _ in range(8):
+        order = topo_order(current)
+        by_id = consumer_counts(order, current)
+        counts = _Counts({n: by_id.get(id(n), 0) for n in order})
+        replaced: dict[Node, tuple[int, tuple[Node, ...], object]] = {}
+        for node in reversed(order):
+            if node.value is not None:
+                continue
+            for op_id, pattern in patterns:
+                if node.op is Op.FUSED and node.arg[0] == op_id:
+                    continue
+                m = pattern(node, counts)
+                if m is not None:
+                    replaced[node] = (op_id, m.inputs, m.params)
+                    break
+        if not replaced:
+            return current
+        # Inputs of a match lie below its root, so one pass in topological order rebuilds all.
+        memo: dict[Node, Node] = {}
+        for n in order:
+            if n.value is not None:
+                memo[n] = n
+            elif n in replaced:
+                op_id, inputs, params = replaced[n]
+                memo[n] = fused_node(op_id, [memo[i] for i in inputs], params)  # type: ignore[arg-type]
+            else:
+                memo[n] = n.with_inputs(tuple(memo[i] for i in n.inputs))
+        current = [memo[r] for r in current]
+    return current

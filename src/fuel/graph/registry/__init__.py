@@ -1,0 +1,227 @@
+"""The fused-op registry: ids, the entry type, and the default registry built from entry modules."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NewType
+
+from fuel.dtype import DType
+from fuel.errors import FuelError, ParamError, ShapeError
+from fuel.graph.node import Node, Op, Shape
+
+if TYPE_CHECKING:
+    from fuel.graph.tensor import Tensor
+
+FusedOpId = NewType("FusedOpId", int)
+UNASSIGNED = FusedOpId(0)
+
+
+class FusedOps:
+    """The inventory's ids, exactly."""
+
+    SOFTMAX_LAST_DIM = FusedOpId(1)
+    FUSED_LINEAR = FusedOpId(2)
+    RMS_NORM_LAST_DIM = FusedOpId(3)
+    LAYER_NORM_LAST_DIM = FusedOpId(4)
+    ROPE = FusedOpId(5)
+    CONV2D = FusedOpId(6)
+    SOFTMAX_LAST_DIM_BACKWARD = FusedOpId(7)
+    LAYER_NORM_LAST_DIM_BACKWARD = FusedOpId(8)
+    RMS_NORM_LAST_DIM_BACKWARD = FusedOpId(9)
+    REDUCE_MAX_TO_BACKWARD = FusedOpId(10)
+    CONV_TRANSPOSE2D = FusedOpId(11)
+    FLASH_ATTN = FusedOpId(12)
+    PAGED_ATTN = FusedOpId(13)
+    QMATMUL = FusedOpId(14)
+    POWI_BACKWARD = FusedOpId(15)
+    INPLACE_AFFINE = FusedOpId(16)
+    FUSED_SOFTMAX_CROSS_ENTROPY = FusedOpId(17)
+    CAUSAL_CONV1D = FusedOpId(18)
+    SELECTIVE_SCAN = FusedOpId(19)
+    SSD_CHUNK_SCAN = FusedOpId(20)
+    NF4_MATMUL = FusedOpId(21)
+    FLASH_ATTN_BACKWARD_Q = FusedOpId(22)
+    FLASH_ATTN_BACKWARD_K = FusedOpId(23)
+    FLASH_ATTN_BACKWARD_V = FusedOpId(24)
+
+    NAMES: Mapping[int, str] = {
+        1: "SoftmaxLastDim", 2: "FusedLinear", 3: "RmsNormLastDim", 4: "LayerNormLastDim",
+        5: "Rope", 6: "Conv2D", 7: "SoftmaxLastDimBackward", 8: "LayerNormLastDimBackward",
+        9: "RmsNormLastDimBackward", 10: "ReduceMaxToBackward", 11: "ConvTranspose2D",
+        12: "FlashAttn", 13: "PagedAttn", 14: "QMatMul", 15: "PowIBackward", 16: "InplaceAffine",
+        17: "FusedSoftmaxCrossEntropy", 18: "CausalConv1d", 19: "SelectiveScan",
+        20: "SsdChunkScan", 21: "Nf4Matmul", 22: "FlashAttnBackwardQ", 23: "FlashAttnBackwardK",
+        24: "FlashAttnBackwardV",
+    }
+
+
+class FusedOpFamily(enum.Enum):
+    FORWARD = "Forward"
+    BACKWARD = "Backward"
+    QUANTIZED = "Quantized"
+    ATTENTION = "Attention"
+    NORM = "Norm"
+
+
+@dataclass(frozen=True)
+class BackwardKind:
+    """Inventory metadata: `Fused(id)`, `Decompose` or `NotDifferentiable`."""
+
+    kind: str
+    target: FusedOpId | None = None
+
+    @staticmethod
+    def fused(target: FusedOpId) -> BackwardKind:
+        return BackwardKind("Fused", target)
+
+    def __str__(self) -> str:
+        if self.target is not None:
+            return f"Fused({FusedOps.NAMES[self.target]})"
+        return self.kind
+
+
+DECOMPOSE = BackwardKind("Decompose")
+NOT_DIFFERENTIABLE = BackwardKind("NotDifferentiable")
+
+
+@dataclass(frozen=True)
+class Match:
+    """A pattern's answer: the fused node's inputs (in order) and its params."""
+
+    inputs: tuple[Node, ...]
+    params: Any
+
+
+ShapeRule = Callable[[tuple[Shape, ...], Any], Shape]
+DTypeRule = Callable[[tuple[DType, ...], Any], DType]
+Decompose = Callable[[list["Tensor"], Any], "Tensor"]
+Pattern = Callable[[Node, Mapping[Node, int]], Match | None]
+Vjp = Callable[[list["Tensor"], Any, "Tensor", "Tensor"], list["Tensor | None"]]
+OutputViews = Callable[[tuple[Shape, ...], tuple[DType, ...], Any], list[tuple[Shape, DType]]]
+
+
+@dataclass(frozen=True)
+class FusedOpEntry:
+    """Everything the graph side knows about one fused op. No field has a default."""
+
+    id: FusedOpId
+    name: str
+    family: FusedOpFamily
+    params: type
+    arity: tuple[int, ...]
+    shape_rule: ShapeRule
+    dtype_rule: DTypeRule
+    decompose: Decompose | None
+    backward: BackwardKind
+    vjp: Vjp | None
+    pattern: Pattern | None
+    output_views: OutputViews | None
+    destructive_input: int | None
+
+
+class RegistryError(FuelError):
+    """The registry's entries contradict each other or the inventory."""
+
+
+class FusedOpRegistry:
+    """Entries by id and by name, iterated in id order."""
+
+    def __init__(self, entries: Sequence[FusedOpEntry]) -> None:
+        self._by_id: dict[int, FusedOpEntry] = {}
+        self._by_name: dict[str, FusedOpEntry] = {}
+        for e in entries:
+            if e.id == UNASSIGNED or e.id not in FusedOps.NAMES:
+                raise RegistryError(f"registry: entry {e.name!r} has id {e.id}, which is not an inventory id")
+            if FusedOps.NAMES[e.id] != e.name:
+                raise RegistryError(f"registry: id {e.id} is {FusedOps.NAMES[e.id]!r}, entry says {e.name!r}")
+            if e.id in self._by_id:
+                raise RegistryError(f"registry: id {e.id} registered twice")
+            if e.name in self._by_name:
+                raise RegistryError(f"registry: name {e.name!r} registered twice")
+            self._by_id[e.id] = e
+            self._by_name[e.name] = e
+
+    def entry(self, op_id: int) -> FusedOpEntry:
+        try:
+            return self._by_id[op_id]
+        except KeyError:
+            name = FusedOps.NAMES.get(op_id, "unknown")
+            raise RegistryError(f"registry: id {op_id} ({name}) has no entry") from None
+
+    def get(self, op_id: int) -> FusedOpEntry | None:
+        return self._by_id.get(op_id)
+
+    def by_name(self, name: str) -> FusedOpEntry:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise RegistryError(f"registry: no entry named {name!r}") from None
+
+    def __iter__(self) -> Iterator[FusedOpEntry]:
+        return iter(sorted(self._by_id.values(), key=lambda e: e.id))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, op_id: object) -> bool:
+        return op_id in self._by_id
+
+
+ENTRY_MODULES: tuple[str, ...] = (
+    "softmax_last_dim",
+    "softmax_last_dim_backward",
+)
+
+
+@functools.cache
+def default_registry() -> FusedOpRegistry:
+    """The registry of every entry module in ENTRY_MODULES, built once."""
+    entries = [importlib.import_module(f"{__name__}.{m}").ENTRY for m in ENTRY_MODULES]
+    return FusedOpRegistry(entries)
+
+
+def fused_node(op_id: FusedOpId, inputs: Sequence[Node], params: Any) -> Node:
+    """Build a FUSED node, running the entry's arity, params, shape and dtype checks."""
+    entry = default_registry().entry(op_id)
+    name = snake_name(entry.name)
+    if not isinstance(params, entry.params):
+        raise ParamError(f"{name}: params must be {entry.params.__name__}, got {type(params).__name__}")
+    if len(inputs) not in entry.arity:
+        want = " or ".join(str(a) for a in entry.arity)
+        raise ShapeError(f"{name}: takes {want} inputs, got {len(inputs)}")
+    shape = entry.shape_rule(tuple(i.shape for i in inputs), params)
+    dtype = entry.dtype_rule(tuple(i.dtype for i in inputs), params)
+    return Node(Op.FUSED, tuple(inputs), tuple(shape), dtype, (entry.id, params))
+
+
+_SNAKE_OVERRIDES = {"QMatMul": "qmatmul", "PowIBackward": "powi_backward"}
+
+
+def snake_name(name: str) -> str:
+    """'SoftmaxLastDim' -> 'softmax_last_dim' (the builder's name in fuel.ops)."""
+    if name in _SNAKE_OVERRIDES:
+        return _SNAKE_OVERRIDES[name]
+    out = []
+    for i, ch in enumerate(name):
+        if ch.isupper() and i and (not name[i - 1].isupper() or (i + 1 < len(name) and name[i + 1].islower())):
+            out.append("_")
+        out.append(ch.lower())
+    return "".join(out).replace("2_d", "2d")
+
+
+def vjp_by_decomposition(decompose: Decompose) -> Vjp:
+    """A VJP that differentiates the entry's own primitive decomposition (higher-order gradients)."""
+
+    def vjp(inputs: list[Tensor], params: Any, out: Tensor, grad_out: Tensor) -> list[Tensor | None]:
+        from fuel.graph.autograd import grad
+
+        lowered = decompose(inputs, params)
+        float_inputs = [t for t in inputs if t.dtype.is_float]
+        grads = iter(grad(lowered, float_inputs, grad_out))
+        return [next(grads) if t.dtype.is_float else None for t in inputs]
+
+    return vjp

@@ -1,0 +1,437 @@
+"""Tensor: the lazy builder users call. Every method builds nodes; nothing runs until realize."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Union
+
+import numpy as np
+
+from fuel.dtype import DType, as_dtype, from_numpy
+from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.node import Node, Op, Shape
+from fuel.graph.prims import broadcast_shapes, make, norm_axis
+
+Scalar = Union[int, float]
+TensorLike = Union["Tensor", np.ndarray, Scalar]
+
+
+class Tensor:
+    """A lazy value: a handle on a graph node."""
+
+    __slots__ = ("node",)
+    __array_priority__ = 1000
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    # ---- introspection -------------------------------------------------------------------
+    @property
+    def shape(self) -> Shape:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> DType:
+        return self.node.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.node.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.node.shape)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise ShapeError("len: a rank-0 tensor has no length")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        state = "realised" if self.node.value is not None else "lazy"
+        return f"Tensor({list(self.shape)}, {self.dtype.value}, {state}, op={self.node.op.name})"
+
+    # ---- realisation ---------------------------------------------------------------------
+    def realize(self, env: dict[str, int] | None = None) -> Tensor:
+        from fuel.dispatch.executor import realize
+
+        realize(self, env=env)
+        return self
+
+    def numpy(self, env: dict[str, int] | None = None) -> np.ndarray:
+        """The realised value (read-only; copy it to write)."""
+        self.realize(env)
+        value = self.node.value
+        assert value is not None
+        out = value.view()
+        out.flags.writeable = False
+        return out
+
+    def item(self, env: dict[str, int] | None = None) -> float | int:
+        if self.size != 1:
+            raise ShapeError(f"item: needs exactly one element, tensor has shape {list(self.shape)}")
+        value: float | int = self.numpy(env).reshape(()).item()
+        return value
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    # ---- elementwise ---------------------------------------------------------------------
+    def _unary(self, op: Op) -> Tensor:
+        return Tensor(make(op, (self.node,)))
+
+    def neg(self) -> Tensor: return self._unary(Op.NEG)
+    def abs(self) -> Tensor: return self._unary(Op.ABS)
+    def square(self) -> Tensor: return self._unary(Op.SQR)
+    def sqrt(self) -> Tensor: return self._unary(Op.SQRT)
+    def rsqrt(self) -> Tensor: return self._unary(Op.RSQRT)
+    def recip(self) -> Tensor: return self._unary(Op.RECIP)
+    def exp(self) -> Tensor: return self._unary(Op.EXP)
+    def log(self) -> Tensor: return self._unary(Op.LOG)
+    def tanh(self) -> Tensor: return self._unary(Op.TANH)
+    def sin(self) -> Tensor: return self._unary(Op.SIN)
+    def cos(self) -> Tensor: return self._unary(Op.COS)
+    def sigmoid(self) -> Tensor: return self._unary(Op.SIGMOID)
+    def relu(self) -> Tensor: return self._unary(Op.RELU)
+    def silu(self) -> Tensor: return self._unary(Op.SILU)
+    def sign(self) -> Tensor: return self._unary(Op.SIGN)
+    def floor(self) -> Tensor: return self._unary(Op.FLOOR)
+
+    def add(self, other: TensorLike) -> Tensor: return self + other
+    def sub(self, other: TensorLike) -> Tensor: return self - other
+    def mul(self, other: TensorLike) -> Tensor: return self * other
+    def div(self, other: TensorLike) -> Tensor: return self / other
+
+    def maximum(self, other: TensorLike) -> Tensor: return binary(Op.MAXIMUM, self, other)
+    def minimum(self, other: TensorLike) -> Tensor: return binary(Op.MINIMUM, self, other)
+
+    def __neg__(self) -> Tensor: return self.neg()
+    def __abs__(self) -> Tensor: return self.abs()
+
+    def __add__(self, other: TensorLike) -> Tensor:
+        if _is_scalar(other):
+            return Tensor(make(Op.ADD_SCALAR, (self.node,), float(other)))  # type: ignore[arg-type]
+        return binary(Op.ADD, self, other)
+
+    def __radd__(self, other: TensorLike) -> Tensor:
+        return self + other if _is_scalar(other) else binary(Op.ADD, other, self)
+
+    def __sub__(self, other: TensorLike) -> Tensor:
+        if _is_scalar(other):
+            return Tensor(make(Op.ADD_SCALAR, (self.node,), -float(other)))  # type: ignore[arg-type]
+        return binary(Op.SUB, self, other)
+
+    def __rsub__(self, other: TensorLike) -> Tensor:
+        if _is_scalar(other):
+            return Tensor(make(Op.ADD_SCALAR, (self.neg().node,), float(other)))  # type: ignore[arg-type]
+        return binary(Op.SUB, other, self)
+
+    def __mul__(self, other: TensorLike) -> Tensor:
+        if _is_scalar(other):
+            return Tensor(make(Op.MUL_SCALAR, (self.node,), float(other)))  # type: ignore[arg-type]
+        return binary(Op.MUL, self, other)
+
+    def __rmul__(self, other: TensorLike) -> Tensor:
+        return self * other if _is_scalar(other) else binary(Op.MUL, other, self)
+
+    def __truediv__(self, other: TensorLike) -> Tensor: return binary(Op.DIV, self, other)
+    def __rtruediv__(self, other: TensorLike) -> Tensor: return binary(Op.DIV, other, self)
+
+    def __pow__(self, exponent: Scalar) -> Tensor:
+        if isinstance(exponent, (int, np.integer)) or (isinstance(exponent, float) and exponent.is_integer()):
+            return Tensor(make(Op.POWI, (self.node,), int(exponent)))
+        if exponent == 0.5:
+            return self.sqrt()
+        if exponent == -0.5:
+            return self.rsqrt()
+        if not isinstance(exponent, float):
+            raise ParamError(f"pow: exponent must be a number, got {exponent!r}")
+        return (self.log() * exponent).exp()
+
+    def __lt__(self, other: TensorLike) -> Tensor: return binary(Op.LT, self, other)
+    def __le__(self, other: TensorLike) -> Tensor: return binary(Op.LE, self, other)
+    def __gt__(self, other: TensorLike) -> Tensor: return binary(Op.GT, self, other)
+    def __ge__(self, other: TensorLike) -> Tensor: return binary(Op.GE, self, other)
+    def __eq__(self, other: object) -> Tensor: return binary(Op.EQ, self, other)  # type: ignore[override,arg-type]
+    def __ne__(self, other: object) -> Tensor: return binary(Op.NE, self, other)  # type: ignore[override,arg-type]
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        raise ShapeError("bool: a lazy tensor has no truth value; realise it and compare the array")
+
+    def __matmul__(self, other: TensorLike) -> Tensor: return matmul(self, other)
+    def __rmatmul__(self, other: TensorLike) -> Tensor: return matmul(other, self)
+
+    def cast(self, dtype: DType | str) -> Tensor:
+        target = as_dtype(dtype)
+        return self if target is self.dtype else Tensor(make(Op.CAST, (self.node,), target))
+
+    astype = cast
+
+    # ---- reductions ----------------------------------------------------------------------
+    def _axes(self, op: str, axis: int | Sequence[int] | None) -> tuple[int, ...]:
+        if axis is None:
+            return tuple(range(self.ndim))
+        axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+        out = tuple(sorted({norm_axis(op, int(a), self.ndim) for a in axes}))
+        if len(out) != len(axes):
+            raise ShapeError(f"{op}: axis {axis} repeats an axis")
+        return out
+
+    def _reduce(self, op: str, axis: int | Sequence[int] | None, keepdim: bool) -> Tensor:
+        axes = self._axes(op, axis)
+        kept = tuple(1 if i in axes else d for i, d in enumerate(self.shape))
+        dropped = tuple(d for i, d in enumerate(self.shape) if i not in axes)
+        if len(axes) == 1:
+            dim_op = {"sum": Op.SUM_DIM, "max": Op.MAX_DIM, "mean": Op.MEAN_DIM}[op]
+            out = Tensor(make(dim_op, (self.node,), axes[0]))
+            return out.unsqueeze(axes[0]) if keepdim else out
+        if op == "mean":
+            n = math.prod(self.shape[a] for a in axes)
+            return self._reduce("sum", axis, keepdim) * (1.0 / n if n else math.nan)
+        to_op = Op.REDUCE_SUM_TO if op == "sum" else Op.REDUCE_MAX_TO
+        out = Tensor(make(to_op, (self.node,), kept if axes != tuple(range(self.ndim)) or keepdim else ()))
+        if keepdim:
+            return out if out.shape == kept else out.reshape(kept)
+        return out if out.shape == dropped else out.reshape(dropped)
+
+    def sum(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("sum", axis, keepdim)
+
+    def max(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("max", axis, keepdim)
+
+    def mean(self, axis: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+        return self._reduce("mean", axis, keepdim)
+
+    def softmax(self, axis: int = -1) -> Tensor:
+        from fuel.graph.registry.softmax_last_dim import softmax_last_dim
+
+        a = norm_axis("softmax", axis, self.ndim)
+        if a == self.ndim - 1:
+            return softmax_last_dim(self)
+        perm = list(range(self.ndim))
+        perm[a], perm[-1] = perm[-1], perm[a]
+        return softmax_last_dim(self.permute(*perm)).permute(*perm)
+
+    # ---- movement ------------------------------------------------------------------------
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        dims = _dims(shape)
+        if dims.count(-1) > 1:
+            raise ShapeError(f"reshape: at most one -1 in {list(dims)}")
+        if -1 in dims:
+            rest = math.prod(d for d in dims if d != -1)
+            if rest == 0 or self.size % rest:
+                raise ShapeError(f"reshape: cannot reshape {list(self.shape)} to {list(dims)}")
+            dims = tuple(self.size // rest if d == -1 else d for d in dims)
+        if dims == self.shape:
+            return self
+        return Tensor(make(Op.RESHAPE, (self.node,), dims))
+
+    def permute(self, *axes: int | Sequence[int]) -> Tensor:
+        dims = tuple(norm_axis("permute", a, self.ndim) for a in _dims(axes))
+        if dims == tuple(range(self.ndim)):
+            return self
+        return Tensor(make(Op.PERMUTE, (self.node,), dims))
+
+    def transpose(self, a: int = -2, b: int = -1) -> Tensor:
+        perm = list(range(self.ndim))
+        i, j = norm_axis("transpose", a, self.ndim), norm_axis("transpose", b, self.ndim)
+        perm[i], perm[j] = perm[j], perm[i]
+        return self.permute(*perm)
+
+    @property
+    def T(self) -> Tensor:
+        return self.permute(*reversed(range(self.ndim)))
+
+    def unsqueeze(self, dim: int) -> Tensor:
+        return Tensor(make(Op.UNSQUEEZE, (self.node,), norm_axis("unsqueeze", dim, self.ndim, extra=1)))
+
+    def squeeze(self, dim: int | None = None) -> Tensor:
+        if dim is not None:
+            return Tensor(make(Op.SQUEEZE, (self.node,), norm_axis("squeeze", dim, self.ndim)))
+        out = self
+        for d in reversed(range(self.ndim)):
+            if self.shape[d] == 1:
+                out = Tensor(make(Op.SQUEEZE, (out.node,), d))
+        return out
+
+    def broadcast_to(self, *shape: int | Sequence[int]) -> Tensor:
+        dims = _dims(shape)
+        return self if dims == self.shape else Tensor(make(Op.BROADCAST_TO, (self.node,), dims))
+
+    def contiguous(self) -> Tensor:
+        return Tensor(make(Op.CONTIGUIZE, (self.node,)))
+
+    def __getitem__(self, key: Any) -> Tensor:
+        return _getitem(self, key)
+
+    def gather(self, axis: int, index: TensorLike) -> Tensor:
+        idx = as_tensor(index)
+        return Tensor(make(Op.GATHER, (self.node, idx.node), norm_axis("gather", axis, self.ndim)))
+
+    def index_select(self, axis: int, index: TensorLike) -> Tensor:
+        idx = as_tensor(index)
+        return Tensor(make(Op.INDEX_SELECT, (self.node, idx.node), norm_axis("index_select", axis, self.ndim)))
+
+
+def _is_scalar(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _dims(shape: Sequence[Any]) -> tuple[int, ...]:
+    if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+        return tuple(int(d) for d in shape[0])
+    return tuple(int(d) for d in shape)
+
+
+def tensor(data: Any, dtype: DType | str | None = None) -> Tensor:
+    """A leaf over an array (shared, never written); `dtype` converts it once."""
+    if isinstance(data, Tensor):
+        return data if dtype is None else data.cast(dtype)
+    arr = np.asarray(data)
+    if arr.dtype == np.bool_:
+        arr = arr.astype(np.uint8)
+    if dtype is not None:
+        arr = arr.astype(as_dtype(dtype).np, copy=False)
+    dt = from_numpy(arr.dtype)
+    return Tensor(Node(Op.CONST, (), tuple(int(d) for d in arr.shape), dt, None, arr))
+
+
+def full(shape: Sequence[int], value: float, dtype: DType | str = DType.F32) -> Tensor:
+    """A constant filled with `value` (a rank-0 leaf broadcast, so no memory is spent)."""
+    dt = as_dtype(dtype)
+    leaf = tensor(np.array(value, dtype=dt.np))
+    return leaf.broadcast_to(tuple(shape)) if tuple(shape) else leaf
+
+
+def zeros(shape: Sequence[int], dtype: DType | str = DType.F32) -> Tensor:
+    return full(shape, 0.0, dtype)
+
+
+def ones(shape: Sequence[int], dtype: DType | str = DType.F32) -> Tensor:
+    return full(shape, 1.0, dtype)
+
+
+def as_tensor(x: TensorLike, like: Tensor | None = None) -> Tensor:
+    """Wrap an array as a leaf; a scalar takes `like`'s dtype."""
+    if isinstance(x, Tensor):
+        return x
+    if _is_scalar(x):
+        if like is None:
+            raise DTypeError("tensor: a bare scalar needs a tensor operand to take its dtype from")
+        return full((), float(x), like.dtype)  # type: ignore[arg-type]
+    return tensor(x)
+
+
+def binary(op: Op, a: TensorLike, b: TensorLike) -> Tensor:
+    """Elementwise op with NumPy broadcasting, lowered to explicit BROADCAST_TO nodes."""
+    ta = as_tensor(a, b if isinstance(b, Tensor) else None)
+    tb = as_tensor(b, ta)
+    if ta.dtype != tb.dtype:
+        raise DTypeError(f"{op.name.lower()}: operands must share a dtype, got {ta.dtype.value} and "
+                         f"{tb.dtype.value}; cast one first")
+    shape = broadcast_shapes(op.name.lower(), ta.shape, tb.shape)
+    return Tensor(make(op, (ta.broadcast_to(shape).node, tb.broadcast_to(shape).node)))
+
+
+def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> Tensor:
+    """`a` where cond is non-zero, else `b` (all three broadcast)."""
+    tc = as_tensor(cond)
+    if tc.dtype is not DType.U8:
+        raise DTypeError(f"where: condition must be u8 (a comparison's result), got {tc.dtype.value}")
+    ta = as_tensor(a, b if isinstance(b, Tensor) else None)
+    tb = as_tensor(b, ta)
+    shape = broadcast_shapes("where", broadcast_shapes("where", tc.shape, ta.shape), tb.shape)
+    nodes = (tc.broadcast_to(shape).node, ta.broadcast_to(shape).node, tb.broadcast_to(shape).node)
+    return Tensor(make(Op.WHERE, nodes))
+
+
+def matmul(a: TensorLike, b: TensorLike) -> Tensor:
+    """NumPy matmul semantics: 1-D operands promote, batch dims broadcast."""
+    ta, tb = as_tensor(a), as_tensor(b)
+    if ta.ndim == 0 or tb.ndim == 0:
+        raise ShapeError(f"matmul: operands need rank >= 1, got {list(ta.shape)} and {list(tb.shape)}")
+    va, vb = ta.ndim == 1, tb.ndim == 1
+    if va:
+        ta = ta.unsqueeze(0)
+    if vb:
+        tb = tb.unsqueeze(1)
+    if ta.shape[-1] != tb.shape[-2]:
+        raise ShapeError(f"matmul: a has K={ta.shape[-1]} but b has K={tb.shape[-2]} "
+                         f"({list(ta.shape)} @ {list(tb.shape)})")
+    batch = broadcast_shapes("matmul", ta.shape[:-2], tb.shape[:-2])
+    ta = ta.broadcast_to(batch + ta.shape[-2:])
+    tb = tb.broadcast_to(batch + tb.shape[-2:])
+    out = Tensor(make(Op.MATMUL, (ta.node, tb.node)))
+    if va:
+        out = out.squeeze(-2)
+    if vb:
+        out = out.squeeze(-1)
+    return out
+
+
+def concat(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
+    ts = [as_tensor(t) for t in tensors]
+    if not ts:
+        raise ShapeError("concat: needs at least one tensor")
+    if len(ts) == 1:
+        return ts[0]
+    return Tensor(make(Op.CONCAT, tuple(t.node for t in ts), norm_axis("concat", axis, ts[0].ndim)))
+
+
+def pad(x: TensorLike, widths: Sequence[tuple[int, int]], value: float = 0.0) -> Tensor:
+    t = as_tensor(x)
+    w = tuple((int(b), int(a)) for b, a in widths)
+    return Tensor(make(Op.PAD, (t.node,), (w, float(value))))
+
+
+def _getitem(t: Tensor, key: Any) -> Tensor:
+    keys = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in keys) > 1:
+        raise ShapeError("getitem: at most one ... in an index")
+    n_axes = sum(1 for k in keys if k is not None and k is not Ellipsis)
+    if n_axes > t.ndim:
+        raise ShapeError(f"getitem: {n_axes} indices for a tensor of rank {t.ndim}")
+    if Ellipsis in keys:
+        i = keys.index(Ellipsis)
+        keys = keys[:i] + (slice(None),) * (t.ndim - n_axes) + keys[i + 1:]
+    else:
+        keys = keys + (slice(None),) * (t.ndim - n_axes)
+    ranges: list[tuple[int, int, int]] = []
+    squeeze: list[int] = []
+    insert: list[int] = []
+    axis = 0
+    out_axis = 0
+    for k in keys:
+        if k is None:
+            insert.append(out_axis)
+            out_axis += 1
+            continue
+        size = t.shape[axis]
+        if isinstance(k, (int, np.integer)):
+            i = int(k)
+            if not -size <= i < size:
+                raise ShapeError(f"getitem: index {i} is out of range for axis {axis} of size {size}")
+            ranges.append((i % size, i % size + 1, 1))
+            squeeze.append(axis)
+        elif isinstance(k, slice):
+            start, stop, step = k.indices(size)
+            if step < 1:
+                raise ShapeError(f"getitem: step {k.step} is not supported (positive steps only)")
+            stop = max(stop, start)
+            ranges.append((start, stop, step))
+            out_axis += 1
+        else:
+            raise ShapeError(f"getitem: unsupported index {k!r}; use gather or index_select for tensors")
+        axis += 1
+    out = t
+    if any(r != (0, d, 1) for r, d in zip(ranges, t.shape, strict=True)):
+        out = Tensor(make(Op.SLICE, (t.node,), tuple(ranges)))
+    for a in reversed(squeeze):
+        out = Tensor(make(Op.SQUEEZE, (out.node,), a))
+    for a in insert:
+        out = Tensor(make(Op.UNSQUEEZE, (out.node,), a))
+    return out
