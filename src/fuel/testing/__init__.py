@@ -1,0 +1,1 @@
+"""Test helpers shared by the suite, `fuel verify` and the benchmarks (no torch here)."""
