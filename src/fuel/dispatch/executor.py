@@ -158,7 +158,7 @@ def _build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
     destructive = _destructive(registry)
     graph = cse(roots, destructive)
     if fuse_on:
-        graph = fuse(graph, registry)
+        graph = cse(fuse(graph, registry), destructive)
     graph = lower(graph, registry, lambda n: _impl_for(n, kernels) is not None)
     order = schedule(graph, destructive)
     slot = {n: i for i, n in enumerate(order)}

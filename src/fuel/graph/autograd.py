@@ -159,8 +159,13 @@ def _vjp(node: Node, g: Tensor) -> Grads:
     return rule(xs, node, y, g)
 
 
-def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None) -> list[Tensor]:
-    """Gradients of `out` (weighted by `grad_out`, default ones for a one-element out) w.r.t. `wrt`."""
+def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None, fuse: bool = True) -> list[Tensor]:
+    """Gradients of `out` (weighted by `grad_out`, default ones for a one-element out) w.r.t. `wrt`.
+
+    The forward graph is pattern-fused first (unless `fuse=False`), so a softmax or norm the user wrote
+    with primitives is differentiated through its fused backward entry. `wrt` nodes are kept as roots,
+    so fusion never absorbs a node a gradient is asked for.
+    """
     if not out.dtype.is_float:
         raise DTypeError(f"grad: output must be a float tensor, got {out.dtype.value}")
     if grad_out is None:
@@ -173,13 +178,19 @@ def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None) -> 
     for w in wrt:
         if not w.dtype.is_float:
             raise DTypeError(f"grad: cannot differentiate with respect to a {w.dtype.value} tensor")
-    order = topo_order([out.node], stop_at_leaves=False)
-    targets = {w.node for w in wrt}
+    out_node, wrt_nodes = out.node, [w.node for w in wrt]
+    if fuse:
+        from fuel.graph.passes.fuse import fuse as fuse_pass
+
+        fused = fuse_pass([out_node, *wrt_nodes], default_registry())
+        out_node, wrt_nodes = fused[0], fused[1:]
+    order = topo_order([out_node], stop_at_leaves=False)
+    targets = set(wrt_nodes)
     needed: set[Node] = set()
     for n in order:
         if n in targets or any(i in needed for i in n.inputs):
             needed.add(n)
-    grads: dict[Node, Tensor] = {out.node: grad_out}
+    grads: dict[Node, Tensor] = {out_node: grad_out}
     for node in reversed(order):
         g = grads.get(node)
         if g is None or node not in needed or node.op is Op.CONST or not node.inputs:
@@ -192,5 +203,5 @@ def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None) -> 
                                  f"for input {list(inp.shape)} {inp.dtype.value}")
             prev = grads.get(inp)
             grads[inp] = gi if prev is None else prev + gi
-    return [grads.get(w.node, zeros(w.shape, w.dtype)) for w in wrt]
+    return [grads.get(n, zeros(w.shape, w.dtype)) for n, w in zip(wrt_nodes, wrt, strict=True)]
 

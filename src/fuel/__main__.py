@@ -1,0 +1,3 @@
+from fuel.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""The `fuel` command: inventory, verify, bench, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _inventory(args: argparse.Namespace) -> int:
+    from fuel.inventory import inventory, to_json, to_markdown
+
+    records = inventory()
+    print(to_json(records) if args.json else to_markdown(records))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from fuel.testing.contract import verify
+
+    results = verify(args.names)
+    if not results:
+        print(f"verify: no entry named {' '.join(args.names)}")
+        return 2
+    print(f"{'impl':52} {'cases':>5} {'worst/bound':>11} {'bit-stable':>10}  result")
+    for r in results:
+        status = "ok" if r.ok else (r.error or "FAIL")
+        print(f"{r.impl:52} {r.cases:5} {r.worst:11.3f} {'yes' if r.bit_stable else 'NO':>10}  {status}")
+    failed = [r for r in results if not r.ok]
+    print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "benchmarks" / "bench_ops.py").exists():
+        print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
+        return 2
+    sys.path.insert(0, str(root))
+    from benchmarks import bench_ops
+
+    return bench_ops.main(args.names, args.dtype.split(","), args.out, args.repeat, not args.no_compile)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from fuel.demo import main
+
+    return main()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fuel", description="Fuel: fused ops with exact, fast CPU kernels")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inventory", help="the kernel inventory from the live registry")
+    p.add_argument("--json", action="store_true", help="JSON instead of markdown")
+    p.set_defaults(run=_inventory)
+    p = sub.add_parser("verify", help="every impl against the float64 reference and bit-stability")
+    p.add_argument("names", nargs="*", help="entry names (default: all)")
+    p.set_defaults(run=_verify)
+    p = sub.add_parser("bench", help="kernels against PyTorch eager and torch.compile")
+    p.add_argument("names", nargs="*", help="case names (default: all)")
+    p.add_argument("--dtype", default="f32,bf16", help="comma-separated dtypes (default f32,bf16)")
+    p.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
+    p.add_argument("--repeat", type=int, default=10, help="timed runs per measurement")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.set_defaults(run=_bench)
+    p = sub.add_parser("demo", help="a short tour on the embedded default model")
+    p.set_defaults(run=_demo)
+    args = parser.parse_args(argv)
+    code: int = args.run(args)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
