@@ -210,6 +210,8 @@ def _run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | No
         copies = 0
         if step.prim is not None:
             out = step.prim(args, node)
+            if type(out) is not np.ndarray:  # NumPy full reductions return scalars
+                out = np.asarray(out)
             impl_name = f"prim:{node.op.name.lower()}"
         else:
             out, copies = _run_fused(step, args, env)

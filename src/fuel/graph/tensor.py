@@ -319,6 +319,8 @@ def as_tensor(x: TensorLike, like: Tensor | None = None) -> Tensor:
     """Wrap an array as a leaf; a scalar takes `like`'s dtype."""
     if isinstance(x, Tensor):
         return x
+    if isinstance(x, np.generic) and like is None:
+        return tensor(x)
     if _is_scalar(x):
         if like is None:
             raise DTypeError("tensor: a bare scalar needs a tensor operand to take its dtype from")

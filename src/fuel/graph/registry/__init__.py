@@ -214,14 +214,39 @@ def snake_name(name: str) -> str:
 
 
 def vjp_by_decomposition(decompose: Decompose) -> Vjp:
-    """A VJP that differentiates the entry's own primitive decomposition (higher-order gradients)."""
+    """A VJP that differentiates the entry's own primitive decomposition (higher-order gradients).
+
+    The decomposition is built over stand-in leaves so each input is differentiated on its own even
+    when one input depends on another; the stand-ins are then replaced by the real inputs.
+    """
 
     def vjp(inputs: list[Tensor], params: Any, out: Tensor, grad_out: Tensor) -> list[Tensor | None]:
-        from fuel.graph.autograd import grad
+        import numpy as np
 
-        lowered = decompose(inputs, params)
-        float_inputs = [t for t in inputs if t.dtype.is_float]
-        grads = iter(grad(lowered, float_inputs, grad_out))
-        return [next(grads) if t.dtype.is_float else None for t in inputs]
+        from fuel.graph.autograd import grad
+        from fuel.graph.tensor import Tensor
+
+        stand_ins = [Tensor(Node(Op.CONST, (), t.shape, t.dtype, None,
+                                 np.broadcast_to(np.zeros((), t.dtype.np), t.shape))) for t in inputs]
+        lowered = decompose(stand_ins, params)
+        wrt = [s for s in stand_ins if s.dtype.is_float]
+        grads = iter(grad(lowered, wrt, grad_out, fuse=False))
+        mapping = {s.node: t.node for s, t in zip(stand_ins, inputs, strict=True)}
+        return [Tensor(substitute(next(grads).node, mapping)) if t.dtype.is_float else None for t in inputs]
 
     return vjp
+
+
+def substitute(root: Node, mapping: Mapping[Node, Node]) -> Node:
+    """`root`'s graph with each node in `mapping` replaced by its image (rebuilt in topological order)."""
+    from fuel.graph.node import topo_order
+
+    memo: dict[Node, Node] = {}
+    for n in topo_order([root], stop_at_leaves=False):
+        if n in mapping:
+            memo[n] = mapping[n]
+        elif not n.inputs:
+            memo[n] = n
+        else:
+            memo[n] = n.with_inputs(tuple(memo[i] for i in n.inputs))
+    return memo[root]

@@ -1,0 +1,140 @@
+"""The executor: layouts, plan cache, CSE, freeing, scheduling, dynamic scalars, trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import fuel as fl
+from fuel.dispatch import executor
+from fuel.dispatch.buffers import POOL, BufferPool
+from fuel.graph.node import DynScalar, Node, Op
+from fuel.graph.passes.order import schedule
+from fuel.graph.prims import make
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_non_contiguous_and_broadcast_inputs_are_contiguized(rng: np.random.Generator) -> None:
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    for view in (x.T, x[::2], np.broadcast_to(x[:1], (5, 8))):
+        with fl.trace() as t:
+            y = fl.ops.softmax_last_dim(fl.tensor(view)).numpy()
+        np.testing.assert_allclose(y, _softmax64(view.astype(np.float64)), rtol=1e-5, atol=1e-7)
+        assert [r.copies for r in t.records if r.impl.startswith("SoftmaxLastDim")] == [1]
+    y = fl.ops.softmax_last_dim(fl.tensor(x).transpose()).numpy()
+    np.testing.assert_allclose(y, _softmax64(x.T.astype(np.float64)), rtol=1e-5, atol=1e-7)
+
+
+def test_plan_cache_is_keyed_by_structure_not_values(rng: np.random.Generator) -> None:
+    executor.clear_plan_cache()
+    with fl.trace() as t:
+        for _ in range(3):
+            x = fl.tensor(rng.standard_normal((4, 6)).astype(np.float32))
+            y = (x * 2.0).softmax(-1)
+            np.testing.assert_allclose(y.numpy(), _softmax64(2.0 * x.numpy().astype(np.float64)), rtol=1e-5)
+        fl.realize((fl.tensor(np.ones((4, 7), np.float32)) * 2.0).softmax(-1))
+        fl.realize((fl.tensor(np.ones((4, 6), np.float32)) * 3.0).softmax(-1))
+    assert (t.plans_built, t.plans_reused) == (3, 2)
+    assert executor.plan_cache_size() == 3
+
+
+def test_cse_runs_a_repeated_subexpression_once(rng: np.random.Generator) -> None:
+    x = fl.tensor(rng.standard_normal((3, 4)).astype(np.float32))
+    a = (x.exp() * 2.0).softmax(-1)
+    b = (x.exp() * 2.0).softmax(-1)
+    with fl.trace() as t:
+        fl.realize(a + b)
+    ops = [r.node.split("(")[1].split(" ")[0] for r in t.records]
+    assert ops.count("EXP") == 1 and ops.count("FUSED") == 1
+
+
+def test_intermediate_buffers_are_freed_after_their_last_reader(rng: np.random.Generator) -> None:
+    x = fl.tensor(rng.standard_normal((512, 1024)).astype(np.float32))  # 2 MiB: pooled
+    POOL.clear()
+    y = x
+    for _ in range(4):
+        y = fl.ops.softmax_last_dim(y)
+    fl.realize(y)
+    # four 2 MiB outputs in a chain: each is dropped after its reader, so two buffers suffice
+    assert POOL.held_bytes == 2 * 512 * 1024 * 4
+    assert y.node.inputs[0].value is None
+
+
+def test_pool_never_hands_out_a_buffer_that_is_still_viewed() -> None:
+    pool = BufferPool()
+    a = pool.empty((1 << 18,), np.dtype(np.float32))
+    view = a[10:20]
+    del a
+    b = pool.empty((1 << 18,), np.dtype(np.float32))
+    assert not np.shares_memory(b, view)
+
+
+def test_realize_returns_the_same_tensors_and_skips_realised_ones(rng: np.random.Generator) -> None:
+    x = fl.tensor(rng.standard_normal(5).astype(np.float32))
+    y, z = x * 2.0, x + 1.0
+    assert fl.realize(y, z) == (y, z)
+    assert y.node.value is not None and z.node.value is not None
+    with fl.trace() as t:
+        fl.realize(y)
+    assert t.records == []
+
+
+@dataclass(frozen=True)
+class _Params:
+    k_len: DynScalar
+    scale: float
+
+
+def test_dynamic_scalars_resolve_at_run_time() -> None:
+    p = _Params(fl.dyn("k_len"), 0.5)
+    assert executor._resolve(p, {"k_len": 17}) == _Params(17, 0.5)  # type: ignore[arg-type]
+    with pytest.raises(fl.ParamError, match="'k_len' is unbound"):
+        executor._resolve(p, None)
+
+
+def test_destructive_node_is_scheduled_after_every_other_reader() -> None:
+    x = Node(Op.CONST, (), (4,), fl.f32, None, np.zeros(4, np.float32))
+    view = make(Op.RESHAPE, (x,), (2, 2))
+    destroy = make(Op.EXP, (x,))           # stands for an in-place op on x
+    late_reader = make(Op.NEG, (view,))    # reads x through an alias
+    other = make(Op.ADD_SCALAR, (x,), 1.0)
+    root = make(Op.CONCAT, (destroy, make(Op.RESHAPE, (late_reader,), (4,)), other), 0)
+    order = schedule([root], lambda n: 0 if n is destroy else None)
+    pos = {n: i for i, n in enumerate(order)}
+    assert pos[destroy] > pos[late_reader] and pos[destroy] > pos[other]
+    assert pos[root] == len(order) - 1
+
+
+def test_trace_reports_impl_time_and_copies(rng: np.random.Generator) -> None:
+    x = fl.tensor(rng.standard_normal((3, 4)).astype(np.float32).T)
+    with fl.trace() as t:
+        fl.realize(fl.ops.softmax_last_dim(x))
+    (rec,) = t.records
+    assert rec.impl == "SoftmaxLastDim[cpu:f32,f32]" and rec.copies == 1 and rec.seconds >= 0
+    assert "SoftmaxLastDim" in str(t)
+
+
+def test_fused_node_without_kernel_is_lowered(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fuel.dispatch.fused import FusedKernelRegistry
+
+    empty = FusedKernelRegistry()
+    monkeypatch.setattr(executor, "default_kernel_registry", lambda: empty)
+    executor.clear_plan_cache()
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    with fl.trace() as t:
+        y = fl.ops.softmax_last_dim(fl.tensor(x)).numpy()
+    executor.clear_plan_cache()
+    assert all(r.impl.startswith("prim:") for r in t.records)
+    np.testing.assert_allclose(y, _softmax64(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
+
+
+def test_unbound_dyn_in_realize_env_is_reported() -> None:
+    assert fl.dyn("n").resolve({"n": 3}) == 3
+    with pytest.raises(fl.ParamError):
+        fl.dyn("n").resolve({})

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fuel.cli import main
+from fuel.graph.registry import default_registry
+
+
+def test_inventory_lists_every_id(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inventory", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in records] == list(range(1, 25))
+    complete = {r["name"] for r in records if r["status"] == "complete"}
+    assert complete == {e.name for e in default_registry()}
+    assert {"SoftmaxLastDim", "SoftmaxLastDimBackward"} <= complete
+    softmax = next(r for r in records if r["id"] == 1)
+    assert softmax["pattern"] == "live" and softmax["decomposition"].endswith("nodes")
+    assert softmax["backward"] == "Fused(SoftmaxLastDimBackward)"
+    assert softmax["source"].startswith("fuel/graph/registry/softmax_last_dim.py:")
+    assert ["bf16", "bf16"] in softmax["dtypes"]
+    assert main(["inventory"]) == 0
+    md = capsys.readouterr().out
+    assert "## 1. SoftmaxLastDim" in md and "reserved" in md
+
+
+def test_verify_passes_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "SoftmaxLastDim"]) == 0
+    out = capsys.readouterr().out
+    assert "SoftmaxLastDim[cpu:bf16,bf16]" in out and "4 passed, 0 failed" in out
+    assert main(["verify", "NoSuchOp"]) == 2
+
+
+def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo"]) == 0
+    assert "SoftmaxLastDim[cpu:f32,f32]" in capsys.readouterr().out

@@ -1,0 +1,83 @@
+"""The contract every registry entry and every impl meets; later entries are covered on arrival."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fuel as fl
+from fuel.dtype import DType
+from fuel.graph.node import Op
+from fuel.graph.passes.fuse import fuse
+from fuel.graph.registry import FusedOpEntry, default_registry, fused_node
+from fuel.testing.contract import verify_impl
+from fuel.testing.reference import Case, cases, has_reference, reference
+
+ENTRIES = list(default_registry())
+IMPLS = [(e, i) for e in ENTRIES for i in fl.kernels().impls(e.id)]
+
+
+def _cases64(entry: FusedOpEntry) -> list[Case]:
+    dtypes = tuple(DType.F64 if d.is_float else d for d in fl.kernels().impls(entry.id)[0].dtypes)
+    return cases(entry.name, dtypes, np.random.default_rng(5))
+
+
+def test_every_entry_has_impls_and_a_reference() -> None:
+    for entry in ENTRIES:
+        assert fl.kernels().impls(entry.id), f"{entry.name} has no CPU impl"
+        assert has_reference(entry.name), f"{entry.name} has no float64 reference"
+
+
+@pytest.mark.parametrize(("entry", "impl"), IMPLS, ids=[i.name for _, i in IMPLS])
+def test_impl_meets_its_precision_and_is_bit_stable(entry: FusedOpEntry, impl: fl.kernels) -> None:  # type: ignore[valid-type]
+    result = verify_impl(entry, impl)  # type: ignore[arg-type]
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
+def test_rules_agree_with_decomposition_and_reference(entry: FusedOpEntry) -> None:
+    if entry.decompose is None:
+        pytest.skip(f"{entry.name} has no decomposition")
+    for case in _cases64(entry):
+        node = fused_node(entry.id, [fl.tensor(a).node for a in case.inputs], case.params)
+        lowered = entry.decompose([fl.tensor(a) for a in case.inputs], case.params)
+        assert (lowered.shape, lowered.dtype) == (node.shape, node.dtype), case.label
+        got = fl.realize(lowered, fuse=False)[0].numpy()
+        want = reference(entry.name, case.inputs, case.params)
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12 * max(1.0, float(np.nanmax(np.abs(want),
+                                                                                            initial=0))),
+                                   err_msg=case.label)
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.pattern and e.decompose], ids=lambda e: e.name)
+def test_decompose_then_fuse_round_trips(entry: FusedOpEntry) -> None:
+    for case in _cases64(entry):
+        if any(a.size == 0 for a in case.inputs):
+            continue
+        leaves = [fl.tensor(a) for a in case.inputs]
+        lowered = entry.decompose(leaves, case.params)
+        (back,) = fuse([lowered.node], default_registry())
+        assert back.op is Op.FUSED and back.arg == (entry.id, case.params), case.label
+        assert back.inputs == tuple(t.node for t in leaves)
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.vjp], ids=lambda e: e.name)
+def test_gradient_matches_finite_differences(entry: FusedOpEntry) -> None:
+    for case in _cases64(entry)[:3]:
+        if any(a.size == 0 for a in case.inputs):
+            continue
+        leaves = [fl.tensor(a) for a in case.inputs]
+        out = fl.Tensor(fused_node(entry.id, [t.node for t in leaves], case.params))
+        w = np.random.default_rng(3).standard_normal(out.shape)
+        grads = fl.grad(out, leaves, grad_out=fl.tensor(w))
+        for k, (a, g) in enumerate(zip(case.inputs, grads, strict=True)):
+            if a.dtype != np.float64:
+                continue
+            direction = np.random.default_rng(k).standard_normal(a.shape)
+            h = 1e-6
+            plus = [x + h * direction if j == k else x for j, x in enumerate(case.inputs)]
+            minus = [x - h * direction if j == k else x for j, x in enumerate(case.inputs)]
+            numeric = float(np.sum(w * (reference(entry.name, plus, case.params)
+                                        - reference(entry.name, minus, case.params))) / (2 * h))
+            analytic = float(np.sum(g.numpy() * direction))
+            assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)), (case.label, k, numeric, analytic)
