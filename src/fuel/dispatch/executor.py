@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu.prims import PRIM_KERNELS, PrimKernel
+from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, default_kernel_registry
 from fuel.errors import KernelError, ShapeError
 from fuel.graph.node import DynScalar, Node, Op, topo_order
 from fuel.graph.passes import arg_key
@@ -19,9 +22,6 @@ from fuel.graph.passes.fuse import fuse
 from fuel.graph.passes.lower import lower
 from fuel.graph.passes.order import schedule
 from fuel.graph.registry import FusedOpRegistry, default_registry
-from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu.prims import PRIM_KERNELS, PrimKernel
-from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, default_kernel_registry
 
 if TYPE_CHECKING:
     from fuel.graph.tensor import Tensor
@@ -116,12 +116,12 @@ def realize(*tensors: Tensor, env: dict[str, int] | None = None, fuse: bool = Tr
         _PLANS[key] = plan
         if len(_PLANS) > PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
-        for t in _TRACE:
-            t.plans_built += 1
+        for tr in _TRACE:
+            tr.plans_built += 1
     else:
         _PLANS.move_to_end(key)
-        for t in _TRACE:
-            t.plans_reused += 1
+        for tr in _TRACE:
+            tr.plans_reused += 1
     values = _run(plan, [n.value for n in leaves], env)  # type: ignore[misc]
     for node, value in zip(roots, values, strict=True):
         node.value = value
@@ -183,7 +183,7 @@ def _build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
         prim = None if n.op is Op.FUSED else PRIM_KERNELS[n.op]
         steps.append(Step(n, prim, impl, destructive(n), tuple(slot[i] for i in n.inputs), slot[n],
                           tuple(frees.get(step_index, ()))))
-    return Plan(len(order), leaf_slots, baked, steps, tuple(slot[r] for r in graph))  # type: ignore[arg-type]
+    return Plan(len(order), leaf_slots, baked, steps, tuple(slot[r] for r in graph))
 
 
 def _resolve(params: Any, env: dict[str, int] | None) -> Any:

@@ -27,7 +27,7 @@ def _max_share(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
 
 def _slice_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
     out = g
-    for axis, ((start, stop, step), size) in enumerate(zip(n.arg, xs[0].shape, strict=True)):
+    for axis, ((start, _stop, step), size) in enumerate(zip(n.arg, xs[0].shape, strict=True)):
         m = out.shape[axis]
         if step > 1 and m:
             widths = [(0, 0)] * (out.ndim + 1)

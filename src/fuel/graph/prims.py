@@ -294,7 +294,7 @@ def _index_add(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
 
 def _view(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     _arity(Op.VIEW, inputs, 1)
-    slot, shape, dtype = arg
+    _slot, shape, dtype = arg
     return tuple(shape), dtype
 
 

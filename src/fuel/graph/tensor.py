@@ -13,7 +13,7 @@ from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.prims import broadcast_shapes, make, norm_axis
 
-Scalar = Union[int, float]
+Scalar = int | float
 TensorLike = Union["Tensor", np.ndarray, Scalar]
 
 
@@ -150,10 +150,10 @@ class Tensor:
             raise ParamError(f"pow: exponent must be a number, got {exponent!r}")
         return (self.log() * exponent).exp()
 
-    def __lt__(self, other: TensorLike) -> Tensor: return binary(Op.LT, self, other)
-    def __le__(self, other: TensorLike) -> Tensor: return binary(Op.LE, self, other)
-    def __gt__(self, other: TensorLike) -> Tensor: return binary(Op.GT, self, other)
-    def __ge__(self, other: TensorLike) -> Tensor: return binary(Op.GE, self, other)
+    def __lt__(self, other: TensorLike) -> Tensor: return binary(Op.LT, self, other)  # type: ignore[misc]
+    def __le__(self, other: TensorLike) -> Tensor: return binary(Op.LE, self, other)  # type: ignore[misc]
+    def __gt__(self, other: TensorLike) -> Tensor: return binary(Op.GT, self, other)  # type: ignore[misc]
+    def __ge__(self, other: TensorLike) -> Tensor: return binary(Op.GE, self, other)  # type: ignore[misc]
     def __eq__(self, other: object) -> Tensor: return binary(Op.EQ, self, other)  # type: ignore[override,arg-type]
     def __ne__(self, other: object) -> Tensor: return binary(Op.NE, self, other)  # type: ignore[override,arg-type]
     __hash__ = object.__hash__
@@ -324,7 +324,7 @@ def as_tensor(x: TensorLike, like: Tensor | None = None) -> Tensor:
     if _is_scalar(x):
         if like is None:
             raise DTypeError("tensor: a bare scalar needs a tensor operand to take its dtype from")
-        return full((), float(x), like.dtype)  # type: ignore[arg-type]
+        return full((), float(x), like.dtype)
     return tensor(x)
 
 

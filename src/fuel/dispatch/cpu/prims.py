@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -141,7 +142,7 @@ def _scatter_add(xs: list[np.ndarray], n: Node) -> np.ndarray:
     base, src = _work(xs[0], n.dtype), _work(xs[2], n.dtype)
     idx = _check_index("scatter_add", xs[1], n.shape[n.arg])
     out = np.array(base, copy=True)
-    grids = list(np.indices(idx.shape, sparse=True))
+    grids: list[Any] = list(np.indices(idx.shape, sparse=True))
     grids[n.arg] = idx
     np.add.at(out, tuple(grids), src)
     return _store(out, n)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fuel.graph.node import Node, Op, consumer_counts, topo_order
-from fuel.graph.registry import FusedOpRegistry, fused_node
+from fuel.graph.registry import FusedOpId, FusedOpRegistry, fused_node
 
 
 class _Counts(dict[Node, int]):
@@ -21,7 +21,7 @@ def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
         order = topo_order(current)
         by_id = consumer_counts(order, current)
         counts = _Counts({n: by_id.get(id(n), 0) for n in order})
-        replaced: dict[Node, tuple[int, tuple[Node, ...], object]] = {}
+        replaced: dict[Node, tuple[FusedOpId, tuple[Node, ...], object]] = {}
         for node in reversed(order):
             if node.value is not None:
                 continue
@@ -40,8 +40,8 @@ def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
             if n.value is not None:
                 memo[n] = n
             elif n in replaced:
-                op_id, inputs, params = replaced[n]
-                memo[n] = fused_node(op_id, [memo[i] for i in inputs], params)  # type: ignore[arg-type]
+                fused_id, inputs, params = replaced[n]
+                memo[n] = fused_node(fused_id, [memo[i] for i in inputs], params)
             else:
                 memo[n] = n.with_inputs(tuple(memo[i] for i in n.inputs))
         current = [memo[r] for r in current]
