@@ -8,6 +8,8 @@ from fuel.dispatch.fused import FusedKernelRegistry
 
 KERNEL_MODULES: tuple[str, ...] = (
     "softmax",
+    "linear",
+    "rope",
 )
 
 

@@ -174,6 +174,8 @@ class FusedOpRegistry:
 ENTRY_MODULES: tuple[str, ...] = (
     "softmax_last_dim",
     "softmax_last_dim_backward",
+    "fused_linear",
+    "rope",
 )
 
 

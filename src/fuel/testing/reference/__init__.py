@@ -30,6 +30,8 @@ CaseFn = Callable[[tuple[DType, ...], np.random.Generator], list[Case]]
 
 REFERENCE_MODULES: tuple[str, ...] = (
     "softmax",
+    "linear",
+    "rope",
 )
 
 _REFS: dict[str, RefFn] = {}
