@@ -8,6 +8,7 @@ from fuel.dispatch.fused import FusedKernelRegistry
 
 KERNEL_MODULES: tuple[str, ...] = (
     "softmax",
+    "norms",
     "linear",
     "rope",
 )

@@ -176,6 +176,10 @@ ENTRY_MODULES: tuple[str, ...] = (
     "softmax_last_dim_backward",
     "fused_linear",
     "rope",
+    "rms_norm_last_dim",
+    "layer_norm_last_dim",
+    "layer_norm_last_dim_backward",
+    "rms_norm_last_dim_backward",
 )
 
 

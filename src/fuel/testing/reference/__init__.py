@@ -30,6 +30,7 @@ CaseFn = Callable[[tuple[DType, ...], np.random.Generator], list[Case]]
 
 REFERENCE_MODULES: tuple[str, ...] = (
     "softmax",
+    "norms",
     "linear",
     "rope",
 )

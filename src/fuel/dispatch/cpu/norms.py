@@ -1,0 +1,327 @@
+"""RmsNorm (3), LayerNorm (4) and their backwards (9, 8) over the last axis: Numba, row-parallel.
+
+One thread owns a row and walks it in a fixed order, so results are bit-stable. A row is read from
+memory once; the later passes over it hit cache, and the result goes straight into `out`.
+f32 and f64 share generic row functions (the scalars passed in carry the working type); bf16 rows
+are widened into an f32 scratch row and rounded once on store; f16 runs the f32 kernel on a widened
+copy. LayerNorm compensates the rounding of its mean (see _ln_centre).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
+from fuel.dispatch.fused import (
+    CONTIGUOUS_ONLY,
+    BackendImpl,
+    CostEstimate,
+    CostFn,
+    FusedKernelRegistry,
+    PrecisionGuarantee,
+    revision_of,
+)
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.graph.node import Shape
+from fuel.graph.registry import FusedOps
+
+# Reassociation lets the row sums vectorise (one fixed order per build: still bit-stable);
+# no nnan/ninf, so NaN and inf keep IEEE behaviour.
+FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
+CHUNKS = 256
+
+Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
+
+
+# ---- rows (generic over f32/f64: the scalars eps, inv_n and one carry the working type) ------
+# Only the reductions may reassociate (so they vectorise); they are separate, non-inlined
+# functions so their fastmath flags stay on their own instructions. The elementwise passes use
+# strict IEEE order: with reassociation LLVM may fold the compensated `(x - mu) - c` back into
+# `x - (mu + c)`, which is exactly the rounding the compensation exists to avoid.
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sum(x: Any, zero: Any) -> Any:
+    s = zero
+    for j in range(x.shape[0]):
+        s += x[j]
+    return s
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sum_sq(x: Any, zero: Any) -> Any:
+    s = zero
+    for j in range(x.shape[0]):
+        s += x[j] * x[j]
+    return s
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_1_2(d: Any, zero: Any) -> tuple[Any, Any]:
+    """(Σd, Σd²)."""
+    s = zero
+    ss = zero
+    for j in range(d.shape[0]):
+        s += d[j]
+        ss += d[j] * d[j]
+    return s, ss
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sums_dot(a: Any, b: Any, zero: Any) -> tuple[Any, Any]:
+    """(Σa·a, Σa·b)."""
+    aa = zero
+    ab = zero
+    for j in range(a.shape[0]):
+        aa += a[j] * a[j]
+        ab += a[j] * b[j]
+    return aa, ab
+
+
+@njit(cache=True, fastmath=FASTMATH)
+def _sum_and_dot(a: Any, b: Any, zero: Any) -> tuple[Any, Any]:
+    """(Σb, Σa·b)."""
+    s = zero
+    ab = zero
+    for j in range(a.shape[0]):
+        s += b[j]
+        ab += a[j] * b[j]
+    return s, ab
+
+
+@njit(inline="always", cache=True)
+def _rms_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    ss = _sum_sq(x, one - one)  # (a literal 0 would widen f32 to f64)
+    r = one / np.sqrt(ss * inv_n + eps)
+    for j in range(x.shape[0]):
+        o[j] = x[j] * r
+
+
+@njit(inline="always", cache=True)
+def _ln_centre(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> tuple[Any, Any]:
+    """o <- x − μ (μ = Σx·inv_n, rounded); returns (c, r): the true centred row is o − c, and
+    r = 1/sqrt(var + eps). c = Σ(x − μ)/n recovers what rounding μ lost, so a row with a large
+    offset (|μ| ≫ std) keeps full precision."""
+    n = x.shape[0]
+    mu = _sum(x, one - one) * inv_n
+    for j in range(n):
+        o[j] = x[j] - mu
+    sd, sdd = _sums_1_2(o, one - one)
+    c = sd * inv_n
+    var = (sdd - sd * c) * inv_n
+    var = var if var > 0 else one - one  # the correction can round a zero variance below 0
+    return c, one / np.sqrt(var + eps)
+
+
+@njit(inline="always", cache=True)
+def _ln_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    c, r = _ln_centre(x, o, eps, inv_n, one)
+    for j in range(x.shape[0]):
+        o[j] = (o[j] - c) * r
+
+
+@njit(inline="always", cache=True)
+def _ln_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    """o = r·((g − mean g) − y·mean(g·y)), y = (x − μ)·r (kept in o between the passes)."""
+    n = x.shape[0]
+    c, r = _ln_centre(x, o, eps, inv_n, one)
+    for j in range(n):
+        o[j] = (o[j] - c) * r
+    sg, sgy = _sum_and_dot(o, g, one - one)
+    mg = sg * inv_n
+    mgy = sgy * inv_n
+    for j in range(n):
+        o[j] = r * ((g[j] - mg) - o[j] * mgy)
+
+
+@njit(inline="always", cache=True)
+def _rms_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    """o = r·(g − x·Σ(g·x)/(n·den)), den = mean(x²) + eps, r = 1/sqrt(den)."""
+    n = x.shape[0]
+    ss, sgx = _sums_dot(x, g, one - one)
+    den = ss * inv_n + eps
+    r = one / np.sqrt(den)
+    if n == 1:
+        # The general form cancels g·x² against x·(g·x) and keeps only rounding noise; for one
+        # element it is exactly g·eps/den^1.5.
+        o[0] = g[0] * (eps / den) * r
+        return
+    coeff = sgx * inv_n / den
+    for j in range(n):
+        o[j] = r * (g[j] - x[j] * coeff)
+
+
+# ---- whole tensors: f32/f64 directly, bf16 through per-chunk scratch rows ---------------------
+
+
+@njit(cache=True, parallel=True)
+def _rms(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    for r in prange(x.shape[0]):
+        _rms_row(x[r], out[r], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _ln(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    for r in prange(x.shape[0]):
+        _ln_row(x[r], out[r], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _ln_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    for r in prange(x.shape[0]):
+        _ln_bwd_row(x[r], g[r], out[r], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    for r in prange(x.shape[0]):
+        _rms_bwd_row(x[r], g[r], out[r], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    for c in prange(chunks):
+        wide = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wide)
+            _rms_row(wide.view(np.float32), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+
+
+@njit(cache=True, parallel=True)
+def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    for c in prange(chunks):
+        wide = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wide)
+            _ln_row(wide.view(np.float32), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+
+
+@njit(cache=True, parallel=True)
+def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    for c in prange(chunks):
+        wx = np.empty(n, np.uint32)
+        wg = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wx)
+            widen_bf16_row(g[r], wg)
+            _ln_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+
+
+@njit(cache=True, parallel=True)
+def _rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    for c in prange(chunks):
+        wx = np.empty(n, np.uint32)
+        wg = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wx)
+            widen_bf16_row(g[r], wg)
+            _rms_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+
+
+# ---- kernel entry points: kernel(inputs, out, params) ----------------------------------------
+
+
+def _scalars(out: np.ndarray, eps: float) -> tuple[Any, Any, Any]:
+    """eps, 1/n and 1 in the working type: f64 for f64, else f32 (eps rounded once, as upstream)."""
+    w = np.float64 if out.dtype == np.float64 else np.float32
+    return w(eps), w(1.0) / w(out.shape[-1]), w(1.0)
+
+
+def _native(run: Callable[..., None]) -> Kernel:
+    """An f32/f64/bf16 kernel: rows of every input and of out, bf16 seen as its uint16 bits."""
+
+    def kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+        if not out.size:
+            return
+        scalars = _scalars(out, params.eps)
+        half = out.dtype == DType.BF16.np
+        arrays = [rows2d(bits(a) if half else a) for a in (*inputs, out)]
+        run(*arrays, *scalars)
+
+    kernel.__wrapped__ = run  # type: ignore[attr-defined]
+    return kernel
+
+
+def _kernels(native: Callable[..., None], bf16: Callable[..., None]) -> dict[DType, Kernel]:
+    f32 = _native(native)
+    return {DType.F32: f32, DType.F64: f32, DType.BF16: _native(bf16), DType.F16: via_f32(f32)}
+
+
+rms_norm_kernels = _kernels(_rms, _rms_bf16)
+layer_norm_kernels = _kernels(_ln, _ln_bf16)
+layer_norm_backward_kernels = _kernels(_ln_bwd, _ln_bwd_bf16)
+rms_norm_backward_kernels = _kernels(_rms_bwd, _rms_bwd_bf16)
+
+
+def norm_cost(flops_per_element: int) -> CostFn:
+    """k flops per element plus one rsqrt per row; every input and the output move once."""
+
+    def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:
+        out = shapes[-1]
+        n = int(np.prod(out))
+        rows = n // out[-1] if out and out[-1] else 0
+        moved = sum(int(np.prod(s)) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+        return CostEstimate(flops=flops_per_element * n + 4 * rows, bytes_moved=moved)
+
+    return cost
+
+
+# (max_relative, max_absolute, measured) per dtype. `measured` is the worst error seen by
+# fuel.testing.contract's check over seeds 0-199 of fuel.testing.reference.norms, as a fraction of
+# the bound (so ~0.5 = the bound is 2x the worst seen). bf16/f16 are dominated by the one rounding
+# on store (half an ulp: 2^-8 and 2^-11 relative); f16's absolute part covers subnormal outputs;
+# the backwards by the cancellation in g − mean(g) − … on short rows (the reference shares it).
+_BOUNDS: dict[str, dict[DType, tuple[float, float, float]]] = {
+    "rms": {DType.F32: (4e-7, 2e-7, 0.38), DType.F64: (1e-15, 1e-15, 0.22),
+            DType.BF16: (8e-3, 1e-6, 0.49), DType.F16: (1e-3, 1e-7, 0.49)},
+    "ln": {DType.F32: (4e-7, 2e-7, 0.42), DType.F64: (1e-13, 2e-14, 0.39),
+           DType.BF16: (8e-3, 1e-6, 0.49), DType.F16: (1e-3, 2e-7, 0.49)},
+    "ln_bwd": {DType.F32: (2.5e-5, 2e-6, 0.51), DType.F64: (1e-12, 2e-14, 0.38),
+               DType.BF16: (8e-3, 2e-6, 0.49), DType.F16: (1e-3, 2e-4, 0.40)},
+    "rms_bwd": {DType.F32: (4e-7, 6e-7, 0.46), DType.F64: (1.5e-13, 2e-14, 0.40),
+                DType.BF16: (8e-3, 2e-6, 0.49), DType.F16: (1e-3, 2e-4, 0.40)},
+}
+_ACC = {DType.F32: "f32 accumulation", DType.F64: "f64 accumulation",
+        DType.BF16: "f32 compute, one RNE store", DType.F16: "f32 compute, one RNE store"}
+
+
+def _precision(kind: str) -> dict[DType, PrecisionGuarantee]:
+    return {dt: PrecisionGuarantee(True, None, rel, abs_, f"{_ACC[dt]}; worst measured error "
+                                   f"{seen:.2f} of this bound (seeds 0-199)")
+            for dt, (rel, abs_, seen) in _BOUNDS[kind].items()}
+
+
+def register(registry: FusedKernelRegistry) -> None:
+    rev = revision_of(_rms)
+    table: list[tuple[Any, dict[DType, Kernel], CostFn, dict[DType, PrecisionGuarantee], int]] = [
+        (FusedOps.RMS_NORM_LAST_DIM, rms_norm_kernels, norm_cost(3), _precision("rms"), 1),
+        (FusedOps.LAYER_NORM_LAST_DIM, layer_norm_kernels, norm_cost(6), _precision("ln"), 1),
+        (FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, layer_norm_backward_kernels, norm_cost(12),
+         _precision("ln_bwd"), 2),
+        (FusedOps.RMS_NORM_LAST_DIM_BACKWARD, rms_norm_backward_kernels, norm_cost(7),
+         _precision("rms_bwd"), 2),
+    ]
+    for op_id, kernels, cost, precision, arity in table:
+        for dt in FLOAT_DTYPES:
+            registry.register(BackendImpl(op_id, "cpu", kernels[dt], (dt,) * (arity + 1), cost,
+                                          precision[dt], CONTIGUOUS_ONLY, rev))

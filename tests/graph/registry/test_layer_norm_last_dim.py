@@ -1,0 +1,251 @@
+"""LayerNormLastDim (4) and LayerNormLastDimBackward (8) against torch float64: kernels in every dtype,
+rules and errors, the live pattern, the fuse/decompose round trip, and gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fuel as fl
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.graph.node import Op
+from fuel.graph.passes.fuse import fuse
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, default_registry
+from fuel.graph.registry.layer_norm_last_dim import LayerNormLastDimParams, decompose
+from fuel.graph.registry.layer_norm_last_dim_backward import layer_norm_last_dim_backward
+from fuel.testing.oracle import assert_close_rowwise
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
+SHAPES = [(4, 16), (2, 3, 8), (7,), (3, 1), (1, 1), (1,), (2, 1, 5)]
+EPS = 1e-5
+
+
+def _rand(shape: tuple[int, ...], dt: DType, seed: int = 0, scale: float = 1.0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(dt.np)
+
+
+def _t64(a: np.ndarray, grad: bool = False) -> torch.Tensor:
+    return torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=grad)
+
+
+def _oracle(x: np.ndarray, eps: float) -> np.ndarray:
+    return F.layer_norm(_t64(x), (x.shape[-1],), None, None, eps).numpy()
+
+
+def _oracle_grad(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    tx = _t64(x, grad=True)
+    F.layer_norm(tx, (x.shape[-1],), None, None, eps).backward(_t64(g))
+    return tx.grad.numpy()
+
+
+def _impls_run(y: fl.Tensor) -> list[str]:
+    with fl.trace() as t:
+        fl.realize(y)
+    return [r.impl for r in t.records]
+
+
+# ---- kernels against torch -----------------------------------------------------------------
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("eps", [1e-6, 0.1])
+def test_forward_matches_torch(dt: DType, shape: tuple[int, ...], eps: float) -> None:
+    x = _rand(shape, dt, scale=2.0)
+    y = fl.ops.layer_norm_last_dim(fl.tensor(x), eps)
+    assert any(i.startswith("LayerNormLastDim[") for i in _impls_run(y))
+    assert_close_rowwise(y.numpy(), _oracle(x, eps), dt)
+
+
+@DTYPES
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_backward_entry_matches_torch_autograd(dt: DType, shape: tuple[int, ...]) -> None:
+    x, g = _rand(shape, dt, 1), _rand(shape, dt, 2)
+    dx = layer_norm_last_dim_backward(x, g, EPS)
+    assert any(i.startswith("LayerNormLastDimBackward[") for i in _impls_run(dx))
+    assert_close_rowwise(dx.numpy(), _oracle_grad(x, g, EPS), dt, backward=True)
+
+
+@DTYPES
+def test_large_and_tiny_values(dt: DType) -> None:
+    for scale in (1e-3, 3e3 if dt is DType.F16 else 1e6):
+        x = _rand((3, 40), dt, 3, scale)
+        assert_close_rowwise(fl.ops.layer_norm_last_dim(x, EPS).numpy(), _oracle(x, EPS), dt)
+
+
+@DTYPES
+def test_large_offset_keeps_precision(dt: DType) -> None:
+    # |mean| >> std: the kernel compensates the rounding of its mean (f32 keeps ~1e-7).
+    x = (100.0 + np.random.default_rng(5).standard_normal((3, 300))).astype(dt.np)
+    g = _rand((3, 300), dt, 6)
+    assert_close_rowwise(fl.ops.layer_norm_last_dim(x, EPS).numpy(), _oracle(x, EPS), dt)
+    dx = layer_norm_last_dim_backward(x, g, EPS).numpy()
+    assert_close_rowwise(dx, _oracle_grad(x, g, EPS), dt, backward=True)
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.BF16], ids=lambda d: d.value)
+def test_non_contiguous_inputs(dt: DType) -> None:
+    a = _rand((12, 6), dt, 4)
+    for view in (fl.tensor(a).transpose(), fl.tensor(a)[:, ::2], fl.tensor(a)[1::3]):
+        ref = _oracle(np.ascontiguousarray(view.numpy()), EPS)
+        assert_close_rowwise(fl.ops.layer_norm_last_dim(view, EPS).numpy(), ref, dt)
+
+
+# ---- rules and errors ------------------------------------------------------------------------
+
+
+def test_entry_metadata() -> None:
+    fwd = default_registry().entry(FusedOps.LAYER_NORM_LAST_DIM)
+    bwd = default_registry().entry(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD)
+    assert (fwd.name, fwd.family, str(fwd.backward)) == (
+        "LayerNormLastDim", FusedOpFamily.NORM, "Fused(LayerNormLastDimBackward)")
+    assert (bwd.name, bwd.family, bwd.backward) == (
+        "LayerNormLastDimBackward", FusedOpFamily.BACKWARD, NOT_DIFFERENTIABLE)
+    assert fl.ops.layer_norm_last_dim_backward is layer_norm_last_dim_backward
+    assert fl.kernels().lookup(FusedOps.LAYER_NORM_LAST_DIM, "cpu", (DType.BF16, DType.BF16))
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0, float("nan"), float("inf"), "1e-5", None])
+def test_bad_eps_is_a_param_error(eps: object) -> None:
+    x = fl.tensor(np.ones((2, 3), np.float32))
+    with pytest.raises(fl.ParamError, match="layer_norm_last_dim: eps must be"):
+        fl.ops.layer_norm_last_dim(x, eps)  # type: ignore[arg-type]
+    with pytest.raises(fl.ParamError, match="layer_norm_last_dim_backward: eps must be"):
+        layer_norm_last_dim_backward(x, x, eps)  # type: ignore[arg-type]
+
+
+def test_eps_message_reads_well() -> None:
+    with pytest.raises(fl.ParamError, match=r"^layer_norm_last_dim: eps must be > 0, got -1.0$"):
+        fl.ops.layer_norm_last_dim(np.ones(3, np.float32), -1.0)
+
+
+def test_shape_and_dtype_errors() -> None:
+    with pytest.raises(fl.ShapeError, match="layer_norm_last_dim: x must have rank >= 1"):
+        fl.ops.layer_norm_last_dim(np.ones((), np.float32), EPS)
+    with pytest.raises(fl.ShapeError, match="layer_norm_last_dim: x's last dim must be > 0"):
+        fl.ops.layer_norm_last_dim(np.ones((3, 0), np.float32), EPS)
+    with pytest.raises(fl.DTypeError, match="layer_norm_last_dim: x must be a float tensor, got u8"):
+        fl.ops.layer_norm_last_dim(np.ones((2, 3), np.uint8), EPS)
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(fl.ShapeError, match=r"layer_norm_last_dim_backward: upstream gradient \[3, 2\]"):
+        layer_norm_last_dim_backward(x, np.ones((3, 2), np.float32), EPS)
+    with pytest.raises(fl.DTypeError, match="layer_norm_last_dim_backward: upstream gradient is f64"):
+        layer_norm_last_dim_backward(x, np.ones((2, 3), np.float64), EPS)
+
+
+# ---- pattern and round trip ------------------------------------------------------------------
+
+def _centre(x: fl.Tensor) -> fl.Tensor:
+    return x - x.mean(-1, keepdim=True)
+
+
+def _centre_reshape(x: fl.Tensor) -> fl.Tensor:
+    return x - x.mean(-1).reshape(*x.shape[:-1], 1)
+
+
+SPELLINGS = {
+    "div sqrt c*c": lambda x, e: _centre(x) / (_centre(x) * _centre(x)).mean(-1, keepdim=True).add(e).sqrt(),
+    "div sqrt square": lambda x, e: (c := _centre(x)) / (c.square().mean(-1, keepdim=True) + e).sqrt(),
+    "mul rsqrt pow": lambda x, e: (c := _centre(x)) * ((c**2).mean(-1, keepdim=True) + e).rsqrt(),
+    "rsqrt times c": lambda x, e: (c := _centre(x)).square().mean(-1, keepdim=True).add(e).rsqrt() * c,
+    "reshape keepdim": lambda x, e: (c := _centre_reshape(x))
+    / ((c * c).mean(-1).reshape(*x.shape[:-1], 1) + e).sqrt(),
+}
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("shape", [(3, 8), (5,), (2, 1)], ids=str)
+def test_pattern_fires_on_user_spellings(spelling: str, shape: tuple[int, ...]) -> None:
+    a = _rand(shape, DType.F32, 5)
+    build = SPELLINGS[spelling]
+    fused = build(fl.tensor(a), 1e-4)
+    assert any(i.startswith("LayerNormLastDim[") for i in _impls_run(fused))
+    plain = build(fl.tensor(a), 1e-4)
+    fl.realize(plain, fuse=False)
+    assert_close_rowwise(fused.numpy(), plain.numpy(), DType.F32)
+    assert_close_rowwise(fused.numpy(), _oracle(a, 1e-4), DType.F32)
+
+
+def test_pattern_respects_other_consumers() -> None:
+    for extra in ("var", "centred", "mean"):
+        x = fl.tensor(_rand((3, 8), DType.F32, 6))
+        mean = x.mean(-1, keepdim=True)
+        c = x - mean
+        var = (c * c).mean(-1, keepdim=True)
+        y = c / (var + EPS).sqrt()
+        with fl.trace() as t:
+            fl.realize(y, {"var": var, "centred": c, "mean": mean}[extra])
+        assert not any(r.impl.startswith("LayerNormLastDim[") for r in t.records), extra
+        assert_close_rowwise(y.numpy(), _oracle(x.numpy(), EPS), DType.F32)
+
+
+def test_pattern_ignores_nonpositive_eps() -> None:
+    c = _centre(fl.tensor(_rand((3, 8), DType.F32, 7)))
+    assert not any(i.startswith("LayerNormLastDim[") for i in _impls_run(c / (c * c).mean(-1, keepdim=True).sqrt()))
+
+
+@DTYPES
+def test_fuse_of_decompose_round_trips(dt: DType) -> None:
+    x = fl.tensor(_rand((4, 6), dt))
+    params = LayerNormLastDimParams(3e-4)
+    lowered = decompose([x], params)
+    assert lowered.node.op is Op.DIV
+    (node,) = fuse([lowered.node], default_registry())
+    assert node.op is Op.FUSED and node.arg == (FusedOps.LAYER_NORM_LAST_DIM, params)
+    assert node.inputs == (x.node,)
+
+
+@DTYPES
+def test_unfused_decomposition_agrees(dt: DType) -> None:
+    x = _rand((3, 16), dt, 8)
+    plain = decompose([fl.tensor(x)], LayerNormLastDimParams(EPS))
+    fl.realize(plain, fuse=False)
+    assert_close_rowwise(plain.numpy(), _oracle(x, EPS), dt, backward=dt.is_half)
+
+
+# ---- gradients -------------------------------------------------------------------------------
+
+
+@DTYPES
+def test_grad_through_fused_op_matches_torch(dt: DType) -> None:
+    x, w = _rand((3, 2, 8), dt, 9), _rand((3, 2, 8), dt, 10)
+    xt = fl.tensor(x)
+    loss = (fl.ops.layer_norm_last_dim(xt, EPS) * fl.tensor(w)).sum()
+    (dx,) = fl.grad(loss, [xt])
+    assert any(i.startswith("LayerNormLastDimBackward[") for i in _impls_run(dx))
+    assert_close_rowwise(dx.numpy(), _oracle_grad(x, w, EPS), dt, backward=True)
+
+
+def test_second_order_grad_through_backward_entry() -> None:
+    x, g, w = (_rand((2, 5), DType.F64, s) for s in (11, 12, 13))
+    xt, gt = fl.tensor(x), fl.tensor(g)
+    loss = (layer_norm_last_dim_backward(xt, gt, EPS) * fl.tensor(w)).sum()
+    dx, dg = fl.grad(loss, [xt, gt])
+    tx, tg = _t64(x, grad=True), _t64(g, grad=True)
+    (first,) = torch.autograd.grad(F.layer_norm(tx, (5,), None, None, EPS), tx, tg, create_graph=True)
+    rx, rg = torch.autograd.grad((first * _t64(w)).sum(), (tx, tg))
+    assert_close_rowwise(dx.numpy(), rx.numpy(), DType.F64, backward=True)
+    assert_close_rowwise(dg.numpy(), rg.numpy(), DType.F64, backward=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(dims=st.lists(st.integers(1, 9), min_size=1, max_size=3), seed=st.integers(0, 2**16),
+       eps=st.sampled_from([1e-6, 1e-3, 0.5]), dt=st.sampled_from([DType.F32, DType.F64]))
+def test_property_forward_and_grad(dims: list[int], seed: int, eps: float, dt: DType) -> None:
+    shape = tuple(dims)
+    x = _rand(shape, dt, seed, 3.0)
+    y = fl.ops.layer_norm_last_dim(x, eps)
+    assert_close_rowwise(y.numpy(), _oracle(x, eps), dt)
+    # The gradient is g's part orthogonal to 1 and x̂: when a random g happens to lie almost in
+    # that plane it cancels, in any f32 implementation (torch's too); f64 keeps enough of it.
+    x64, g64 = x.astype(np.float64), _rand(shape, DType.F64, seed + 1)
+    # With 2 elements 1 and x̂ span the row: only the eps term survives, below float64 noise
+    # unless eps is large.
+    eps = eps if shape[-1] != 2 else 0.5
+    dx = layer_norm_last_dim_backward(x64, g64, eps)
+    assert_close_rowwise(dx.numpy(), _oracle_grad(x64, g64, eps), DType.F64, backward=True)
