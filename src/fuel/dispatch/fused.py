@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-import math
 import hashlib
 import inspect
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any

@@ -10,11 +10,11 @@ from fuel.errors import DTypeError, ShapeError
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
 from fuel.graph.registry import (
+    BackwardKind,
     FusedOpEntry,
     FusedOpFamily,
     FusedOps,
     Match,
-    BackwardKind,
     fused_node,
 )
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
