@@ -45,9 +45,9 @@ def register(name: str, ref: RefFn, cases: CaseFn) -> None:
 
 
 def _load() -> None:
-    if not _REFS:
-        for m in REFERENCE_MODULES:
-            importlib.import_module(f"{__name__}.{m}")
+    # Importing a module registers its entries; importing one directly must not hide the others.
+    for m in REFERENCE_MODULES:
+        importlib.import_module(f"{__name__}.{m}")
 
 
 def has_reference(name: str) -> bool:
