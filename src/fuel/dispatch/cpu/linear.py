@@ -106,10 +106,16 @@ def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) 
 
 
 def _widened(x: np.ndarray) -> np.ndarray:
-    """A C-contiguous f32 copy of a (possibly strided) bf16/f16 array (exact), in a pooled buffer."""
+    """An exact f32 copy of a bf16/f16 array, in a pooled buffer, in x's own matrix order.
+
+    A column-major x (a transposed weight) is widened as its contiguous transpose and handed back
+    transposed, so BLAS reads it with its trans flag instead of us gathering it element by element.
+    """
+    if not x.flags.c_contiguous and x.ndim >= 2 and x.swapaxes(-1, -2).flags.c_contiguous:
+        return _widened(x.swapaxes(-1, -2)).swapaxes(-1, -2)
     wide = POOL.empty(x.shape, np.dtype(np.float32))
     if x.dtype == DType.BF16.np:
-        if x.size:  # reshape(-1) gathers a strided x in C order, matching wide's layout
+        if x.size:  # reshape(-1) gathers any other strided x in C order, matching wide's layout
             _widen_bf16(bits(x).reshape(-1), wide.reshape(-1).view(np.uint32))
     else:
         np.copyto(wide, x, casting="safe")

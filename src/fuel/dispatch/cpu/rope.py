@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from fuel.dispatch.cpu.half import bits, narrow_bf16_row, via_f32, widen_bf16_row
+from fuel.dispatch.cpu.half import bits, via_f32
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -55,19 +55,40 @@ def _rope(x: Any, cos: Any, sin: Any, out: Any) -> None:
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _rope_bf16(x: Any, cos: Any, sin: Any, out: Any) -> None:
-    """bf16 bits: x, out [rows, D] uint16; cos, sin [S, D] already widened to f32."""
+    """bf16 bits: x, out [rows, D] uint16; cos, sin [S, D] already widened to f32.
+
+    Widen the two halves into scratch, rotate, round: three short loops that each vectorise. The
+    rounding is half.narrow_bf16_row's (RNE, NaN kept quiet) written as a select instead of two
+    stores, which LLVM vectorises (1.5x faster here).
+    """
     rows, d = x.shape
     seq = cos.shape[0]
     h = d // 2
     chunks = min(rows, CHUNKS)
     for c in prange(chunks):
-        wide = np.empty(d, np.uint32)
+        lo_bits = np.empty(h, np.uint32)
+        hi_bits = np.empty(h, np.uint32)
         res = np.empty(d, np.float32)
         for r in range(c * rows // chunks, (c + 1) * rows // chunks):
             t = r % seq
-            widen_bf16_row(x[r], wide)
-            _rope_row(wide.view(np.float32), cos[t], sin[t], res, h)
-            narrow_bf16_row(res.view(np.uint32), out[r])
+            xr = x[r]
+            for i in range(h):
+                lo_bits[i] = np.uint32(xr[i]) << np.uint32(16)
+                hi_bits[i] = np.uint32(xr[i + h]) << np.uint32(16)
+            lo = lo_bits.view(np.float32)
+            hi = hi_bits.view(np.float32)
+            ct = cos[t]
+            st = sin[t]
+            for i in range(h):
+                res[i] = lo[i] * ct[i] - hi[i] * st[i]
+                res[i + h] = hi[i] * ct[i + h] + lo[i] * st[i + h]
+            rb = res.view(np.uint32)
+            orow = out[r]
+            for j in range(d):
+                b = rb[j]
+                rounded = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+                quiet = (b >> np.uint32(16)) | np.uint32(0x40)
+                orow[j] = np.uint16(quiet if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
