@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    # Numba's and torch's OpenMP pools spin while idle and slow each other down in one process;
+    # passive waiting gives both their fair speed side by side. Set before either pool starts.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     root = Path(__file__).resolve().parents[2]
     if not (root / "benchmarks" / "bench_ops.py").exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
