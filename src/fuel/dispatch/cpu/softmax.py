@@ -183,17 +183,20 @@ def softmax_backward_bf16(inputs: list[np.ndarray], out: np.ndarray, params: Any
 softmax_backward_f16 = via_f32(softmax_backward_f32)
 
 
+# Bounds against float64 (|out - ref| <= max_absolute·max|ref| + max_relative·|ref|), about twice the worst
+# error `fuel verify` measured over seeds 0-59 of fuel.testing.reference.softmax. bf16/f16 are set by the
+# one rounding on store (half an ulp: up to 2^-8 and 2^-11 relative).
 SOFTMAX_PRECISION = {
-    DType.F32: PrecisionGuarantee(True, None, 4e-6, 1e-7, "Cephes-style expf polynomial; f32 accumulation"),
-    DType.F64: PrecisionGuarantee(True, None, 1e-13, 1e-16, "libm exp; f64 accumulation"),
-    DType.BF16: PrecisionGuarantee(True, None, 4.0e-3, 1e-6, "f32 compute, one RNE rounding on store"),
-    DType.F16: PrecisionGuarantee(True, None, 5.0e-4, 1e-6, "f32 compute, one RNE rounding on store"),
+    DType.F32: PrecisionGuarantee(True, None, 5e-7, 1.5e-8, "Cephes-style expf polynomial; f32 accumulation"),
+    DType.F64: PrecisionGuarantee(True, None, 5e-15, 5e-18, "libm exp; f64 accumulation"),
+    DType.BF16: PrecisionGuarantee(True, None, 8e-3, 2e-6, "f32 compute, one RNE rounding on store"),
+    DType.F16: PrecisionGuarantee(True, None, 1e-3, 2e-6, "f32 compute, one RNE rounding on store"),
 }
 SOFTMAX_BACKWARD_PRECISION = {
-    DType.F32: PrecisionGuarantee(True, None, 1e-5, 1e-6, "f32 accumulation of sum(g*y)"),
-    DType.F64: PrecisionGuarantee(True, None, 1e-12, 1e-14, "f64 accumulation"),
-    DType.BF16: PrecisionGuarantee(True, None, 8e-3, 4e-3, "f32 compute, one RNE rounding on store"),
-    DType.F16: PrecisionGuarantee(True, None, 1e-3, 5e-4, "f32 compute, one RNE rounding on store"),
+    DType.F32: PrecisionGuarantee(True, None, 1.5e-6, 1.5e-7, "f32 accumulation of sum(g*y)"),
+    DType.F64: PrecisionGuarantee(True, None, 2e-14, 2e-16, "f64 accumulation"),
+    DType.BF16: PrecisionGuarantee(True, None, 5e-3, 2.5e-3, "f32 compute, one RNE rounding on store"),
+    DType.F16: PrecisionGuarantee(True, None, 7e-4, 3.5e-4, "f32 compute, one RNE rounding on store"),
 }
 
 
