@@ -41,3 +41,33 @@ def test_bf16_narrowing_is_round_to_nearest_even_like_ml_dtypes(rng: np.random.G
     back = np.empty(x.shape, np.uint32)
     widen_bf16_row(out, back)
     assert np.array_equal(back.view(np.float32)[finite], want.view(ml_dtypes.bfloat16).astype(np.float32)[finite])
+
+
+def test_vectorisable_intrinsics_are_exact(rng: np.random.Generator) -> None:
+    from numba import njit
+
+    from fuel.dispatch.cpu.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16
+
+    @njit
+    def run(x: np.ndarray, h: np.ndarray, wide: np.ndarray, e: np.ndarray) -> None:
+        for j in range(x.shape[0]):
+            h[j] = f32_to_bf16(x[j])
+            wide[j] = bf16_to_f32(h[j])
+            e[j] = expf_nonpositive(-abs(x[j]))
+
+    x = np.concatenate([rng.standard_normal(20000).astype(np.float32) * 30,
+                        np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1e-40, -100.0, -87.0], np.float32),
+                        np.arange(1, 200, dtype=np.float32) * np.float32(1 + 2.0**-8)])
+    h, wide, e = np.empty(x.shape, np.uint16), np.empty_like(x), np.empty_like(x)
+    run(x, h, wide, e)
+    finite = ~np.isnan(x)
+    want = x.astype(ml_dtypes.bfloat16)
+    assert np.array_equal(h[finite], want.view(np.uint16)[finite])
+    assert np.isnan(wide[~finite]).all()
+    assert np.array_equal(wide[finite], want.astype(np.float32)[finite])
+    ref = np.exp(-np.abs(x[finite].astype(np.float64)))
+    got = e[finite].astype(np.float64)
+    tiny = ref < 1.2e-38
+    assert np.all(np.abs(got[~tiny] - ref[~tiny]) <= 4e-7 * ref[~tiny])
+    assert np.all(np.abs(got[tiny]) <= 1.2e-38)
+    assert np.isnan(e[~finite]).all()

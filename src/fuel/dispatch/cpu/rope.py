@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, via_f32
+from fuel.dispatch.cpu.vecmath import bf16_to_f32
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -64,17 +65,15 @@ def _rope_bf16(x: Any, cos: Any, sin: Any, out: Any) -> None:
     h = d // 2
     chunks = min(rows, CHUNKS)
     for c in prange(chunks):
-        lo_bits = np.empty(h, np.uint32)
-        hi_bits = np.empty(h, np.uint32)
+        lo = np.empty(h, np.float32)
+        hi = np.empty(h, np.float32)
         res = np.empty(d, np.float32)
         for r in range(c * rows // chunks, (c + 1) * rows // chunks):
             t = r % seq
             xr = x[r]
             for i in range(h):
-                lo_bits[i] = np.uint32(xr[i]) << np.uint32(16)
-                hi_bits[i] = np.uint32(xr[i + h]) << np.uint32(16)
-            lo = lo_bits.view(np.float32)
-            hi = hi_bits.view(np.float32)
+                lo[i] = bf16_to_f32(xr[i])
+                hi[i] = bf16_to_f32(xr[i + h])
             ct = cos[t]
             st = sin[t]
             for i in range(h):

@@ -1,0 +1,93 @@
+"""Scalar building blocks that LLVM vectorises inside Numba loops: bit casts and a polynomial expf.
+
+Numba has no scalar bit casts and widens 32-bit integer arithmetic to 64 bits, which halves the
+vector width; these intrinsics emit the 32-bit LLVM instructions directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+_I32 = ir.IntType(32)
+
+
+def _c(k: int) -> ir.Constant:
+    return ir.Constant(_I32, k)
+
+
+@intrinsic
+def _pow2_f32(typingctx: Any, n: Any) -> Any:
+    """2**n as float32 for an integral float32 n in [-126, 127] (exponent bits, no multiply)."""
+    if n != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        biased = builder.add(builder.fptosi(args[0], _I32), _c(127))
+        return builder.bitcast(builder.shl(biased, _c(23)), ir.FloatType())
+
+    return types.float32(types.float32), codegen
+
+
+@intrinsic
+def _bf16_to_f32(typingctx: Any, h: Any) -> Any:
+    """Widen bf16 bits (uint16) to float32, exactly."""
+    if h != types.uint16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _c(16)), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def _f32_to_bf16(typingctx: Any, x: Any) -> Any:
+    """Round float32 to bf16 bits (uint16), nearest-even; NaN stays a quiet NaN."""
+    if x != types.float32:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        b = builder.bitcast(args[0], _I32)
+        top = builder.lshr(b, _c(16))
+        rounded = builder.lshr(builder.add(builder.add(b, _c(0x7FFF)), builder.and_(top, _c(1))), _c(16))
+        is_nan = builder.icmp_unsigned(">", builder.and_(b, _c(0x7FFFFFFF)), _c(0x7F800000))
+        return builder.trunc(builder.select(is_nan, builder.or_(top, _c(0x40)), rounded), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+# Typed as Any: Numba calls intrinsics from jitted code with the typing context filled in.
+pow2_f32: Any = _pow2_f32
+bf16_to_f32: Any = _bf16_to_f32
+f32_to_bf16: Any = _f32_to_bf16
+
+_LOG2E = np.float32(1.44269504088896341)
+_C1 = np.float32(0.693359375)
+_C2 = np.float32(-2.12194440e-4)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+_HALF = np.float32(0.5)
+_ONE = np.float32(1.0)
+_ZERO = np.float32(0.0)
+EXP_LOW = np.float32(-87.33)
+
+
+@njit(inline="always", cache=True)
+def expf_nonpositive(t: Any) -> Any:
+    """exp(t) in float32 for t <= 0 (Cephes expf polynomial, ~1 ulp); 0 below -87.33; NaN stays NaN."""
+    tc = EXP_LOW if t < EXP_LOW else t
+    fx = np.floor(tc * _LOG2E + _HALF)
+    r = tc - fx * _C1
+    r = r - fx * _C2
+    p = ((((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * (r * r) + r) + _ONE
+    e = p * pow2_f32(fx)
+    return _ZERO if t < EXP_LOW else e
