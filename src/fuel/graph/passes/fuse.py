@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fuel.graph.node import Node, Op, consumer_counts, topo_order
-from fuel.graph.registry import FusedOpId, FusedOpRegistry, fused_node
+from fuel.graph.registry import FusedOpId, FusedOpRegistry, Match, fused_node
 
 
 class _Counts(dict[Node, int]):
@@ -25,13 +25,17 @@ def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
         for node in reversed(order):
             if node.value is not None:
                 continue
+            best: tuple[int, FusedOpId, Match] | None = None
             for op_id, pattern in patterns:
                 if node.op is Op.FUSED and node.arg[0] == op_id:
                     continue
                 m = pattern(node, counts)
-                if m is not None:
-                    replaced[node] = (op_id, m.inputs, m.params)
-                    break
+                # Several patterns can match one root (a layer norm is an RMS norm of the centred
+                # x): the one absorbing the most nodes wins, ties to the lower id.
+                if m is not None and (best is None or _region(node, m.inputs) > best[0]):
+                    best = (_region(node, m.inputs), op_id, m)
+            if best is not None:
+                replaced[node] = (best[1], best[2].inputs, best[2].params)
         if not replaced:
             return current
         # Inputs of a match lie below its root, so one pass in topological order rebuilds all.
@@ -46,3 +50,17 @@ def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
                 memo[n] = n.with_inputs(tuple(memo[i] for i in n.inputs))
         current = [memo[r] for r in current]
     return current
+
+
+def _region(root: Node, inputs: tuple[Node, ...]) -> int:
+    """How many nodes a match replaces: those reachable from its root without passing its inputs."""
+    stop = set(inputs)
+    seen: set[Node] = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n in seen or n in stop:
+            continue
+        seen.add(n)
+        stack.extend(n.inputs)
+    return len(seen)

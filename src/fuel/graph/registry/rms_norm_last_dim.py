@@ -145,11 +145,6 @@ def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
     """Div(x, bcast(Sqrt(AddScalar(eps)(keepdim MeanDim(last)(x²))))), or Mul(x, bcast(Rsqrt(...)))."""
     if not node.dtype.is_float:
         return None
-    from fuel.graph.registry.layer_norm_last_dim import pattern as layer_norm_pattern
-
-    # A layer norm is an RMS norm of the centred x: leave it whole to LayerNormLastDim.
-    if layer_norm_pattern(node, counts) is not None:
-        return None
     for x, denom, root_op in scaled_by_root_ms(node):
         if not normable(x):
             continue
