@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fuel.errors import FuelError
 from fuel.graph.node import Node, Op, consumer_counts, topo_order
-from fuel.graph.registry import FusedOpId, FusedOpRegistry, Match, fused_node
+from fuel.graph.registry import FusedOpEntry, FusedOpId, FusedOpRegistry, Match, fused_node
 
 
 class _Counts(dict[Node, int]):
@@ -15,7 +16,7 @@ class _Counts(dict[Node, int]):
 
 def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
     """Replace each subgraph a pattern recognises by its fused node; repeat until nothing changes."""
-    patterns = [(e.id, e.pattern) for e in registry if e.pattern is not None]
+    patterns = [(e, e.pattern) for e in registry if e.pattern is not None]
     current = list(roots)
     for _ in range(8):
         order = topo_order(current)
@@ -26,14 +27,17 @@ def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
             if node.value is not None:
                 continue
             best: tuple[int, FusedOpId, Match] | None = None
-            for op_id, pattern in patterns:
-                if node.op is Op.FUSED and node.arg[0] == op_id:
+            for entry, pattern in patterns:
+                if node.op is Op.FUSED and node.arg[0] == entry.id:
                     continue
                 m = pattern(node, counts)
+                if m is None or not _fits(entry, m, node):
+                    continue
                 # Several patterns can match one root (a layer norm is an RMS norm of the centred
                 # x): the one absorbing the most nodes wins, ties to the lower id.
-                if m is not None and (best is None or _region(node, m.inputs) > best[0]):
-                    best = (_region(node, m.inputs), op_id, m)
+                size = _region(node, m.inputs)
+                if best is None or size > best[0]:
+                    best = (size, entry.id, m)
             if best is not None:
                 replaced[node] = (best[1], best[2].inputs, best[2].params)
         if not replaced:
@@ -64,3 +68,13 @@ def _region(root: Node, inputs: tuple[Node, ...]) -> int:
         seen.add(n)
         stack.extend(n.inputs)
     return len(seen)
+
+
+def _fits(entry: FusedOpEntry, m: Match, root: Node) -> bool:
+    """A match is used only if the entry's rules accept its inputs and give the root's shape and dtype."""
+    try:
+        shape = entry.shape_rule(tuple(i.shape for i in m.inputs), m.params)
+        dtype = entry.dtype_rule(tuple(i.dtype for i in m.inputs), m.params)
+    except FuelError:
+        return False
+    return tuple(shape) == root.shape and dtype == root.dtype and len(m.inputs) in entry.arity
