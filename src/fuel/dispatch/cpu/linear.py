@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit, prange
 
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu.half import bits, narrow_bf16_row
+from fuel.dispatch.cpu.half import bits, narrow_bf16_row, widen_bf16_row
 from fuel.dispatch.fused import (
     BackendImpl,
     CostEstimate,
@@ -47,8 +47,8 @@ def _widen_bf16(src: Any, dst_bits: Any) -> None:
     n = src.shape[0]
     chunks = min(n, CHUNKS)
     for c in prange(chunks):
-        for i in range(c * n // chunks, (c + 1) * n // chunks):
-            dst_bits[i] = np.uint32(src[i]) << np.uint32(16)
+        lo, hi = c * n // chunks, (c + 1) * n // chunks
+        widen_bf16_row(src[lo:hi], dst_bits[lo:hi])
 
 
 @njit(cache=True, parallel=True)
