@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
+from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.vecmath import bf16_to_f32, f32_to_bf16
 from fuel.dtype import DType
 
@@ -48,7 +49,7 @@ def via_f32(kernel: Callable[[list[np.ndarray], np.ndarray, Any], None]) -> Call
 
     def run(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
         wide = [a.astype(np.float32) if a.dtype == DType.F16.np else a for a in inputs]
-        tmp = np.empty(out.shape, np.float32)
+        tmp = POOL.empty(out.shape, np.dtype(np.float32))
         kernel(wide, tmp, params)
         np.copyto(out, tmp, casting="unsafe")
 
