@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+from numpy.typing import ArrayLike
 
 from fuel.errors import DTypeError, NotDifferentiable, ShapeError
 from fuel.graph.node import Node, Op, topo_order
 from fuel.graph.prims import COMPARE, make
 from fuel.graph.registry import default_registry
-from fuel.graph.tensor import Tensor, full, where, zeros
+from fuel.graph.tensor import Tensor, full, tensor, where, zeros
 
 Grads = list[Tensor | None]
 PrimVjp = Callable[[list[Tensor], Node, Tensor, Tensor], Grads]
@@ -159,30 +162,53 @@ def _vjp(node: Node, g: Tensor) -> Grads:
     return rule(xs, node, y, g)
 
 
-def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None, fuse: bool = True) -> list[Tensor]:
-    """Gradients of `out` (weighted by `grad_out`, default ones for a one-element out) w.r.t. `wrt`.
+def _wrt_list(wrt: Tensor | Iterable[Tensor]) -> list[Tensor]:
+    """`wrt` as a list of graph tensors; arrays are refused, since no gradient could reach a new leaf."""
+    items = [wrt] if isinstance(wrt, Tensor) else list(wrt)
+    for k, w in enumerate(items):
+        if not isinstance(w, Tensor):
+            raise DTypeError(f"grad: wrt[{k}] is a {type(w).__name__}, not a Tensor of the graph; pass the "
+                             f"fl.tensor(...) the output was built from")
+        if not w.dtype.is_float:
+            raise DTypeError(f"grad: cannot differentiate with respect to a {w.dtype.value} tensor (wrt[{k}])")
+    return items
 
-    The forward graph is pattern-fused first (unless `fuse=False`), so a softmax or norm the user wrote
-    with primitives is differentiated through its fused backward entry. `wrt` nodes are kept as roots,
-    so fusion never absorbs a node a gradient is asked for.
-    """
-    if not out.dtype.is_float:
-        raise DTypeError(f"grad: output must be a float tensor, got {out.dtype.value}")
+
+def _grad_out(out: Tensor, grad_out: Tensor | ArrayLike | None) -> Tensor:
+    """The output's cotangent: ones for a one-element output, else given (arrays take out's dtype)."""
     if grad_out is None:
         if out.size != 1:
             raise ShapeError(f"grad: output has shape {list(out.shape)}; pass grad_out for non-scalar outputs")
-        grad_out = full(out.shape, 1.0, out.dtype)
-    elif grad_out.shape != out.shape or grad_out.dtype != out.dtype:
-        raise ShapeError(f"grad: grad_out is {list(grad_out.shape)} {grad_out.dtype.value}, "
-                         f"output is {list(out.shape)} {out.dtype.value}")
-    for w in wrt:
-        if not w.dtype.is_float:
-            raise DTypeError(f"grad: cannot differentiate with respect to a {w.dtype.value} tensor")
-    out_node, wrt_nodes = out.node, [w.node for w in wrt]
+        return full(out.shape, 1.0, out.dtype)
+    g = grad_out if isinstance(grad_out, Tensor) else tensor(np.asarray(grad_out), dtype=out.dtype)
+    if g.shape != out.shape:
+        raise ShapeError(f"grad: grad_out has shape {list(g.shape)}, output has shape {list(out.shape)}")
+    if g.dtype != out.dtype:
+        raise DTypeError(f"grad: grad_out is {g.dtype.value}, output is {out.dtype.value}; cast one first")
+    return g
+
+
+def grad(out: Tensor, wrt: Tensor | Iterable[Tensor], grad_out: Tensor | ArrayLike | None = None,
+         fuse: bool = True) -> list[Tensor]:
+    """Gradients of `out` (weighted by `grad_out`, default ones for a one-element out) w.r.t. `wrt`.
+
+    `wrt` is a sequence of tensors of the graph (a bare Tensor is taken as a list of one; the result is
+    always a list). `grad_out` may be a Tensor or any array-like, which is converted to out's dtype.
+    The forward graph is pattern-fused first (unless `fuse=False`), so a softmax or norm the user wrote
+    with primitives is differentiated through its fused backward entry. `wrt` nodes are kept as roots
+    and never absorbed into a fused node (views included), so every gradient asked for can flow.
+    """
+    if not isinstance(out, Tensor):
+        raise DTypeError(f"grad: output must be a Tensor, got {type(out).__name__}")
+    if not out.dtype.is_float:
+        raise DTypeError(f"grad: output must be a float tensor, got {out.dtype.value}")
+    wrt_list = _wrt_list(wrt)
+    cotangent = _grad_out(out, grad_out)
+    out_node, wrt_nodes = out.node, [w.node for w in wrt_list]
     if fuse:
         from fuel.graph.passes.fuse import fuse as fuse_pass
 
-        fused = fuse_pass([out_node, *wrt_nodes], default_registry())
+        fused = fuse_pass([out_node, *wrt_nodes], default_registry(), keep=wrt_nodes)
         out_node, wrt_nodes = fused[0], fused[1:]
     order = topo_order([out_node], stop_at_leaves=False)
     targets = set(wrt_nodes)
@@ -190,7 +216,7 @@ def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None, fus
     for n in order:
         if n in targets or any(i in needed for i in n.inputs):
             needed.add(n)
-    grads: dict[Node, Tensor] = {out_node: grad_out}
+    grads: dict[Node, Tensor] = {out_node: cotangent}
     for node in reversed(order):
         g = grads.get(node)
         if g is None or node not in needed or node.op is Op.CONST or not node.inputs:
@@ -203,5 +229,5 @@ def grad(out: Tensor, wrt: Sequence[Tensor], grad_out: Tensor | None = None, fus
                                  f"for input {list(inp.shape)} {inp.dtype.value}")
             prev = grads.get(inp)
             grads[inp] = gi if prev is None else prev + gi
-    return [grads.get(n, zeros(w.shape, w.dtype)) for n, w in zip(wrt_nodes, wrt, strict=True)]
+    return [grads.get(n, zeros(w.shape, w.dtype)) for n, w in zip(wrt_nodes, wrt_list, strict=True)]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from fuel.errors import FuelError
 from fuel.graph.node import Node, Op, consumer_counts, topo_order
@@ -14,8 +14,13 @@ class _Counts(dict[Node, int]):
         return 0
 
 
-def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
-    """Replace each subgraph a pattern recognises by its fused node; repeat until nothing changes."""
+def fuse(roots: Sequence[Node], registry: FusedOpRegistry, keep: Collection[Node] = ()) -> list[Node]:
+    """Replace each subgraph a pattern recognises by its fused node; repeat until nothing changes.
+
+    No node in `keep` is absorbed into a match (it may still be a match's root or input): a gradient
+    asked for a view that a pattern sees through would otherwise have nowhere to flow.
+    """
+    kept = set(keep)
     patterns = [(e, e.pattern) for e in registry if e.pattern is not None]
     current = list(roots)
     for _ in range(8):
@@ -35,7 +40,10 @@ def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
                     continue
                 # Several patterns can match one root (a layer norm is an RMS norm of the centred
                 # x): the one absorbing the most nodes wins, ties to the lower id.
-                size = _region(node, m.inputs)
+                region = _region(node, m.inputs)
+                if kept and any(n in kept for n in region if n is not node):
+                    continue
+                size = len(region)
                 if best is None or size > best[0]:
                     best = (size, entry.id, m)
             if best is not None:
@@ -53,11 +61,12 @@ def fuse(roots: Sequence[Node], registry: FusedOpRegistry) -> list[Node]:
             else:
                 memo[n] = n.with_inputs(tuple(memo[i] for i in n.inputs))
         current = [memo[r] for r in current]
+        kept = {memo.get(n, n) for n in kept}
     return current
 
 
-def _region(root: Node, inputs: tuple[Node, ...]) -> int:
-    """How many nodes a match replaces: those reachable from its root without passing its inputs."""
+def _region(root: Node, inputs: tuple[Node, ...]) -> set[Node]:
+    """The nodes a match replaces: those reachable from its root without passing its inputs."""
     stop = set(inputs)
     seen: set[Node] = set()
     stack = [root]
@@ -67,7 +76,7 @@ def _region(root: Node, inputs: tuple[Node, ...]) -> int:
             continue
         seen.add(n)
         stack.extend(n.inputs)
-    return len(seen)
+    return seen
 
 
 def _fits(entry: FusedOpEntry, m: Match, root: Node) -> bool:
