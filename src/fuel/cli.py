@@ -16,13 +16,29 @@ def _inventory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _entry_names(names: list[str]) -> list[str] | None:
+    """Registry names for `names`, each given as the entry's name or its builder's (snake_case) name."""
+    from fuel.graph.registry import default_registry, snake_name
+
+    known = {}
+    for e in default_registry():
+        known[e.name] = known[snake_name(e.name)] = e.name
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        valid = ", ".join(e.name for e in default_registry())
+        print(f"verify: no entry named {', '.join(unknown)}; valid names (or their snake_case builder names): {valid}",
+              file=sys.stderr)
+        return None
+    return [known[n] for n in names]
+
+
 def _verify(args: argparse.Namespace) -> int:
     from fuel.testing.contract import verify
 
-    results = verify(args.names)
-    if not results:
-        print(f"verify: no entry named {' '.join(args.names)}")
+    names = _entry_names(args.names)
+    if names is None:
         return 2
+    results = verify(names)
     print(f"{'impl':52} {'cases':>5} {'worst/bound':>11} {'bit-stable':>10}  result")
     for r in results:
         status = "ok" if r.ok else (r.error or "FAIL")
@@ -44,7 +60,29 @@ def _bench(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(root))
     from benchmarks import bench_ops
 
-    return bench_ops.main(args.names, args.dtype.split(","), args.out, args.repeat, not args.no_compile)
+    return bench_ops.main(args.names, args.dtype, args.out, args.repeat, not args.no_compile)
+
+
+def _dtype_list(text: str) -> list[str]:
+    """argparse type of --dtype: comma-separated float dtype names, checked before anything is measured."""
+    from fuel.dtype import FLOAT_DTYPES
+
+    valid = [d.value for d in FLOAT_DTYPES]
+    names = [t.strip().lower() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in valid]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown dtype {', '.join(bad) or repr(text)}; valid: {', '.join(valid)}")
+    return names
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
+    return n
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -64,9 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_verify)
     p = sub.add_parser("bench", help="kernels against PyTorch eager and torch.compile")
     p.add_argument("names", nargs="*", help="case names (default: all)")
-    p.add_argument("--dtype", default="f32,bf16", help="comma-separated dtypes (default f32,bf16)")
+    p.add_argument("--dtype", type=_dtype_list, default=["f32", "bf16"],
+                   help="comma-separated dtypes among f32,f64,bf16,f16 (default f32,bf16)")
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
-    p.add_argument("--repeat", type=int, default=10, help="timed runs per measurement")
+    p.add_argument("--repeat", type=_positive_int, default=10, help="timed runs per measurement (at least 1)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.set_defaults(run=_bench)
     p = sub.add_parser("demo", help="a short tour on the embedded default model")
