@@ -35,8 +35,12 @@ CostFn = Callable[[Sequence[Shape], Sequence[DType], Any], CostEstimate]
 class PrecisionGuarantee:
     """Measured bound against the float64 reference on the same (dtype-rounded) inputs.
 
-    An output element passes when `|out - ref| <= max_absolute * max|ref| + max_relative * |ref|`
-    (the absolute part scales with the row-set's magnitude so one bound serves every input scale).
+    An output element passes when `|out - ref| <= max_relative·|ref| + max_absolute·S + tiny`, where S
+    is the element's *local* scale, which the entry's reference registration defines
+    (`fuel.testing.reference.register(..., scale=...)`): by default max|ref| over the element's own
+    last-axis row; per element where the work is a sum of products, e.g. `|a| @ |b| + |bias|` for a
+    linear. `tiny` is the output format's smallest subnormal. NaN and ±inf must match the reference
+    exactly. `max_ulp` is not used by the check (no impl states an ulp bound).
     """
 
     bit_stable_on_same_hardware: bool

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numba
 import numpy as np
 
 from fuel.dispatch.fused import BackendImpl, PrecisionGuarantee, default_kernel_registry
 from fuel.graph.registry import FusedOpEntry, default_registry
-from fuel.testing.reference import cases, has_reference, reference
+from fuel.testing.check import excess, floor_of, nonfinite_mismatch, row_max_scale
+from fuel.testing.reference import cases, has_reference, reference, scale
 
 
 def output_for(entry: FusedOpEntry, impl: BackendImpl, inputs: Sequence[np.ndarray], params: Any) -> np.ndarray:
@@ -27,24 +30,40 @@ def output_for(entry: FusedOpEntry, impl: BackendImpl, inputs: Sequence[np.ndarr
     return out
 
 
-def precision_excess(out: np.ndarray, ref: np.ndarray, p: PrecisionGuarantee) -> float:
-    """max over elements of |out - ref| / allowed; <= 1 passes. NaN/inf must agree exactly."""
-    o = np.asarray(out, dtype=np.float64)
-    if o.shape != ref.shape:
+def precision_excess(out: np.ndarray, ref: np.ndarray, p: PrecisionGuarantee,
+                     local_scale: np.ndarray | None = None) -> float:
+    """max over elements of |out - ref| / allowed; <= 1 passes, inf when NaN/±inf disagree.
+
+    allowed = max_relative·|ref| + max_absolute·S + (the output format's smallest subnormal), with S
+    the element's local scale (default: max|ref| over its last-axis row); see PrecisionGuarantee.
+    """
+    o = np.asarray(out)
+    if o.shape != ref.shape or nonfinite_mismatch(o, ref) is not None:
         return float("inf")
-    finite = np.isfinite(ref)
-    if not np.array_equal(np.isnan(o), np.isnan(ref)) or not np.array_equal(o[~finite & ~np.isnan(ref)],
-                                                                          ref[~finite & ~np.isnan(ref)]):
-        return float("inf")
-    if not finite.any():
-        return 0.0
-    o, r = o[finite], ref[finite]
-    scale = float(np.max(np.abs(r)))
-    allowed = (p.max_absolute or 0.0) * scale + (p.max_relative or 0.0) * np.abs(r)
-    err = np.abs(o - r)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(err == 0, 0.0, err / allowed)
+    s = row_max_scale(ref) if local_scale is None else local_scale
+    ratio = excess(o, ref, s, p.max_relative or 0.0, p.max_absolute or 0.0, floor_of(o.dtype))
     return float(np.max(ratio)) if ratio.size else 0.0
+
+
+@contextmanager
+def numba_threads(n: int) -> Iterator[None]:
+    """Run the block with `n` Numba threads, restoring the previous count afterwards."""
+    before = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
+
+
+def thread_counts() -> tuple[int, ...]:
+    """The thread counts a bit-stable impl must agree across: 1 and 2 (where Numba has two)."""
+    try:
+        with numba_threads(2):
+            pass
+    except ValueError:  # Numba was started with a single thread
+        return (1,)
+    return (1, 2)
 
 
 @dataclass
@@ -55,6 +74,7 @@ class VerifyResult:
     worst: float
     bit_stable: bool
     error: str
+    unstable: str = ""
 
     @property
     def ok(self) -> bool:
@@ -62,26 +82,33 @@ class VerifyResult:
 
 
 def verify_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0, repeats: int = 16) -> VerifyResult:
+    """Precision on every case, and the same bytes over `repeats` calls and with 1 and 2 Numba threads."""
     rng = np.random.default_rng(seed)
-    worst, stable, n = 0.0, True, 0
+    worst, n, unstable = 0.0, 0, ""
     try:
         for case in cases(entry.name, impl.dtypes, rng):
             out = output_for(entry, impl, case.inputs, case.params)
             ref = reference(entry.name, case.inputs, case.params)
-            worst = max(worst, precision_excess(out, ref, impl.precision))
+            s = scale(entry.name, case.inputs, case.params, ref)
+            worst = max(worst, precision_excess(out, ref, impl.precision, s))
             n += 1
             first = out.tobytes()
-            for _ in range(repeats - 1):
-                if output_for(entry, impl, case.inputs, case.params).tobytes() != first:
-                    stable = False
+            if not unstable and any(output_for(entry, impl, case.inputs, case.params).tobytes() != first
+                                    for _ in range(repeats - 1)):
+                unstable = f"{case.label}: differs between calls"
+            for threads in thread_counts():
+                if unstable:
                     break
+                with numba_threads(threads):
+                    if output_for(entry, impl, case.inputs, case.params).tobytes() != first:
+                        unstable = f"{case.label}: differs with {threads} Numba thread(s)"
     except Exception as e:  # a crash is a failed verification, reported with its message
-        return VerifyResult(entry.name, impl.name, n, worst, stable, f"{type(e).__name__}: {e}")
-    return VerifyResult(entry.name, impl.name, n, worst, stable, "")
+        return VerifyResult(entry.name, impl.name, n, worst, not unstable, f"{type(e).__name__}: {e}", unstable)
+    return VerifyResult(entry.name, impl.name, n, worst, not unstable, "", unstable)
 
 
 def verify(names: Sequence[str] = (), seed: int = 0) -> list[VerifyResult]:
-    """Every impl of every (named) entry against its reference, with 16-call bit-stability."""
+    """Every impl of every (named) entry against its reference, with bit-stability over calls and threads."""
     kernels = default_kernel_registry()
     results = []
     for entry in default_registry():

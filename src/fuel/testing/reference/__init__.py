@@ -1,12 +1,15 @@
 """Float64 NumPy references of every entry, and the inputs `fuel verify` and the tests draw.
 
-Each module in REFERENCE_MODULES calls `register(name, ref, cases)` for its entries. A reference takes
-float64 copies of the kernel's (already dtype-rounded) inputs and returns float64 output(s).
+Every module in this package is found by discovery and calls `register(name, ref, cases, scale)` for
+its entries. A reference takes float64 copies of the kernel's (already dtype-rounded) inputs and returns
+float64 output(s). `scale` gives the local magnitude the absolute part of a precision bound is measured
+against, per output element (default: max|ref| over the element's last-axis row).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from fuel.dtype import DType
+from fuel.testing.check import row_max_scale
 
 
 @dataclass(frozen=True)
@@ -27,27 +31,34 @@ class Case:
 
 RefFn = Callable[[list[np.ndarray], Any], np.ndarray]
 CaseFn = Callable[[tuple[DType, ...], np.random.Generator], list[Case]]
+ScaleFn = Callable[[list[np.ndarray], Any, np.ndarray], np.ndarray]
+"""(float64 inputs, params, float64 reference output) -> per-element scale, broadcastable to the output."""
 
-REFERENCE_MODULES: tuple[str, ...] = (
-    "softmax",
-    "norms",
-    "linear",
-    "rope",
-)
+
+def row_max(inputs: list[np.ndarray], params: Any, ref: np.ndarray) -> np.ndarray:
+    """The default scale: max|ref| over each element's last-axis row."""
+    return row_max_scale(ref, -1)
+
 
 _REFS: dict[str, RefFn] = {}
 _CASES: dict[str, CaseFn] = {}
+_SCALES: dict[str, ScaleFn] = {}
 
 
-def register(name: str, ref: RefFn, cases: CaseFn) -> None:
+def register(name: str, ref: RefFn, cases: CaseFn, scale: ScaleFn = row_max) -> None:
     _REFS[name] = ref
     _CASES[name] = cases
+    _SCALES[name] = scale
 
 
 def _load() -> None:
     # Importing a module registers its entries; importing one directly must not hide the others.
-    for m in REFERENCE_MODULES:
-        importlib.import_module(f"{__name__}.{m}")
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+def _widen(inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return [a.astype(np.float64) if a.dtype.kind in "fV" or a.dtype.name == "bfloat16" else a for a in inputs]
 
 
 def has_reference(name: str) -> bool:
@@ -58,8 +69,13 @@ def has_reference(name: str) -> bool:
 def reference(name: str, inputs: Sequence[np.ndarray], params: Any) -> np.ndarray:
     """The float64 reference output of entry `name` on `inputs` (float inputs are widened exactly)."""
     _load()
-    wide = [a.astype(np.float64) if a.dtype.kind in "fV" or a.dtype.name == "bfloat16" else a for a in inputs]
-    return _REFS[name](wide, params)
+    return _REFS[name](_widen(inputs), params)
+
+
+def scale(name: str, inputs: Sequence[np.ndarray], params: Any, ref: np.ndarray) -> np.ndarray:
+    """The local scale of each element of `ref` (entry `name`'s reference output on `inputs`)."""
+    _load()
+    return np.broadcast_to(np.asarray(_SCALES[name](_widen(inputs), params, ref), np.float64), ref.shape)
 
 
 def cases(name: str, dtypes: tuple[DType, ...], rng: np.random.Generator) -> list[Case]:

@@ -26,6 +26,12 @@ def linear64(xs: list[np.ndarray], params: Any) -> np.ndarray:
     return np.matmul(a, expand_b64(b, a.shape[:-2])) + bias
 
 
+def linear_scale(xs: list[np.ndarray], params: Any, ref: np.ndarray | None = None) -> np.ndarray:
+    """S = |a| @ |b| + |bias| per output element: the size of the terms its sum adds up."""
+    a, b, bias = xs
+    return np.matmul(np.abs(a), np.abs(expand_b64(b, a.shape[:-2]))) + np.abs(bias)
+
+
 # (a shape, b shape): rank 2, batched, shared weight, GQA multiples, size-1 and empty dims.
 LINEAR_SHAPES: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (
     ((7, 33), (33, 5)),
@@ -54,4 +60,4 @@ def _cases(dtypes: tuple[DType, ...], rng: np.random.Generator) -> list[Case]:
     return out
 
 
-register("FusedLinear", linear64, _cases)
+register("FusedLinear", linear64, _cases, linear_scale)

@@ -21,6 +21,12 @@ def rope64(xs: list[np.ndarray], params: Any) -> np.ndarray:
     return x * cos + rotate_half64(x) * sin
 
 
+def rope_scale(xs: list[np.ndarray], params: Any, ref: np.ndarray) -> np.ndarray:
+    """|x|·|cos| + |rotate_half(x)|·|sin| per element: the size of the two products it adds."""
+    x, cos, sin = xs
+    return np.abs(x) * np.abs(cos) + np.abs(rotate_half64(x)) * np.abs(sin)
+
+
 def rope_tables(seq: int, d: int, base: float = 10000.0, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Llama-style float64 tables [seq, d] with duplicated halves."""
     inv = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
@@ -47,4 +53,4 @@ def _cases(dtypes: tuple[DType, ...], rng: np.random.Generator) -> list[Case]:
     return out
 
 
-register("Rope", rope64, _cases)
+register("Rope", rope64, _cases, rope_scale)

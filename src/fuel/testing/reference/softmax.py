@@ -26,6 +26,12 @@ def softmax_backward64(xs: list[np.ndarray], params: Any) -> np.ndarray:
     return y * (g - (g * y).sum(-1, keepdims=True))
 
 
+def softmax_backward_scale(xs: list[np.ndarray], params: Any, ref: np.ndarray) -> np.ndarray:
+    """|y|·(|g| + Σ|g·y|): the size of each term of y·(g - Σ g·y) before it cancels."""
+    y, g = np.abs(xs[0]), np.abs(xs[1])
+    return y * (g + (g * y).sum(-1, keepdims=True))
+
+
 def _forward_cases(dtypes: tuple[DType, ...], rng: np.random.Generator) -> list[Case]:
     dt = dtypes[0]
     p = SoftmaxLastDimParams()
@@ -49,4 +55,4 @@ def _backward_cases(dtypes: tuple[DType, ...], rng: np.random.Generator) -> list
 
 
 register("SoftmaxLastDim", softmax64, _forward_cases)
-register("SoftmaxLastDimBackward", softmax_backward64, _backward_cases)
+register("SoftmaxLastDimBackward", softmax_backward64, _backward_cases, softmax_backward_scale)
