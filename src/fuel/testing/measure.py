@@ -73,7 +73,7 @@ def measure_impl(entry: FusedOpEntry, impl: BackendImpl, seeds: Sequence[int]) -
 
 def measure(names: Sequence[str] = (), seeds: Sequence[int] = range(60)) -> list[Measured]:
     """Each impl of each (named) entry over `seeds` of its reference cases."""
-    out = []
+    out: list[Measured] = []
     for entry in default_registry():
         if names and entry.name not in names:
             continue
