@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 import fuel as fl
+from fuel.dispatch.fused import BackendImpl
 from fuel.dtype import DType
 from fuel.graph.node import Op
 from fuel.graph.passes.fuse import fuse
 from fuel.graph.registry import FusedOpEntry, default_registry, fused_node
-from fuel.testing.contract import verify_impl
+from fuel.testing.contract import output_for, verify_impl
 from fuel.testing.reference import Case, cases, has_reference, reference
 
 ENTRIES = list(default_registry())
@@ -29,9 +31,20 @@ def test_every_entry_has_impls_and_a_reference() -> None:
 
 
 @pytest.mark.parametrize(("entry", "impl"), IMPLS, ids=[i.name for _, i in IMPLS])
-def test_impl_meets_its_precision_and_is_bit_stable(entry: FusedOpEntry, impl: fl.kernels) -> None:  # type: ignore[valid-type]
-    result = verify_impl(entry, impl)  # type: ignore[arg-type]
+def test_impl_meets_its_precision_and_is_bit_stable(entry: FusedOpEntry, impl: BackendImpl) -> None:
+    result = verify_impl(entry, impl)
     assert result.ok, result
+
+
+@pytest.mark.parametrize(("entry", "impl"), IMPLS, ids=[i.name for _, i in IMPLS])
+def test_impl_gives_the_same_bytes_with_one_and_two_blas_threads(entry: FusedOpEntry, impl: BackendImpl) -> None:
+    # verify_impl varies Numba's threads; the GEMM-shaped impls run on OpenBLAS's own pool.
+    for case in cases(entry.name, impl.dtypes, np.random.default_rng(1)):
+        with threadpool_limits(1, "blas"):
+            one = output_for(entry, impl, case.inputs, case.params).tobytes()
+        with threadpool_limits(2, "blas"):
+            two = output_for(entry, impl, case.inputs, case.params).tobytes()
+        assert one == two, case.label
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[e.name for e in ENTRIES])
