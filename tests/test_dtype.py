@@ -71,3 +71,50 @@ def test_vectorisable_intrinsics_are_exact(rng: np.random.Generator) -> None:
     assert np.all(np.abs(got[~tiny] - ref[~tiny]) <= 4e-7 * ref[~tiny])
     assert np.all(np.abs(got[tiny]) <= 1.2e-38)
     assert np.isnan(e[~finite]).all()
+
+
+@pytest.mark.parametrize("name", ["f99", "bogus", "int16", "float128"])
+def test_unknown_dtype_names_list_the_valid_ones(name: str) -> None:
+    with pytest.raises(fl.DTypeError, match=rf"'{name}' is not a dtype Fuel stores; valid names: f32, f64, bf16, "
+                                            r"f16, u8, u32, u64, i64"):
+        as_dtype(name)
+    with pytest.raises(fl.DTypeError, match=rf"cast: '{name}'"):
+        fl.tensor(np.zeros(2, np.float32)).cast(name)
+    with pytest.raises(fl.DTypeError, match=rf"zeros: '{name}'"):
+        fl.zeros((2,), name)
+    with pytest.raises(fl.DTypeError, match="None"):
+        as_dtype(None)
+
+
+def test_u64_is_a_stored_dtype() -> None:
+    assert fl.u64 is DType.U64 and fl.u64.np == np.uint64 and as_dtype("U64") is fl.u64
+    assert fl.tensor(np.array([2**64 - 1], np.uint64)).dtype is fl.u64
+
+
+def _saturated(v: float, lo: int, hi: int) -> int:
+    """The saturating float-to-int rule, in Python's exact integers."""
+    if np.isnan(v):
+        return 0
+    if v == np.inf or (np.isfinite(v) and int(v) > hi):
+        return hi
+    if v == -np.inf or (np.isfinite(v) and int(v) < lo):
+        return lo
+    return int(v)  # truncates toward zero
+
+
+@pytest.mark.parametrize("src", [fl.f32, fl.f64, fl.f16, fl.bf16], ids=lambda d: d.value)
+@pytest.mark.parametrize("dst", [fl.u8, fl.u32, fl.u64, fl.i64], ids=lambda d: d.value)
+def test_float_to_int_casts_saturate_at_the_limits(src: DType, dst: DType) -> None:
+    lo, hi = int(np.iinfo(dst.np).min), int(np.iinfo(dst.np).max)
+    seeds = [0.0, 0.5, -0.5, 1.7, -1.7, 254.5, 255.5, 256.0, hi, hi + 1, 2.0 * hi, lo, lo - 1, 2.0 * lo - 8,
+             1e30, -1e30, 2.0**63, 2.0**64, np.inf, -np.inf, np.nan]
+    with np.errstate(over="ignore", invalid="ignore"):  # 1e30 is inf in f16; neighbours of NaN are NaNs
+        base = np.array([float(s) for s in seeds], np.float64).astype(src.np)  # rounded into the source type
+        bits = base.view(f"u{src.np.itemsize}")
+        # each value with its two neighbours in the source type, so both sides of every limit are tried
+        values = np.concatenate([base, (bits + 1).view(src.np), (bits - 1).view(src.np)])
+        wide = values.astype(np.float64)
+    got = fl.tensor(values).cast(dst).numpy()
+    assert got.dtype == dst.np
+    want = [_saturated(float(v), lo, hi) for v in wide]
+    assert [int(g) for g in got] == want

@@ -3,7 +3,7 @@
 from fuel import ops
 from fuel.dispatch.executor import realize, trace
 from fuel.dispatch.fused import default_kernel_registry as kernels
-from fuel.dtype import DType, bf16, f16, f32, f64, i64, u8, u32
+from fuel.dtype import DEFAULT_FLOAT, DType, bf16, f16, f32, f64, i64, u8, u32, u64
 from fuel.errors import (
     DTypeError,
     FuelError,
@@ -20,8 +20,8 @@ from fuel.graph.registry import default_registry
 from fuel.graph.tensor import Tensor, concat, full, matmul, ones, pad, tensor, where, zeros
 
 __all__ = [
-    "DType", "DTypeError", "DynScalar", "FuelError", "IndexOutOfRange", "KernelError",
+    "DEFAULT_FLOAT", "DType", "DTypeError", "DynScalar", "FuelError", "IndexOutOfRange", "KernelError",
     "NoDecomposition", "NotDifferentiable", "ParamError", "ShapeError", "Tensor", "bf16",
     "concat", "default_registry", "dyn", "f16", "f32", "f64", "full", "grad", "i64", "kernels",
-    "matmul", "ones", "ops", "pad", "realize", "tensor", "trace", "u8", "u32", "where", "zeros",
+    "matmul", "ones", "ops", "pad", "realize", "tensor", "trace", "u8", "u32", "u64", "where", "zeros",
 ]

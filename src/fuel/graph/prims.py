@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
-from fuel.graph.node import Node, Op, Shape
+from fuel.graph.node import DynScalar, Node, Op, Shape
 
 Rule = Callable[[tuple[Node, ...], Any], tuple[Shape, DType]]
 
@@ -30,8 +31,29 @@ def _arity(op: Op, inputs: tuple[Node, ...], n: int) -> None:
         raise ShapeError(f"{_name(op)}: takes {n} input(s), got {len(inputs)}")
 
 
+def as_int(op: str, value: Any, what: str) -> int:
+    """A size, axis or width the user gave, as an int. These fix shapes when the graph is built, so a
+    DynScalar (bound only at realize) cannot stand for one."""
+    if isinstance(value, DynScalar):
+        raise ParamError(f"{op}: a DynScalar ({value.name!r}) is not supported as {what}; {what} is fixed "
+                         f"when the graph is built")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ShapeError(f"{op}: {what} must be an integer, got {value!r}") from None
+
+
+def check_dims(op: str, dims: Shape) -> Shape:
+    """`dims` if no dimension is negative, else a ShapeError."""
+    for d in dims:
+        if d < 0:
+            raise ShapeError(f"{op}: dimension {d} of {list(dims)} is negative")
+    return dims
+
+
 def norm_axis(op: str, axis: int, rank: int, extra: int = 0) -> int:
     """Resolve a possibly negative axis against `rank` (+`extra` for insert positions)."""
+    axis = as_int(op, axis, "an axis")
     n = rank + extra
     if not -n <= axis < n:
         raise ShapeError(f"{op}: axis {axis} is out of range for rank {rank}")
@@ -131,7 +153,7 @@ def _reduce_to(op: Op) -> Rule:
         reduce_to_axes(_name(op), inputs[0].shape, tuple(arg))
         if op is Op.REDUCE_MAX_TO and 0 in inputs[0].shape and math.prod(arg) > 0:
             raise ShapeError(f"reduce_max_to: cannot take the max over an empty axis of {list(inputs[0].shape)}")
-        return tuple(arg), inputs[0].dtype
+        return tuple(arg), (inputs[0].dtype.sum_dtype if op is Op.REDUCE_SUM_TO else inputs[0].dtype)
     return rule
 
 
@@ -143,13 +165,14 @@ def _dim_reduce(op: Op) -> Rule:
             raise ShapeError(f"{_name(op)}: axis {arg!r} is out of range for rank {len(x.shape)}")
         if op is Op.MAX_DIM and x.shape[arg] == 0:
             raise ShapeError(f"max_dim: axis {arg} of {list(x.shape)} is empty")
-        return x.shape[:arg] + x.shape[arg + 1:], x.dtype
+        dtype = x.dtype.sum_dtype if op is Op.SUM_DIM else x.dtype.mean_dtype if op is Op.MEAN_DIM else x.dtype
+        return x.shape[:arg] + x.shape[arg + 1:], dtype
     return rule
 
 
 def _broadcast_to(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     _arity(Op.BROADCAST_TO, inputs, 1)
-    x, target = inputs[0], tuple(arg)
+    x, target = inputs[0], check_dims("broadcast_to", tuple(arg))
     if broadcast_shapes("broadcast_to", x.shape, target) != target:
         raise ShapeError(f"broadcast_to: {list(x.shape)} does not broadcast to {list(target)}")
     return target, x.dtype
@@ -341,4 +364,4 @@ assert set(RULES) == set(Op), "every primitive needs a shape/dtype rule"
 def make(op: Op, inputs: tuple[Node, ...], arg: Any = None) -> Node:
     """Build a primitive node, checking its shape and dtype rule first."""
     shape, dtype = RULES[op](inputs, arg)
-    return Node(op, inputs, tuple(int(d) for d in shape), dtype, arg)
+    return Node(op, inputs, check_dims(_name(op), tuple(int(d) for d in shape)), dtype, arg)

@@ -8,10 +8,11 @@ from typing import Any, Union
 
 import numpy as np
 
-from fuel.dtype import DType, as_dtype, from_numpy
+from fuel.dtype import DEFAULT_FLOAT, DType, as_dtype, from_numpy
 from fuel.errors import DTypeError, ParamError, ShapeError
-from fuel.graph.node import Node, Op, Shape
-from fuel.graph.prims import broadcast_shapes, make, norm_axis
+from fuel.graph.node import DynScalar, Node, Op, Shape
+from fuel.graph.prims import as_int, broadcast_shapes, check_dims, make, norm_axis
+from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, promote_pair, result_dtype
 
 Scalar = int | float
 TensorLike = Union["Tensor", np.ndarray, Scalar]
@@ -68,15 +69,37 @@ class Tensor:
         out.flags.writeable = False
         return out
 
-    def item(self, env: dict[str, int] | None = None) -> float | int:
+    def item(self, env: dict[str, int] | None = None, op: str = "item") -> float | int:
         if self.size != 1:
-            raise ShapeError(f"item: needs exactly one element, tensor has shape {list(self.shape)}")
+            raise ShapeError(f"{op}: needs exactly one element, tensor has shape {list(self.shape)}")
         value: float | int = self.numpy(env).reshape(()).item()
         return value
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        """NumPy 2's protocol. copy=True gives a fresh writable array; copy=None may give the read-only
+        realised array, which can share memory with a leaf's own array; copy=False refuses to copy."""
         arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            if copy is False:
+                raise ParamError(f"__array__: {self.dtype.value} to {np.dtype(dtype)} needs a copy, "
+                                 f"and copy=False forbids one")
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
+
+    # Python conversions realise a one-element tensor.
+    def __float__(self) -> float: return float(self.item(op="float"))
+    def __int__(self) -> int: return int(self.item(op="int"))
+
+    def __index__(self) -> int:
+        if self.dtype.is_float:
+            raise DTypeError(f"index: needs an integer tensor, got {self.dtype.value}")
+        return int(self.item(op="index"))
+
+    def __bool__(self) -> bool:
+        if self.size != 1:
+            raise ShapeError(f"bool: the truth value of a tensor of shape {list(self.shape)} is ambiguous; "
+                             f"reduce it first, e.g. (t != 0).sum() > 0")
+        return bool(self.item(op="bool"))
 
     # ---- elementwise ---------------------------------------------------------------------
     def _unary(self, op: Op) -> Tensor:
@@ -110,31 +133,12 @@ class Tensor:
     def __neg__(self) -> Tensor: return self.neg()
     def __abs__(self) -> Tensor: return self.abs()
 
-    def __add__(self, other: TensorLike) -> Tensor:
-        if _is_scalar(other):
-            return Tensor(make(Op.ADD_SCALAR, (self.node,), float(other)))  # type: ignore[arg-type]
-        return binary(Op.ADD, self, other)
-
-    def __radd__(self, other: TensorLike) -> Tensor:
-        return self + other if _is_scalar(other) else binary(Op.ADD, other, self)
-
-    def __sub__(self, other: TensorLike) -> Tensor:
-        if _is_scalar(other):
-            return Tensor(make(Op.ADD_SCALAR, (self.node,), -float(other)))  # type: ignore[arg-type]
-        return binary(Op.SUB, self, other)
-
-    def __rsub__(self, other: TensorLike) -> Tensor:
-        if _is_scalar(other):
-            return Tensor(make(Op.ADD_SCALAR, (self.neg().node,), float(other)))  # type: ignore[arg-type]
-        return binary(Op.SUB, other, self)
-
-    def __mul__(self, other: TensorLike) -> Tensor:
-        if _is_scalar(other):
-            return Tensor(make(Op.MUL_SCALAR, (self.node,), float(other)))  # type: ignore[arg-type]
-        return binary(Op.MUL, self, other)
-
-    def __rmul__(self, other: TensorLike) -> Tensor:
-        return self * other if _is_scalar(other) else binary(Op.MUL, other, self)
+    def __add__(self, other: TensorLike) -> Tensor: return binary(Op.ADD, self, other)
+    def __radd__(self, other: TensorLike) -> Tensor: return binary(Op.ADD, other, self)
+    def __sub__(self, other: TensorLike) -> Tensor: return binary(Op.SUB, self, other)
+    def __rsub__(self, other: TensorLike) -> Tensor: return binary(Op.SUB, other, self)
+    def __mul__(self, other: TensorLike) -> Tensor: return binary(Op.MUL, self, other)
+    def __rmul__(self, other: TensorLike) -> Tensor: return binary(Op.MUL, other, self)
 
     def __truediv__(self, other: TensorLike) -> Tensor: return binary(Op.DIV, self, other)
     def __rtruediv__(self, other: TensorLike) -> Tensor: return binary(Op.DIV, other, self)
@@ -158,14 +162,14 @@ class Tensor:
     def __ne__(self, other: object) -> Tensor: return binary(Op.NE, self, other)  # type: ignore[override,arg-type]
     __hash__ = object.__hash__
 
-    def __bool__(self) -> bool:
-        raise ShapeError("bool: a lazy tensor has no truth value; realise it and compare the array")
-
     def __matmul__(self, other: TensorLike) -> Tensor: return matmul(self, other)
     def __rmatmul__(self, other: TensorLike) -> Tensor: return matmul(other, self)
 
     def cast(self, dtype: DType | str) -> Tensor:
-        target = as_dtype(dtype)
+        """This tensor as `dtype`. Float to integer saturates: values above the integer range give its
+        max, values below give its min, NaN gives 0, the rest truncate toward zero. Integer to integer
+        wraps, as NumPy's astype does; anything to a float rounds to nearest."""
+        target = as_dtype(dtype, "cast")
         return self if target is self.dtype else Tensor(make(Op.CAST, (self.node,), target))
 
     astype = cast
@@ -174,8 +178,8 @@ class Tensor:
     def _axes(self, op: str, axis: int | Sequence[int] | None) -> tuple[int, ...]:
         if axis is None:
             return tuple(range(self.ndim))
-        axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
-        out = tuple(sorted({norm_axis(op, int(a), self.ndim) for a in axes}))
+        axes = tuple(axis) if isinstance(axis, (Sequence, np.ndarray)) else (axis,)
+        out = tuple(sorted({norm_axis(op, a, self.ndim) for a in axes}))
         if len(out) != len(axes):
             raise ShapeError(f"{op}: axis {axis} repeats an axis")
         return out
@@ -188,8 +192,13 @@ class Tensor:
             dim_op = {"sum": Op.SUM_DIM, "max": Op.MAX_DIM, "mean": Op.MEAN_DIM}[op]
             out = Tensor(make(dim_op, (self.node,), axes[0]))
             return out.unsqueeze(axes[0]) if keepdim else out
+        if op == "mean" and self.dtype.is_half:
+            # A half-type sum can overflow (or lose digits) before the scale: sum and scale in f32.
+            return self.cast(self.dtype.acc)._reduce(op, axis, keepdim).cast(self.dtype)
         if op == "mean":
             n = math.prod(self.shape[a] for a in axes)
+            if self.dtype.is_int:  # NumPy's mean of integers: the exact 64-bit sum, divided in f64
+                return (self._reduce("sum", axis, keepdim).cast(DType.F64) / float(n)).cast(DEFAULT_FLOAT)
             return self._reduce("sum", axis, keepdim) * (1.0 / n if n else math.nan)
         to_op = Op.REDUCE_SUM_TO if op == "sum" else Op.REDUCE_MAX_TO
         out = Tensor(make(to_op, (self.node,), kept if axes != tuple(range(self.ndim)) or keepdim else ()))
@@ -218,9 +227,9 @@ class Tensor:
 
     # ---- movement ------------------------------------------------------------------------
     def reshape(self, *shape: int | Sequence[int]) -> Tensor:
-        dims = _dims(shape)
-        if dims.count(-1) > 1:
-            raise ShapeError(f"reshape: at most one -1 in {list(dims)}")
+        dims = _dims("reshape", shape)
+        if dims.count(-1) > 1 or any(d < -1 for d in dims):
+            raise ShapeError(f"reshape: at most one -1 and no other negative dimension in {list(dims)}")
         if -1 in dims:
             rest = math.prod(d for d in dims if d != -1)
             if rest == 0 or self.size % rest:
@@ -231,7 +240,7 @@ class Tensor:
         return Tensor(make(Op.RESHAPE, (self.node,), dims))
 
     def permute(self, *axes: int | Sequence[int]) -> Tensor:
-        dims = tuple(norm_axis("permute", a, self.ndim) for a in _dims(axes))
+        dims = tuple(norm_axis("permute", a, self.ndim) for a in _dims("permute", axes, "an axis"))
         if dims == tuple(range(self.ndim)):
             return self
         return Tensor(make(Op.PERMUTE, (self.node,), dims))
@@ -259,7 +268,7 @@ class Tensor:
         return out
 
     def broadcast_to(self, *shape: int | Sequence[int]) -> Tensor:
-        dims = _dims(shape)
+        dims = _dims("broadcast_to", shape)
         return self if dims == self.shape else Tensor(make(Op.BROADCAST_TO, (self.node,), dims))
 
     def contiguous(self) -> Tensor:
@@ -281,10 +290,10 @@ def _is_scalar(x: object) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
-def _dims(shape: Sequence[Any]) -> tuple[int, ...]:
-    if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
-        return tuple(int(d) for d in shape[0])
-    return tuple(int(d) for d in shape)
+def _dims(op: str, shape: Sequence[Any], what: str = "a dimension") -> tuple[int, ...]:
+    """Sizes given either as arguments or as one sequence: `reshape(2, 3)` or `reshape((2, 3))`."""
+    items = shape[0] if len(shape) == 1 and isinstance(shape[0], (Sequence, np.ndarray)) else shape
+    return tuple(as_int(op, d, what) for d in items)
 
 
 def tensor(data: Any, dtype: DType | str | None = None) -> Tensor:
@@ -295,24 +304,26 @@ def tensor(data: Any, dtype: DType | str | None = None) -> Tensor:
     if arr.dtype == np.bool_:
         arr = arr.astype(np.uint8)
     if dtype is not None:
-        arr = arr.astype(as_dtype(dtype).np, copy=False)
+        arr = arr.astype(as_dtype(dtype, "tensor").np, copy=False)
     dt = from_numpy(arr.dtype)
     return Tensor(Node(Op.CONST, (), tuple(int(d) for d in arr.shape), dt, None, arr))
 
 
-def full(shape: Sequence[int], value: float, dtype: DType | str = DType.F32) -> Tensor:
+def full(shape: int | Sequence[int], value: float, dtype: DType | str = DEFAULT_FLOAT, op: str = "full") -> Tensor:
     """A constant filled with `value` (a rank-0 leaf broadcast, so no memory is spent)."""
-    dt = as_dtype(dtype)
-    leaf = tensor(np.array(value, dtype=dt.np))
-    return leaf.broadcast_to(tuple(shape)) if tuple(shape) else leaf
+    dt = as_dtype(dtype, op)
+    dims = check_dims(op, _dims(op, (shape,)))
+    if isinstance(value, DynScalar):
+        raise ParamError(f"{op}: a DynScalar ({value.name!r}) is not supported as the fill value")
+    return Tensor(broadcast(const(op, value, dt), dims))
 
 
-def zeros(shape: Sequence[int], dtype: DType | str = DType.F32) -> Tensor:
-    return full(shape, 0.0, dtype)
+def zeros(shape: int | Sequence[int], dtype: DType | str = DEFAULT_FLOAT) -> Tensor:
+    return full(shape, 0, dtype, op="zeros")
 
 
-def ones(shape: Sequence[int], dtype: DType | str = DType.F32) -> Tensor:
-    return full(shape, 1.0, dtype)
+def ones(shape: int | Sequence[int], dtype: DType | str = DEFAULT_FLOAT) -> Tensor:
+    return full(shape, 1, dtype, op="ones")
 
 
 def as_tensor(x: TensorLike, like: Tensor | None = None) -> Tensor:
@@ -328,15 +339,17 @@ def as_tensor(x: TensorLike, like: Tensor | None = None) -> Tensor:
     return tensor(x)
 
 
+def _operand(x: Any) -> Operand:
+    """A binary op's operand: a tensor's node, a scalar as it is (promotion needs to know weak from typed),
+    anything else (an array, a list) as a new leaf."""
+    if isinstance(x, Tensor):
+        return x.node
+    return x if is_number(x) else tensor(x).node
+
+
 def binary(op: Op, a: TensorLike, b: TensorLike) -> Tensor:
-    """Elementwise op with NumPy broadcasting, lowered to explicit BROADCAST_TO nodes."""
-    ta = as_tensor(a, b if isinstance(b, Tensor) else None)
-    tb = as_tensor(b, ta)
-    if ta.dtype != tb.dtype:
-        raise DTypeError(f"{op.name.lower()}: operands must share a dtype, got {ta.dtype.value} and "
-                         f"{tb.dtype.value}; cast one first")
-    shape = broadcast_shapes(op.name.lower(), ta.shape, tb.shape)
-    return Tensor(make(op, (ta.broadcast_to(shape).node, tb.broadcast_to(shape).node)))
+    """Elementwise op with NumPy 2 promotion (fuel.graph.promote) and broadcasting."""
+    return Tensor(elementwise(op, _operand(a), _operand(b)))
 
 
 def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> Tensor:
@@ -344,10 +357,9 @@ def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> Tensor:
     tc = as_tensor(cond)
     if tc.dtype is not DType.U8:
         raise DTypeError(f"where: condition must be u8 (a comparison's result), got {tc.dtype.value}")
-    ta = as_tensor(a, b if isinstance(b, Tensor) else None)
-    tb = as_tensor(b, ta)
-    shape = broadcast_shapes("where", broadcast_shapes("where", tc.shape, ta.shape), tb.shape)
-    nodes = (tc.broadcast_to(shape).node, ta.broadcast_to(shape).node, tb.broadcast_to(shape).node)
+    na, nb = promote_pair("where", _operand(a), _operand(b))
+    shape = broadcast_shapes("where", broadcast_shapes("where", tc.shape, na.shape), nb.shape)
+    nodes = (tc.broadcast_to(shape).node, broadcast(na, shape), broadcast(nb, shape))
     return Tensor(make(Op.WHERE, nodes))
 
 
@@ -381,12 +393,18 @@ def concat(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
         raise ShapeError("concat: needs at least one tensor")
     if len(ts) == 1:
         return ts[0]
+    dt = ts[0].dtype
+    for t in ts[1:]:
+        dt = result_dtype("concat", dt, t.dtype)
+    ts = [t.cast(dt) for t in ts]
     return Tensor(make(Op.CONCAT, tuple(t.node for t in ts), norm_axis("concat", axis, ts[0].ndim)))
 
 
 def pad(x: TensorLike, widths: Sequence[tuple[int, int]], value: float = 0.0) -> Tensor:
     t = as_tensor(x)
-    w = tuple((int(b), int(a)) for b, a in widths)
+    w = tuple((as_int("pad", b, "a pad width"), as_int("pad", a, "a pad width")) for b, a in widths)
+    if not is_number(value):
+        raise ParamError(f"pad: the fill value must be a number, got {value!r}")
     return Tensor(make(Op.PAD, (t.node,), (w, float(value))))
 
 

@@ -91,24 +91,53 @@ def _powi(xs: list[np.ndarray], n: Node) -> np.ndarray:
     return _store(r, n)
 
 
+def _saturate(x: np.ndarray, target: DType) -> np.ndarray:
+    """Float to integer, saturating: above the range gives the max, below it the min, NaN gives 0, and
+    the rest truncates toward zero. The bounds are compared in f64, where every float type widens exactly;
+    the max itself may round up there (2**63 - 1 becomes 2**63), so reaching the rounded max saturates."""
+    info = np.iinfo(target.np)
+    lo, hi = int(info.min), int(info.max)
+    with np.errstate(invalid="ignore"):  # a signalling NaN is still a NaN: it saturates to 0 below
+        wide = x.astype(np.float64)
+    hi_f = float(hi)
+    over = wide >= hi_f if int(hi_f) > hi else wide > hi_f
+    under = wide < float(lo)
+    nan = np.isnan(wide)
+    out = np.where(over | under | nan, 0.0, wide).astype(target.np)
+    out[over] = hi
+    out[under] = lo
+    return out
+
+
 def _cast(xs: list[np.ndarray], n: Node) -> np.ndarray:
     x, target = xs[0], n.dtype
     if n.inputs[0].dtype.is_float and not target.is_float:
-        info = np.iinfo(target.np)
-        x = np.clip(np.nan_to_num(x.astype(np.float64), nan=0.0), info.min, info.max)
+        return _saturate(x, target)
     return x.astype(target.np)
+
+
+def _acc(n: Node) -> Any:
+    """The dtype NumPy accumulates a reduction in: the node's own for integer sums (64 bits), f64 for the
+    mean of integers, and the working type (f32 for half types) for floats."""
+    if n.inputs[0].dtype.is_float:
+        return None
+    return np.float64 if n.dtype.is_float else n.dtype.np
 
 
 def _reduce_to(f: Callable[..., np.ndarray]) -> PrimKernel:
     def kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
         axes = reduce_to_axes(n.op.name.lower(), n.inputs[0].shape, n.shape)
-        y = f(_work(xs[0], n.dtype), axis=axes, keepdims=True)
+        x = _work(xs[0], n.inputs[0].dtype)
+        y = f(x, axis=axes, keepdims=True) if f is np.max else f(x, axis=axes, keepdims=True, dtype=_acc(n))
         return _store(np.reshape(y, n.shape), n)
     return kernel
 
 
 def _dim(f: Callable[..., np.ndarray]) -> PrimKernel:
-    return lambda xs, n: _store(np.asarray(f(_work(xs[0], n.dtype), axis=n.arg)), n)
+    def kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
+        x = _work(xs[0], n.inputs[0].dtype)
+        return _store(np.asarray(f(x, axis=n.arg) if f is np.max else f(x, axis=n.arg, dtype=_acc(n))), n)
+    return kernel
 
 
 def _matmul(xs: list[np.ndarray], n: Node) -> np.ndarray:
