@@ -10,6 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -185,3 +186,19 @@ def test_u8_comparison_with_an_out_of_range_int_is_all_true_like_numpy() -> None
     x = np.array([0, 200, 255], np.uint8)
     np.testing.assert_array_equal((fl.tensor(x) < 300).numpy(), (x < 300).astype(np.uint8))
     assert (fl.tensor(x) < 300).numpy().all()
+
+
+def test_gradients_flow_back_through_the_promotion_casts() -> None:
+    x, y = np.array([1.0, -2.0, 3.0], np.float32), np.array([0.5, 4.0, -1.0], np.float64)
+    a, b = fl.tensor(x), fl.tensor(y)
+    ga, gb = fl.grad((a * b + 1).sum(), [a, b])
+    assert ga.dtype is fl.f32 and gb.dtype is fl.f64
+    tx, ty = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+    (tx * ty + 1).sum().backward()
+    assert tx.grad is not None and ty.grad is not None
+    np.testing.assert_allclose(ga.numpy(), tx.grad.numpy(), rtol=1e-7)
+    np.testing.assert_allclose(gb.numpy(), ty.grad.numpy(), rtol=1e-15)
+    h = fl.tensor(np.ones((3, 4), np.float16))
+    (gh,) = fl.grad(h.mean(), [h])
+    assert gh.dtype is fl.f16
+    np.testing.assert_array_equal(gh.numpy(), np.full((3, 4), np.float16(1 / 12)))
