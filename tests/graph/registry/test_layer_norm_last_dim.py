@@ -3,8 +3,12 @@ rules and errors, the live pattern, the fuse/decompose round trip, and gradients
 
 from __future__ import annotations
 
+import math
+
+import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +21,6 @@ from fuel.graph.registry.layer_norm_last_dim import LayerNormLastDimParams, deco
 from fuel.graph.registry.layer_norm_last_dim_backward import layer_norm_last_dim_backward
 from fuel.testing.oracle import assert_close_rowwise
 
-torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
@@ -94,6 +97,90 @@ def test_non_contiguous_inputs(dt: DType) -> None:
     for view in (fl.tensor(a).transpose(), fl.tensor(a)[:, ::2], fl.tensor(a)[1::3]):
         ref = _oracle(np.ascontiguousarray(view.numpy()), EPS)
         assert_close_rowwise(fl.ops.layer_norm_last_dim(view, EPS).numpy(), ref, dt)
+
+
+# ---- rows whose squares overflow the working type ---------------------------------------------
+# Every row but one ordinary one overflows Σ(x − mean)² (or Σx) in the kernel's working type (f32
+# for f32 and bf16): one huge element, ±huge, huge of one sign. The answer is ordinary.
+HUGE: dict[DType, list[list[float]]] = {
+    DType.F32: [[1e30, 1, 2, 3], [1, 2, 3, 4], [-3e38, 3e38, 1, 0], [1e20, -1e20, 5, 7],
+                [3e38, 3e38, 3e38, 1]],
+    DType.F64: [[1e155, 1, 2, 3], [1, 2, 3, 4], [-1.7e308, 1.7e308, 1, 0], [1e300, -1e300, 1e-300, 7],
+                [1.7e308, 1.7e308, 1.7e308, 1]],
+    DType.F16: [[6e4, 1, 2, 3], [1, 2, 3, 4], [-6e4, 6e4, 1, 0], [3e4, -3e4, 5, 7],
+                [6e4, 6e4, 6e4, 1]],
+}
+HUGE[DType.BF16] = HUGE[DType.F32]
+HUGE_G = [[0.5, -1, 2, 0.25], [3, -1, 0.5, 2], [1, 1, -2, 0.75], [-0.5, 2, 1, -1], [2, -0.25, 1, 1]]
+
+
+def _exponent(row: np.ndarray) -> int:
+    """The k >= 0 that brings max|row| below 1."""
+    return max(math.frexp(float(np.max(np.abs(row))))[1], 0)
+
+
+def _oracle_huge(x: np.ndarray, eps: float) -> np.ndarray:
+    """torch float64 on each row scaled by 2^-k (exact), eps by 2^-2k: the same layer norm, and
+    squares that no longer overflow float64."""
+    rows = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    out = [_oracle(np.ldexp(r, -_exponent(r)), math.ldexp(eps, -2 * _exponent(r))) for r in rows]
+    return np.stack(out).reshape(x.shape)
+
+
+def _oracle_grad_huge(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    """dx is linear in g and scales as 1/std: dx(x, g) = 2^(kg − kx)·dx(x·2^-kx, g·2^-kg)."""
+    out = []
+    for rx, rg in zip(np.asarray(x, np.float64), np.asarray(g, np.float64), strict=True):
+        kx, kg = _exponent(rx), _exponent(rg)
+        d = _oracle_grad(np.ldexp(rx, -kx), np.ldexp(rg, -kg), math.ldexp(eps, -2 * kx))
+        out.append(np.ldexp(d, kg - kx))
+    return np.stack(out)
+
+
+@DTYPES
+def test_huge_rows_forward(dt: DType) -> None:
+    x = np.array(HUGE[dt], np.float64).astype(dt.np)
+    y = fl.ops.layer_norm_last_dim(x, EPS).numpy()
+    # Never a large wrong value: every element of a layer norm is at most sqrt(n − 1) in size.
+    assert np.all(np.abs(y.astype(np.float64)) <= math.sqrt(3) * 1.01), y
+    assert_close_rowwise(y, _oracle_huge(x, EPS), dt)
+    if dt is not DType.F64:  # float64 holds these rows' squares: torch needs no rescaling
+        assert_close_rowwise(y, _oracle(x, EPS), dt)
+
+
+@DTYPES
+def test_huge_rows_backward(dt: DType) -> None:
+    x = np.array(HUGE[dt], np.float64).astype(dt.np)
+    for big_g in (1.0, float(ml_dtypes.finfo(dt.np).max) / 8):
+        g = np.array(HUGE_G, np.float64)
+        g[1:3] *= big_g  # a huge g (Σg² overflows) on an ordinary x and on a huge one
+        g = g.astype(dt.np)
+        dx = layer_norm_last_dim_backward(x, g, EPS).numpy()
+        assert np.isfinite(dx.astype(np.float64)).all(), dx
+        assert_close_rowwise(dx, _oracle_grad_huge(x, g, EPS), dt, backward=True)
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.BF16, DType.F64], ids=lambda d: d.value)
+def test_huge_constant_row_is_exact(dt: DType) -> None:
+    # Σx overflows; x − mean is exactly 0, so y = 0 and dx = (g − mean g)/sqrt(eps).
+    v = 1.5 * 2.0**123 if dt is not DType.F64 else 1.5 * 2.0**1020
+    x = np.full((2, 64), v).astype(dt.np)
+    g = _rand((2, 64), dt, 3)
+    assert not fl.ops.layer_norm_last_dim(x, EPS).numpy().astype(np.float64).any()
+    g64 = g.astype(np.float64)
+    want = (g64 - g64.mean(-1, keepdims=True)) / math.sqrt(EPS)
+    assert_close_rowwise(layer_norm_last_dim_backward(x, g, EPS).numpy(), want, dt, backward=True)
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.BF16, DType.F64], ids=lambda d: d.value)
+def test_non_finite_rows_keep_ieee_results_next_to_huge_ones(dt: DType) -> None:
+    x = np.array([[np.inf, 1, 2, 3], [np.nan, 1, 2, 3], [-np.inf, np.inf, 0, 1], HUGE[dt][0]]).astype(dt.np)
+    g = np.array(HUGE_G[:4], np.float64).astype(dt.np)
+    want = np.concatenate([_oracle(x[:3], EPS), _oracle_huge(x[3:], EPS)])
+    assert_close_rowwise(fl.ops.layer_norm_last_dim(x, EPS).numpy(), want, dt)
+    dx = layer_norm_last_dim_backward(x, g, EPS).numpy()
+    assert np.isnan(dx[:3].astype(np.float64)).all()
+    assert_close_rowwise(dx[3:], _oracle_grad_huge(x[3:], g[3:], EPS), dt, backward=True)
 
 
 # ---- rules and errors ------------------------------------------------------------------------

@@ -1,10 +1,8 @@
-"""RmsNorm (3), LayerNorm (4) and their backwards (9, 8) over the last axis: Numba, row-parallel.
+"""RmsNorm (3), LayerNorm (4) and their backwards (9, 8) over the last axis: the CPU impls.
 
-One thread owns a row and walks it in a fixed order, so results are bit-stable. A row is read from
-memory once; the later passes over it hit cache, and the result goes straight into `out`.
-f32 and f64 share generic row functions (the scalars passed in carry the working type); bf16 rows
-are widened into an f32 scratch row and rounded once on store; f16 runs the f32 kernel on a widened
-copy. LayerNorm compensates the rounding of its mean (see _ln_centre).
+The row-parallel Numba kernels (and how they survive rows whose squares overflow) are in
+norm_kernels; this module picks one per dtype (f16 runs the f32 kernel on a widened copy), and
+states their cost and measured precision.
 """
 
 from __future__ import annotations
@@ -13,9 +11,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
 
-from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
+from fuel.dispatch.cpu import norm_kernels as nk
+from fuel.dispatch.cpu.half import bits, rows2d, via_f32
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -29,213 +27,7 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 
-# Reassociation lets the row sums vectorise (one fixed order per build: still bit-stable);
-# no nnan/ninf, so NaN and inf keep IEEE behaviour.
-FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
-CHUNKS = 256
-
 Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
-
-
-# ---- rows (generic over f32/f64: the scalars eps, inv_n and one carry the working type) ------
-# Only the reductions may reassociate (so they vectorise); they are separate, non-inlined
-# functions so their fastmath flags stay on their own instructions. The elementwise passes use
-# strict IEEE order: with reassociation LLVM may fold the compensated `(x - mu) - c` back into
-# `x - (mu + c)`, which is exactly the rounding the compensation exists to avoid.
-
-
-@njit(cache=True, fastmath=FASTMATH)
-def _sum(x: Any, zero: Any) -> Any:
-    s = zero
-    for j in range(x.shape[0]):
-        s += x[j]
-    return s
-
-
-@njit(cache=True, fastmath=FASTMATH)
-def _sum_sq(x: Any, zero: Any) -> Any:
-    s = zero
-    for j in range(x.shape[0]):
-        s += x[j] * x[j]
-    return s
-
-
-@njit(cache=True, fastmath=FASTMATH)
-def _sums_1_2(d: Any, zero: Any) -> tuple[Any, Any]:
-    """(Σd, Σd²)."""
-    s = zero
-    ss = zero
-    for j in range(d.shape[0]):
-        s += d[j]
-        ss += d[j] * d[j]
-    return s, ss
-
-
-@njit(cache=True, fastmath=FASTMATH)
-def _sums_dot(a: Any, b: Any, zero: Any) -> tuple[Any, Any]:
-    """(Σa·a, Σa·b)."""
-    aa = zero
-    ab = zero
-    for j in range(a.shape[0]):
-        aa += a[j] * a[j]
-        ab += a[j] * b[j]
-    return aa, ab
-
-
-@njit(cache=True, fastmath=FASTMATH)
-def _sum_and_dot(a: Any, b: Any, zero: Any) -> tuple[Any, Any]:
-    """(Σb, Σa·b)."""
-    s = zero
-    ab = zero
-    for j in range(a.shape[0]):
-        s += b[j]
-        ab += a[j] * b[j]
-    return s, ab
-
-
-@njit(inline="always", cache=True)
-def _rms_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    ss = _sum_sq(x, one - one)  # (a literal 0 would widen f32 to f64)
-    r = one / np.sqrt(ss * inv_n + eps)
-    for j in range(x.shape[0]):
-        o[j] = x[j] * r
-
-
-@njit(inline="always", cache=True)
-def _ln_centre(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> tuple[Any, Any]:
-    """o <- x − μ (μ = Σx·inv_n, rounded); returns (c, r): the true centred row is o − c, and
-    r = 1/sqrt(var + eps). c = Σ(x − μ)/n recovers what rounding μ lost, so a row with a large
-    offset (|μ| ≫ std) keeps full precision."""
-    n = x.shape[0]
-    mu = _sum(x, one - one) * inv_n
-    for j in range(n):
-        o[j] = x[j] - mu
-    sd, sdd = _sums_1_2(o, one - one)
-    c = sd * inv_n
-    var = (sdd - sd * c) * inv_n
-    var = var if var > 0 else one - one  # the correction can round a zero variance below 0
-    return c, one / np.sqrt(var + eps)
-
-
-@njit(inline="always", cache=True)
-def _ln_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    c, r = _ln_centre(x, o, eps, inv_n, one)
-    for j in range(x.shape[0]):
-        o[j] = (o[j] - c) * r
-
-
-@njit(inline="always", cache=True)
-def _ln_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    """o = r·((g − mean g) − y·mean(g·y)), y = (x − μ)·r (kept in o between the passes)."""
-    n = x.shape[0]
-    c, r = _ln_centre(x, o, eps, inv_n, one)
-    for j in range(n):
-        o[j] = (o[j] - c) * r
-    sg, sgy = _sum_and_dot(o, g, one - one)
-    mg = sg * inv_n
-    mgy = sgy * inv_n
-    for j in range(n):
-        o[j] = r * ((g[j] - mg) - o[j] * mgy)
-
-
-@njit(inline="always", cache=True)
-def _rms_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    """o = r·(g − x·Σ(g·x)/(n·den)), den = mean(x²) + eps, r = 1/sqrt(den)."""
-    n = x.shape[0]
-    ss, sgx = _sums_dot(x, g, one - one)
-    den = ss * inv_n + eps
-    r = one / np.sqrt(den)
-    if n == 1:
-        # The general form cancels g·x² against x·(g·x) and keeps only rounding noise; for one
-        # element it is exactly g·eps/den^1.5.
-        o[0] = g[0] * (eps / den) * r
-        return
-    coeff = sgx * inv_n / den
-    for j in range(n):
-        o[j] = r * (g[j] - x[j] * coeff)
-
-
-# ---- whole tensors: f32/f64 directly, bf16 through per-chunk scratch rows ---------------------
-
-
-@njit(cache=True, parallel=True)
-def _rms(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _rms_row(x[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def _ln(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _ln_row(x[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def _ln_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _ln_bwd_row(x[r], g[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def _rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _rms_bwd_row(x[r], g[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wide = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wide)
-            _rms_row(wide.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
-
-
-@njit(cache=True, parallel=True)
-def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wide = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wide)
-            _ln_row(wide.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
-
-
-@njit(cache=True, parallel=True)
-def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wx = np.empty(n, np.uint32)
-        wg = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wx)
-            widen_bf16_row(g[r], wg)
-            _ln_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
-
-
-@njit(cache=True, parallel=True)
-def _rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wx = np.empty(n, np.uint32)
-        wg = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wx)
-            widen_bf16_row(g[r], wg)
-            _rms_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
 
 
 # ---- kernel entry points: kernel(inputs, out, params) ----------------------------------------
@@ -267,10 +59,10 @@ def _kernels(native: Callable[..., None], bf16: Callable[..., None]) -> dict[DTy
     return {DType.F32: f32, DType.F64: f32, DType.BF16: _native(bf16), DType.F16: via_f32(f32)}
 
 
-rms_norm_kernels = _kernels(_rms, _rms_bf16)
-layer_norm_kernels = _kernels(_ln, _ln_bf16)
-layer_norm_backward_kernels = _kernels(_ln_bwd, _ln_bwd_bf16)
-rms_norm_backward_kernels = _kernels(_rms_bwd, _rms_bwd_bf16)
+rms_norm_kernels = _kernels(nk.rms, nk.rms_bf16)
+layer_norm_kernels = _kernels(nk.ln, nk.ln_bf16)
+layer_norm_backward_kernels = _kernels(nk.ln_bwd, nk.ln_bwd_bf16)
+rms_norm_backward_kernels = _kernels(nk.rms_bwd, nk.rms_bwd_bf16)
 
 
 def norm_cost(flops_per_element: int) -> CostFn:
@@ -312,7 +104,7 @@ def _precision(kind: str) -> dict[DType, PrecisionGuarantee]:
 
 
 def register(registry: FusedKernelRegistry) -> None:
-    rev = revision_of(_rms)
+    rev = revision_of(nk.rms, _native)
     table: list[tuple[Any, dict[DType, Kernel], CostFn, dict[DType, PrecisionGuarantee], int]] = [
         (FusedOps.RMS_NORM_LAST_DIM, rms_norm_kernels, norm_cost(3), _precision("rms"), 1),
         (FusedOps.LAYER_NORM_LAST_DIM, layer_norm_kernels, norm_cost(6), _precision("ln"), 1),

@@ -2,10 +2,14 @@
 
 The f32/half kernels add eps rounded to f32 (as upstream does); the references add eps itself. The
 difference moves an output by at most 6e-8·eps/(mean square + eps) relative, far below any bound.
+Every reference rescales each row by a power of two first, so rows whose squares overflow float64
+(from about 1e154) still get the exact answer.
 """
 
 from __future__ import annotations
 
+import decimal
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -20,29 +24,72 @@ from fuel.testing.reference import ROW_SHAPES, Case, randn, register
 EPSILONS: tuple[float, ...] = (1e-6, 1e-5, 1e-3, 0.1)
 
 
+def _exponent(a: np.ndarray) -> np.ndarray:
+    """Per row, the k >= 0 that brings max|a| below 1 (0 for rows holding NaN or ±inf)."""
+    m = np.max(np.abs(a), -1, keepdims=True)
+    k = np.frexp(np.where(np.isfinite(m), m, 0.0))[1]
+    return np.maximum(k, 0)
+
+
+def _scaled(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(k, x·2^-k, eps·2^-2k): a norm of x with eps equals that of the rescaled row and eps, whose
+    squares cannot overflow (eps may underflow: it is then negligible next to mean(x²) >= 1/4n)."""
+    k = _exponent(x)
+    return k, np.ldexp(x, -k), np.ldexp(eps, -2 * k)
+
+
+def _centred(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x − mean(x), whether the row is constant): a constant row centres to exactly 0 (its mean
+    may round off the value in float64)."""
+    const = np.all(x == x[..., :1], -1, keepdims=True) & np.isfinite(x[..., :1])
+    return np.where(const, 0.0, x - x.mean(-1, keepdims=True)), const
+
+
 def rms_norm64(xs: list[np.ndarray], params: Any) -> np.ndarray:
-    x = xs[0]
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + params.eps)
+    _, x, eps = _scaled(xs[0], params.eps)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
 
 
 def layer_norm64(xs: list[np.ndarray], params: Any) -> np.ndarray:
-    x = xs[0]
-    c = x - x.mean(-1, keepdims=True)
-    return c / np.sqrt((c * c).mean(-1, keepdims=True) + params.eps)
+    _, x, eps = _scaled(xs[0], params.eps)
+    c, const = _centred(x)
+    with np.errstate(invalid="ignore", divide="ignore"):  # 0/0 in constant rows, replaced by 0
+        return np.where(const, 0.0, c / np.sqrt((c * c).mean(-1, keepdims=True) + eps))
+
+
+def _rms_backward_single(x: float, g: float, eps: float) -> float:
+    """g·eps/(x² + eps)^1.5 in decimal arithmetic (no overflow, 40 digits), rounded once."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 40
+        ctx.Emax, ctx.Emin = 10**6, -(10**6)
+        ctx.traps[decimal.InvalidOperation] = False  # NaN/inf inputs give NaN, as in float64
+        den = Decimal(x) ** 2 + Decimal(eps)
+        return float(Decimal(g) * Decimal(eps) / (den * den.sqrt()))
 
 
 def rms_norm_backward64(xs: list[np.ndarray], params: Any) -> np.ndarray:
-    x, g = xs
-    den = (x * x).mean(-1, keepdims=True) + params.eps
-    return (g - x * (g * x).sum(-1, keepdims=True) / (x.shape[-1] * den)) / np.sqrt(den)
+    kx, x, eps = _scaled(xs[0], params.eps)
+    kg = _exponent(xs[1])
+    g = np.ldexp(xs[1], -kg)
+    if x.shape[-1] == 1:
+        return np.vectorize(_rms_backward_single)(xs[0], xs[1], params.eps)
+    den = (x * x).mean(-1, keepdims=True) + eps
+    dx = (g - x * (g * x).sum(-1, keepdims=True) / (x.shape[-1] * den)) / np.sqrt(den)
+    return np.ldexp(dx, kg - kx)
 
 
 def layer_norm_backward64(xs: list[np.ndarray], params: Any) -> np.ndarray:
-    x, g = xs
-    c = x - x.mean(-1, keepdims=True)
-    istd = 1.0 / np.sqrt((c * c).mean(-1, keepdims=True) + params.eps)
-    xhat = c * istd
-    return istd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    """dx = istd·(g − mean g − x̂·mean(g·x̂)), from the rescaled x and g; a constant row has x̂ = 0
+    and istd = 1/sqrt(eps) (which the rescaled eps could not give)."""
+    kx, x, eps = _scaled(xs[0], params.eps)
+    kg = _exponent(xs[1])
+    g = np.ldexp(xs[1], -kg)
+    c, const = _centred(x)
+    with np.errstate(divide="ignore", invalid="ignore"):  # constant rows: replaced below
+        istd = 1.0 / np.sqrt((c * c).mean(-1, keepdims=True) + eps)
+        xhat = np.where(const, 0.0, c * istd)
+        inner = g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True)
+        return np.where(const, np.ldexp(inner / np.sqrt(params.eps), kg), np.ldexp(inner * istd, kg - kx))
 
 
 def _inputs(rng: np.random.Generator, dt: DType) -> list[tuple[str, np.ndarray, float]]:
@@ -57,7 +104,30 @@ def _inputs(rng: np.random.Generator, dt: DType) -> list[tuple[str, np.ndarray, 
     out.append(("tiny values", randn(rng, (3, 40), dt, 1e-3), 1e-6))
     out.append(("constant rows", np.full((2, 17), 1.5, dt.np), 1e-5))
     out.append(("wide row", randn(rng, (2, 4096), dt), 1e-6))
+    out.append((HUGE, _huge_rows(rng, dt), 1e-5))
     return out
+
+
+HUGE = "huge rows"
+
+
+def _huge(dt: DType) -> tuple[float, float]:
+    """(B, T): a huge value, and a power of two whose rows' sums overflow f32 (both tame in f16)."""
+    return (1e4, 2.0**13) if dt is DType.F16 else (1e30, 2.0**124)
+
+
+def _huge_rows(rng: np.random.Generator, dt: DType) -> np.ndarray:
+    """Rows whose squares (or sums) overflow f32, the working type of f32 and bf16, next to an
+    ordinary row: one huge element, a whole huge row, a huge positive row, a huge constant row, ±B.
+    (Kept below float64's overflow so the unfused decomposition still agrees in float64.)"""
+    b, t = _huge(dt)
+    x = rng.standard_normal((6, 64))
+    x[0, 3] = b
+    x[2] *= b
+    x[3] = np.abs(x[3]) * t
+    x[4] = 1.5 * t
+    x[5, :2] = (b, -b)
+    return x.astype(dt.np)
 
 
 def _forward_cases(cls: type) -> Any:
@@ -79,6 +149,8 @@ def _backward_cases(cls: type) -> Any:
                 # small eps or |g| it sinks into f16's subnormals, where no relative bound holds.
                 eps = 0.1
                 g = (g.astype(np.float64) + np.copysign(1.0, g.astype(np.float64))).astype(dt.np)
+            if label == HUGE:  # huge upstream gradients too: on an ordinary row and on a huge one
+                g[1:3] = (g[1:3].astype(np.float64) * _huge(dt)[0]).astype(dt.np)
             out.append(Case(f"{label} eps={eps}", (x, g), cls(eps)))
         return out
 
