@@ -3,8 +3,14 @@ rules and errors, the live pattern, the fuse/decompose round trip, and gradients
 
 from __future__ import annotations
 
+import decimal
+import math
+from decimal import Decimal
+
+import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +23,6 @@ from fuel.graph.registry.rms_norm_last_dim import RmsNormLastDimParams, decompos
 from fuel.graph.registry.rms_norm_last_dim_backward import rms_norm_last_dim_backward
 from fuel.testing.oracle import assert_close_rowwise
 
-torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
@@ -87,6 +92,99 @@ def test_non_contiguous_inputs(dt: DType) -> None:
     for view in (fl.tensor(a).transpose(), fl.tensor(a)[:, ::2], fl.tensor(a)[1::3]):
         ref = _oracle(np.ascontiguousarray(view.numpy()), EPS)
         assert_close_rowwise(fl.ops.rms_norm_last_dim(view, EPS).numpy(), ref, dt)
+
+
+# ---- rows whose squares overflow the working type ---------------------------------------------
+# Every row but one ordinary one overflows Σx² in the kernel's working type (f32 for f32 and bf16):
+# from about 1e19 (f32) or 1e154 (f64) on, next to small values. The answer is ordinary.
+HUGE: dict[DType, list[list[float]]] = {
+    DType.F32: [[1e20, 1, 2, 3], [1, 2, 3, 4], [3e38, -3e38, 3e38, 1], [1e30, 1e-30, 0, -1e19]],
+    DType.F64: [[1e155, 1, 2, 3], [1, 2, 3, 4], [1.7e308, -1.7e308, 1.7e308, 1],
+                [1e300, 1e-300, 0, -1e160]],
+    DType.F16: [[6e4, 1, 2, 3], [1, 2, 3, 4], [6e4, -6e4, 6e4, 1], [3e4, 1e-4, 0, -2e4]],
+}
+HUGE[DType.BF16] = HUGE[DType.F32]
+HUGE_G = [[0.5, -1, 2, 0.25], [3, -1, 0.5, 2], [1, 1, -2, 0.75], [-0.5, 2, 1, -1]]
+
+
+def _exponent(row: np.ndarray) -> int:
+    """The k >= 0 that brings max|row| below 1."""
+    return max(math.frexp(float(np.max(np.abs(row))))[1], 0)
+
+
+def _oracle_huge(x: np.ndarray, eps: float) -> np.ndarray:
+    """torch float64 on each row scaled by 2^-k (exact), eps by 2^-2k: the same RMS norm, and
+    squares that no longer overflow float64."""
+    rows = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    out = [_oracle(np.ldexp(r, -_exponent(r)), math.ldexp(eps, -2 * _exponent(r))) for r in rows]
+    return np.stack(out).reshape(x.shape)
+
+
+def _oracle_grad_huge(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    """dx is linear in g and scales as 1/rms: dx(x, g) = 2^(kg − kx)·dx(x·2^-kx, g·2^-kg)."""
+    out = []
+    for rx, rg in zip(np.asarray(x, np.float64), np.asarray(g, np.float64), strict=True):
+        kx, kg = _exponent(rx), _exponent(rg)
+        d = _oracle_grad(np.ldexp(rx, -kx), np.ldexp(rg, -kg), math.ldexp(eps, -2 * kx))
+        out.append(np.ldexp(d, kg - kx))
+    return np.stack(out)
+
+
+@DTYPES
+def test_huge_rows_forward(dt: DType) -> None:
+    x = np.array(HUGE[dt], np.float64).astype(dt.np)
+    y = fl.ops.rms_norm_last_dim(x, EPS).numpy()
+    # Never a large wrong value (every element is at most sqrt(n)), nor a zeroed row.
+    assert np.all(np.abs(y.astype(np.float64)) <= 2 * 1.01), y
+    assert np.all(np.max(np.abs(y.astype(np.float64)), -1) >= 0.5), y
+    assert_close_rowwise(y, _oracle_huge(x, EPS), dt)
+    if dt is not DType.F64:  # float64 holds these rows' squares: torch needs no rescaling
+        assert_close_rowwise(y, _oracle(x, EPS), dt)
+
+
+@DTYPES
+def test_huge_rows_backward(dt: DType) -> None:
+    x = np.array(HUGE[dt], np.float64).astype(dt.np)
+    for big_g in (1.0, float(ml_dtypes.finfo(dt.np).max) / 8):
+        g = np.array(HUGE_G, np.float64)
+        g[1:3] *= big_g  # a huge g (Σg² overflows) on an ordinary x and on a huge one
+        g = g.astype(dt.np)
+        dx = rms_norm_last_dim_backward(x, g, EPS).numpy()
+        assert np.isfinite(dx.astype(np.float64)).all(), dx
+        assert_close_rowwise(dx, _oracle_grad_huge(x, g, EPS), dt, backward=True)
+
+
+def _one_element_grad(x: float, g: float, eps: float) -> float:
+    """g·eps/(x² + eps)^1.5 in 40-digit decimal arithmetic (no overflow), rounded once."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 40
+        den = Decimal(x) ** 2 + Decimal(eps)
+        return float(Decimal(g) * Decimal(eps) / (den * den.sqrt()))
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.BF16, DType.F64], ids=lambda d: d.value)
+def test_huge_one_element_rows_backward(dt: DType) -> None:
+    # A one-element row's gradient is all eps term: g·eps/(x² + eps)^1.5. With x² overflowing and
+    # a huge g it is still an ordinary number (the fast path's x² = inf made it 0).
+    big = [(1e20, 3e37), (2e19, 3e38), (1e19, -1e30)] if dt is not DType.F64 else [
+        (1e155, 1e300), (1e200, 1.7e308), (1e160, -1e307)]
+    x = np.array([[a] for a, _ in big] + [[2.0]]).astype(dt.np)
+    g = np.array([[b] for _, b in big] + [[1.5]]).astype(dt.np)
+    want = [[_one_element_grad(float(a), float(b), EPS)] for a, b in zip(x[:, 0], g[:, 0], strict=True)]
+    dx = rms_norm_last_dim_backward(x, g, EPS).numpy()
+    assert np.all(dx.astype(np.float64) != 0), dx
+    assert_close_rowwise(dx, np.array(want), dt, backward=True)
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.BF16, DType.F64], ids=lambda d: d.value)
+def test_non_finite_rows_keep_ieee_results_next_to_huge_ones(dt: DType) -> None:
+    x = np.array([[np.inf, 1, 2, 3], [np.nan, 1, 2, 3], [-np.inf, np.inf, 0, 1], HUGE[dt][0]]).astype(dt.np)
+    g = np.array(HUGE_G, np.float64).astype(dt.np)
+    want = np.concatenate([_oracle(x[:3], EPS), _oracle_huge(x[3:], EPS)])
+    assert_close_rowwise(fl.ops.rms_norm_last_dim(x, EPS).numpy(), want, dt)
+    dx = rms_norm_last_dim_backward(x, g, EPS).numpy()
+    assert np.isnan(dx[:3].astype(np.float64)).any(axis=-1).all()
+    assert_close_rowwise(dx[3:], _oracle_grad_huge(x[3:], g[3:], EPS), dt, backward=True)
 
 
 # ---- rules and errors ------------------------------------------------------------------------
