@@ -21,6 +21,7 @@ from fuel.graph.passes.fuse import fuse
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, default_registry
 from fuel.graph.registry.rms_norm_last_dim import RmsNormLastDimParams, decompose
 from fuel.graph.registry.rms_norm_last_dim_backward import rms_norm_last_dim_backward
+from fuel.testing.contract import numba_threads, thread_counts
 from fuel.testing.oracle import assert_close_rowwise
 
 F = torch.nn.functional
@@ -185,6 +186,26 @@ def test_non_finite_rows_keep_ieee_results_next_to_huge_ones(dt: DType) -> None:
     dx = rms_norm_last_dim_backward(x, g, EPS).numpy()
     assert np.isnan(dx[:3].astype(np.float64)).any(axis=-1).all()
     assert_close_rowwise(dx[3:], _oracle_grad_huge(x[3:], g[3:], EPS), dt, backward=True)
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.BF16, DType.F64], ids=lambda d: d.value)
+def test_rows_redone_after_overflow_are_right_and_bit_stable(dt: DType) -> None:
+    # Every third row overflows; the rows redone in a second pass must not depend on the thread
+    # count, nor on which other rows overflowed.
+    rng = np.random.default_rng(7)
+    x64 = rng.standard_normal((300, 64))
+    x64[::3] *= 1e30 if dt is not DType.F64 else 1e160
+    x, g = x64.astype(dt.np), _rand((300, 64), dt, 8)
+    runs = {}
+    for threads in thread_counts():
+        with numba_threads(threads):
+            runs[threads] = (fl.ops.rms_norm_last_dim(x, EPS).numpy(), rms_norm_last_dim_backward(x, g, EPS).numpy())
+    y, dx = runs[1]
+    for other in runs.values():
+        assert y.tobytes() == other[0].tobytes() and dx.tobytes() == other[1].tobytes()
+    assert y[3].tobytes() == fl.ops.rms_norm_last_dim(x[3:4], EPS).numpy()[0].tobytes()
+    assert_close_rowwise(y, _oracle_huge(x, EPS), dt)
+    assert_close_rowwise(dx, _oracle_grad_huge(x, g, EPS), dt, backward=True)
 
 
 # ---- rules and errors ------------------------------------------------------------------------

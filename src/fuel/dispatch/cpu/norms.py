@@ -1,8 +1,9 @@
-"""RmsNorm (3), LayerNorm (4) and their backwards (9, 8) over the last axis: the CPU impls.
+"""RmsNorm (3), LayerNorm (4) and their backwards (9, 8) over the last axis: Numba, row-parallel.
 
-The row-parallel Numba kernels (and how they survive rows whose squares overflow) are in
-norm_kernels; this module picks one per dtype (f16 runs the f32 kernel on a widened copy), and
-states their cost and measured precision.
+One thread owns a row (the row functions, and how they survive rows whose squares overflow, are in
+norm_rows), so results are bit-stable; the result goes straight into `out`. f32 and f64 run the
+same kernels, bf16 rows are widened into an f32 scratch row and rounded once on store, f16 runs
+the f32 kernel on a widened copy.
 """
 
 from __future__ import annotations
@@ -11,9 +12,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from numba import njit, prange
 
-from fuel.dispatch.cpu import norm_kernels as nk
-from fuel.dispatch.cpu.half import bits, rows2d, via_f32
+from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
+from fuel.dispatch.cpu.norm_rows import (
+    ln_bwd_row,
+    ln_bwd_row_rescaled,
+    ln_row,
+    ln_row_rescaled,
+    rms_bwd_row,
+    rms_bwd_row_rescaled,
+    rms_row,
+    rms_row_rescaled,
+    widened,
+)
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -27,7 +39,142 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 
+CHUNKS = 256
+
 Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
+
+
+# ---- whole tensors: f32/f64 directly, bf16 through per-chunk scratch rows ---------------------
+# The fast pass flags the rows whose sums overflowed; a second pass redoes only those, so the fast
+# loop holds no call to the fallback (one there cost the bf16 loop ~10% on rows in cache).
+
+
+@njit(cache=True, parallel=True)
+def _rms(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    bad = np.zeros(x.shape[0], np.bool_)
+    for r in prange(x.shape[0]):
+        bad[r] = not rms_row(x[r], out[r], eps, inv_n, one)
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            rms_row_rescaled(x[redo[i]], out[redo[i]], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _ln(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    bad = np.zeros(x.shape[0], np.bool_)
+    for r in prange(x.shape[0]):
+        bad[r] = not ln_row(x[r], out[r], eps, inv_n, one)
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            ln_row_rescaled(x[redo[i]], out[redo[i]], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _ln_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    bad = np.zeros(x.shape[0], np.bool_)
+    for r in prange(x.shape[0]):
+        bad[r] = not ln_bwd_row(x[r], g[r], out[r], eps, inv_n, one, True)
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            ln_bwd_row_rescaled(x[redo[i]], g[redo[i]], out[redo[i]], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    bad = np.zeros(x.shape[0], np.bool_)
+    for r in prange(x.shape[0]):
+        bad[r] = not rms_bwd_row(x[r], g[r], out[r], eps, inv_n, one, True)
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            rms_bwd_row_rescaled(x[redo[i]], g[redo[i]], out[redo[i]], eps, inv_n, one)
+
+
+@njit(cache=True, parallel=True)
+def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    bad = np.zeros(rows, np.bool_)
+    for c in prange(chunks):
+        wide = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wide)
+            bad[r] = not rms_row(wide.view(np.float32), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            res = np.empty(n, np.float32)
+            rms_row_rescaled(widened(x[redo[i]]), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[redo[i]])
+
+
+@njit(cache=True, parallel=True)
+def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    bad = np.zeros(rows, np.bool_)
+    for c in prange(chunks):
+        wide = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wide)
+            bad[r] = not ln_row(wide.view(np.float32), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            res = np.empty(n, np.float32)
+            ln_row_rescaled(widened(x[redo[i]]), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[redo[i]])
+
+
+@njit(cache=True, parallel=True)
+def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    bad = np.zeros(rows, np.bool_)
+    for c in prange(chunks):
+        wx = np.empty(n, np.uint32)
+        wg = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wx)
+            widen_bf16_row(g[r], wg)
+            bad[r] = not ln_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one, True)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            res = np.empty(n, np.float32)
+            ln_bwd_row_rescaled(widened(x[redo[i]]), widened(g[redo[i]]), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[redo[i]])
+
+
+@njit(cache=True, parallel=True)
+def _rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
+    rows, n = x.shape
+    chunks = min(rows, CHUNKS)
+    bad = np.zeros(rows, np.bool_)
+    for c in prange(chunks):
+        wx = np.empty(n, np.uint32)
+        wg = np.empty(n, np.uint32)
+        res = np.empty(n, np.float32)
+        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+            widen_bf16_row(x[r], wx)
+            widen_bf16_row(g[r], wg)
+            bad[r] = not rms_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one, True)
+            narrow_bf16_row(res.view(np.uint32), out[r])
+    redo = np.flatnonzero(bad)
+    if redo.size:
+        for i in prange(redo.size):
+            res = np.empty(n, np.float32)
+            rms_bwd_row_rescaled(widened(x[redo[i]]), widened(g[redo[i]]), res, eps, inv_n, one)
+            narrow_bf16_row(res.view(np.uint32), out[redo[i]])
 
 
 # ---- kernel entry points: kernel(inputs, out, params) ----------------------------------------
@@ -59,10 +206,10 @@ def _kernels(native: Callable[..., None], bf16: Callable[..., None]) -> dict[DTy
     return {DType.F32: f32, DType.F64: f32, DType.BF16: _native(bf16), DType.F16: via_f32(f32)}
 
 
-rms_norm_kernels = _kernels(nk.rms, nk.rms_bf16)
-layer_norm_kernels = _kernels(nk.ln, nk.ln_bf16)
-layer_norm_backward_kernels = _kernels(nk.ln_bwd, nk.ln_bwd_bf16)
-rms_norm_backward_kernels = _kernels(nk.rms_bwd, nk.rms_bwd_bf16)
+rms_norm_kernels = _kernels(_rms, _rms_bf16)
+layer_norm_kernels = _kernels(_ln, _ln_bf16)
+layer_norm_backward_kernels = _kernels(_ln_bwd, _ln_bwd_bf16)
+rms_norm_backward_kernels = _kernels(_rms_bwd, _rms_bwd_bf16)
 
 
 def norm_cost(flops_per_element: int) -> CostFn:
@@ -104,7 +251,7 @@ def _precision(kind: str) -> dict[DType, PrecisionGuarantee]:
 
 
 def register(registry: FusedKernelRegistry) -> None:
-    rev = revision_of(nk.rms, _native)
+    rev = revision_of(_rms, rms_row)
     table: list[tuple[Any, dict[DType, Kernel], CostFn, dict[DType, PrecisionGuarantee], int]] = [
         (FusedOps.RMS_NORM_LAST_DIM, rms_norm_kernels, norm_cost(3), _precision("rms"), 1),
         (FusedOps.LAYER_NORM_LAST_DIM, layer_norm_kernels, norm_cost(6), _precision("ln"), 1),

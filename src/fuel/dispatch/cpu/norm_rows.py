@@ -1,17 +1,17 @@
-"""Numba code of RmsNorm (3), LayerNorm (4) and their backwards (9, 8): rows and whole tensors.
+"""Row functions of RmsNorm (3), LayerNorm (4) and their backwards (9, 8), for the kernels in norms.
 
-One thread owns a row and walks it in a fixed order, so results are bit-stable. A row is read from
-memory once; the later passes over it hit cache, and the result goes straight into `out`.
-f32 and f64 share generic row functions (the scalars passed in carry the working type); bf16 rows
-are widened into an f32 scratch row and rounded once on store. LayerNorm compensates the rounding
-of its mean (see _ln_centre).
+A row is walked in a fixed order by one thread, so results are bit-stable; it is read from memory
+once and the later passes over it hit cache. f32 and f64 share these generic functions (the
+scalars passed in carry the working type); bf16 rows arrive widened to f32. LayerNorm compensates
+the rounding of its mean (see _ln_centre).
 
 Huge rows: the fast path accumulates squares in the working type, which overflows from about 1e19
 (f32, bf16) or 1e154 (f64) although the normalised answer is perfectly representable. Each row
-checks its accumulators (one scalar test per row, nothing per element); a row whose sums are not
-finite is redone by `_*_rescaled`: its inputs are scaled by powers of two (exact) so their largest
-magnitude lies in [0.5, 1), eps by the square of that factor, and a backward's result is scaled
-back at the end. Rows holding NaN or ±inf keep the fast path's IEEE result.
+checks its sums of squares (one scalar test per row; the backwards also sum g², in a pass they
+make anyway, to bound g). A row whose sums are not finite is flagged and redone by `*_rescaled`:
+its inputs are scaled by powers of two (exact) so that their largest magnitude lies in [0.5, 1),
+eps by the square of that factor, and a backward's result is scaled back at the end. Rows holding
+NaN or ±inf keep the fast path's IEEE result.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from fuel.dispatch.cpu.half import narrow_bf16_row, widen_bf16_row
+from fuel.dispatch.cpu.half import widen_bf16_row
 
 # Reassociation lets the row sums vectorise (one fixed order per build: still bit-stable);
 # no nnan/ninf, so NaN and inf keep IEEE behaviour (the overflow checks rely on that).
 FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
-CHUNKS = 256
 
 
 # ---- reductions --------------------------------------------------------------------------------
@@ -148,16 +147,17 @@ def _rms_apply(x: Any, o: Any, ss: Any, eps: Any, inv_n: Any, one: Any) -> None:
 
 
 @njit(inline="always", cache=True)
-def _rms_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+def rms_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
+    """False (o untouched) when Σx² overflowed."""
     ss = _sum_sq(x, one - one)  # (a literal 0 would widen f32 to f64)
-    if math.isfinite(ss):
-        _rms_apply(x, o, ss, eps, inv_n, one)
-    else:
-        _rms_row_rescaled(x, o, eps, inv_n, one)
+    if not math.isfinite(ss):
+        return False
+    _rms_apply(x, o, ss, eps, inv_n, one)
+    return True
 
 
 @njit(cache=True)
-def _rms_row_rescaled(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+def rms_row_rescaled(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
     k = _scale_into(x, o)
     if k < 0:
         _rms_apply(x, o, _sum_sq(x, one - one), eps, inv_n, one)
@@ -189,16 +189,16 @@ def _ln_finish(o: Any, c: Any, r: Any) -> None:
 
 
 @njit(inline="always", cache=True)
-def _ln_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+def ln_row(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
+    """False (o garbage) when Σ(x − μ)² overflowed."""
     c, r, ok = _ln_centre(x, o, eps, inv_n, one)
     if ok:
         _ln_finish(o, c, r)
-    else:
-        _ln_row_rescaled(x, o, eps, inv_n, one)
+    return ok
 
 
 @njit(cache=True)
-def _ln_row_rescaled(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+def ln_row_rescaled(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
     k = _scale_into(x, o)
     if k < 0:
         c, r, _ = _ln_centre(x, o, eps, inv_n, one)
@@ -212,7 +212,7 @@ def _ln_row_rescaled(x: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
 
 
 @njit(inline="always", cache=True)
-def _ln_bwd_core(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any, check: bool) -> bool:
+def ln_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any, check: bool) -> bool:
     """o = r·((g − mean g) − y·mean(g·y)), y = (x − μ)·r (kept in o between the passes). With
     `check`, returns False as soon as a sum is not finite (o is then garbage). (x may be o.)"""
     n = x.shape[0]
@@ -231,21 +231,15 @@ def _ln_bwd_core(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any, check: 
     return True
 
 
-@njit(inline="always", cache=True)
-def _ln_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    if not _ln_bwd_core(x, g, o, eps, inv_n, one, True):
-        _ln_bwd_row_rescaled(x, g, o, eps, inv_n, one)
-
-
 @njit(cache=True)
-def _ln_bwd_row_rescaled(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+def ln_bwd_row_rescaled(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
     """dx(x, g) = 2^(kg−kx)·dx(x·2^-kx, g·2^-kg) with eps scaled by 2^-2kx (dx is linear in g and
     scales as 1/std)."""
     gs = np.empty(g.shape[0], o.dtype)
     kg = _scale_into(g, gs)
     kx = _scale_into(x, o)
     if kg < 0 or kx < 0:
-        _ln_bwd_core(x, g, o, eps, inv_n, one, False)
+        ln_bwd_row(x, g, o, eps, inv_n, one, False)
         return
     if _constant(x):
         # y = 0 exactly: dx = (g − mean g)/sqrt(eps), where eps must not be rescaled away.
@@ -255,12 +249,12 @@ def _ln_bwd_row_rescaled(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any)
             o[j] = (gs[j] - mg) * r
         _times_pow2(o, kg)
     else:
-        _ln_bwd_core(o, gs, o, _scaled_eps(eps, kx, o), inv_n, one, False)
+        ln_bwd_row(o, gs, o, _scaled_eps(eps, kx, o), inv_n, one, False)
         _times_pow2(o, kg - kx)
 
 
 @njit(inline="always", cache=True)
-def _rms_bwd_core(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any, check: bool) -> bool:
+def rms_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any, check: bool) -> bool:
     """o = r·(g − x·Σ(g·x)/(n·den)), den = mean(x²) + eps, r = 1/sqrt(den). With `check`, returns
     False when Σx² or Σg² is not finite (o untouched). (x may be o.)"""
     n = x.shape[0]
@@ -281,12 +275,6 @@ def _rms_bwd_core(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any, check:
     return True
 
 
-@njit(inline="always", cache=True)
-def _rms_bwd_row(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    if not _rms_bwd_core(x, g, o, eps, inv_n, one, True):
-        _rms_bwd_row_rescaled(x, g, o, eps, inv_n, one)
-
-
 @njit(cache=True)
 def _rms_bwd_one(x: float, g: float, eps: float) -> float:
     """g·eps/(x² + eps)^1.5 without overflow or premature underflow: every factor's exponent is
@@ -301,98 +289,23 @@ def _rms_bwd_one(x: float, g: float, eps: float) -> float:
 
 
 @njit(cache=True)
-def _rms_bwd_row_rescaled(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
+def rms_bwd_row_rescaled(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> None:
     """dx(x, g) = 2^(kg−kx)·dx(x·2^-kx, g·2^-kg) with eps scaled by 2^-2kx."""
     gs = np.empty(g.shape[0], o.dtype)
     kg = _scale_into(g, gs)
     kx = _scale_into(x, o)
     if kg < 0 or kx < 0:
-        _rms_bwd_core(x, g, o, eps, inv_n, one, False)
+        rms_bwd_row(x, g, o, eps, inv_n, one, False)
     elif x.shape[0] == 1:  # its eps term is all there is, so eps must not underflow
         o[0] = _rms_bwd_one(float(x[0]), float(g[0]), float(eps))
     else:
-        _rms_bwd_core(o, gs, o, _scaled_eps(eps, kx, o), inv_n, one, False)
+        rms_bwd_row(o, gs, o, _scaled_eps(eps, kx, o), inv_n, one, False)
         _times_pow2(o, kg - kx)
 
 
-# ---- whole tensors: f32/f64 directly, bf16 through per-chunk scratch rows ---------------------
-
-
-@njit(cache=True, parallel=True)
-def rms(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _rms_row(x[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def ln(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _ln_row(x[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def ln_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _ln_bwd_row(x[r], g[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    for r in prange(x.shape[0]):
-        _rms_bwd_row(x[r], g[r], out[r], eps, inv_n, one)
-
-
-@njit(cache=True, parallel=True)
-def rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wide = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wide)
-            _rms_row(wide.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
-
-
-@njit(cache=True, parallel=True)
-def ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wide = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wide)
-            _ln_row(wide.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
-
-
-@njit(cache=True, parallel=True)
-def ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wx = np.empty(n, np.uint32)
-        wg = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wx)
-            widen_bf16_row(g[r], wg)
-            _ln_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
-
-
-@njit(cache=True, parallel=True)
-def rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    rows, n = x.shape
-    chunks = min(rows, CHUNKS)
-    for c in prange(chunks):
-        wx = np.empty(n, np.uint32)
-        wg = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
-            widen_bf16_row(x[r], wx)
-            widen_bf16_row(g[r], wg)
-            _rms_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one)
-            narrow_bf16_row(res.view(np.uint32), out[r])
+@njit(cache=True)
+def widened(bits: Any) -> Any:
+    """A bf16 row (uint16 bits) as a new f32 row."""
+    wide = np.empty(bits.shape[0], np.uint32)
+    widen_bf16_row(bits, wide)
+    return wide.view(np.float32)
