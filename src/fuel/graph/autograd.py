@@ -73,6 +73,23 @@ def _powi_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
     return [g * (_t(Op.POWI, xs, k - 1) * float(k))]
 
 
+def _pow_scalar_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
+    # p·x^(p−1) as its own power, never exp((p−1)·log x): at x = 0 that gives 0 for p > 1 (as torch does)
+    # instead of NaN; p is not an integer here (those are POWI), so p − 1 is not 0.
+    p = float(n.arg)
+    return [g * (_t(Op.POW_SCALAR, xs, p - 1.0) * p)]
+
+
+def _pow_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
+    # torch's conventions: a zero exponent gets no base gradient (even at x = 0), and a zero base with a
+    # non-negative exponent gets no exponent gradient (x^b·log x → 0 there, not NaN).
+    x, b = xs
+    zero = zeros(g.shape, g.dtype)
+    d_base = where(b == 0.0, zero, g * (b * _t(Op.POW, [x, b - 1.0])))
+    d_exp = where((x == 0.0) * (b >= 0.0), zero, g * (y * x.log()))
+    return [d_base, d_exp]
+
+
 def _maxmin_vjp(op: Op) -> PrimVjp:
     def vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
         a, b = xs
@@ -124,6 +141,8 @@ PRIM_VJP: dict[Op, PrimVjp] = {
     Op.ADD_SCALAR: lambda xs, n, y, g: [g],
     Op.MUL_SCALAR: lambda xs, n, y, g: [g * float(n.arg)],
     Op.POWI: _powi_vjp,
+    Op.POW_SCALAR: _pow_scalar_vjp,
+    Op.POW: _pow_vjp,
     Op.CAST: lambda xs, n, y, g: [g.cast(xs[0].dtype) if xs[0].dtype.is_float else None],
     Op.REDUCE_SUM_TO: lambda xs, n, y, g: [g.broadcast_to(xs[0].shape)],
     Op.REDUCE_MAX_TO: lambda xs, n, y, g: [_max_share(xs[0], y, g)],

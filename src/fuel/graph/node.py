@@ -43,6 +43,7 @@ class Op(enum.Enum):
     DIV = enum.auto()
     MAXIMUM = enum.auto()
     MINIMUM = enum.auto()
+    POW = enum.auto()
     # comparisons -> U8
     EQ = enum.auto()
     NE = enum.auto()
@@ -55,6 +56,7 @@ class Op(enum.Enum):
     ADD_SCALAR = enum.auto()
     MUL_SCALAR = enum.auto()
     POWI = enum.auto()
+    POW_SCALAR = enum.auto()
     CAST = enum.auto()
     # reductions
     REDUCE_SUM_TO = enum.auto()

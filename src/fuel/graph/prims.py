@@ -17,7 +17,7 @@ UNARY = frozenset({
     Op.NEG, Op.ABS, Op.SQR, Op.SQRT, Op.RSQRT, Op.RECIP, Op.EXP, Op.LOG, Op.TANH, Op.SIN, Op.COS,
     Op.SIGMOID, Op.RELU, Op.SILU, Op.SIGN, Op.STEP, Op.FLOOR,
 })
-BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.POW})
 COMPARE = frozenset({Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE})
 VIEW_OPS = frozenset({Op.BROADCAST_TO, Op.PERMUTE, Op.SLICE, Op.UNSQUEEZE, Op.SQUEEZE, Op.VIEW})
 
@@ -94,8 +94,8 @@ def _binary(op: Op) -> Rule:
     def rule(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
         _arity(op, inputs, 2)
         _same_shapes(op, inputs)
-        if op is Op.DIV and not inputs[0].dtype.is_float:
-            raise DTypeError(f"div: needs float operands, got {inputs[0].dtype.value}")
+        if op in (Op.DIV, Op.POW) and not inputs[0].dtype.is_float:
+            raise DTypeError(f"{_name(op)}: needs float operands, got {inputs[0].dtype.value}")
         return inputs[0].shape, (DType.U8 if op in COMPARE else inputs[0].dtype)
     return rule
 
@@ -334,6 +334,7 @@ RULES: dict[Op, Rule] = {
     Op.ADD_SCALAR: _scalar(Op.ADD_SCALAR),
     Op.MUL_SCALAR: _scalar(Op.MUL_SCALAR),
     Op.POWI: _scalar(Op.POWI),
+    Op.POW_SCALAR: _scalar(Op.POW_SCALAR),
     Op.CAST: _cast,
     Op.REDUCE_SUM_TO: _reduce_to(Op.REDUCE_SUM_TO),
     Op.REDUCE_MAX_TO: _reduce_to(Op.REDUCE_MAX_TO),

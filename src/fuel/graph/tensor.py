@@ -143,16 +143,35 @@ class Tensor:
     def __truediv__(self, other: TensorLike) -> Tensor: return binary(Op.DIV, self, other)
     def __rtruediv__(self, other: TensorLike) -> Tensor: return binary(Op.DIV, other, self)
 
-    def __pow__(self, exponent: Scalar) -> Tensor:
-        if isinstance(exponent, (int, np.integer)) or (isinstance(exponent, float) and exponent.is_integer()):
-            return Tensor(make(Op.POWI, (self.node,), int(exponent)))
-        if exponent == 0.5:
-            return self.sqrt()
-        if exponent == -0.5:
-            return self.rsqrt()
-        if not isinstance(exponent, float):
-            raise ParamError(f"pow: exponent must be a number, got {exponent!r}")
-        return (self.log() * exponent).exp()
+    def __pow__(self, exponent: TensorLike) -> Tensor:
+        """`x ** p`: an integral number is POWI (repeated squaring), ±0.5 is sqrt/rsqrt (what the fusion
+        patterns match), another number is POW_SCALAR, and a tensor or array is the elementwise POW.
+        NumPy scalars promote like NumPy 2 (`f16 ** np.float32(2.5)` is f32); an integer tensor with a
+        fractional exponent gives the default float."""
+        if not is_number(exponent):
+            if not isinstance(exponent, (Tensor, np.ndarray, list, tuple)):
+                raise DTypeError(f"pow: exponent must be a number or a tensor, got {type(exponent).__name__}")
+            return binary(Op.POW, self, exponent)
+        base = self
+        if isinstance(exponent, np.generic):
+            base = self.cast(result_dtype("pow", self.dtype, exponent.dtype))
+        p = float(exponent)
+        if math.isfinite(p) and p.is_integer():
+            if p < 0 and not base.dtype.is_float:
+                raise DTypeError(f"pow: an integer tensor ({base.dtype.value}) to a negative power {exponent!r} "
+                                 f"is not an integer; cast it to a float first")
+            return Tensor(make(Op.POWI, (base.node,), int(p)))
+        if not base.dtype.is_float:
+            base = base.cast(DEFAULT_FLOAT)
+        if p == 0.5:
+            return base.sqrt()
+        if p == -0.5:
+            return base.rsqrt()
+        return Tensor(make(Op.POW_SCALAR, (base.node,), p))
+
+    def __rpow__(self, base: TensorLike) -> Tensor:
+        """`base ** x`, elementwise POW with `base` promoted like any operand (a Python number is weak)."""
+        return binary(Op.POW, base, self)
 
     def __lt__(self, other: TensorLike) -> Tensor: return binary(Op.LT, self, other)  # type: ignore[misc]
     def __le__(self, other: TensorLike) -> Tensor: return binary(Op.LE, self, other)  # type: ignore[misc]
@@ -364,8 +383,11 @@ def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> Tensor:
 
 
 def matmul(a: TensorLike, b: TensorLike) -> Tensor:
-    """NumPy matmul semantics: 1-D operands promote, batch dims broadcast."""
+    """NumPy matmul semantics: 1-D operands promote, batch dims broadcast, dtypes promote."""
     ta, tb = as_tensor(a), as_tensor(b)
+    if ta.dtype != tb.dtype:
+        na, nb = promote_pair("matmul", ta.node, tb.node)
+        ta, tb = Tensor(na), Tensor(nb)
     if ta.ndim == 0 or tb.ndim == 0:
         raise ShapeError(f"matmul: operands need rank >= 1, got {list(ta.shape)} and {list(tb.shape)}")
     va, vb = ta.ndim == 1, tb.ndim == 1

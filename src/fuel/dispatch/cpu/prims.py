@@ -51,7 +51,7 @@ _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
 
 _BINARY: dict[Op, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.divide,
-    Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum,
+    Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum, Op.POW: np.power,
     Op.EQ: np.equal, Op.NE: np.not_equal, Op.LT: np.less, Op.LE: np.less_equal,
     Op.GT: np.greater, Op.GE: np.greater_equal,
 }
@@ -142,6 +142,9 @@ def _dim(f: Callable[..., np.ndarray]) -> PrimKernel:
 
 def _matmul(xs: list[np.ndarray], n: Node) -> np.ndarray:
     a, b = _work(xs[0], n.dtype), _work(xs[1], n.dtype)
+    if a.size == 0 or b.size == 0:
+        # NumPy's answer without its reshapes: empty when M, N or a batch dim is 0, zeros when only K is.
+        return np.zeros(n.shape, n.dtype.np)
     if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
         # b broadcast over the batch (a weight): one GEMM over all rows of a.
         y = np.matmul(a.reshape(-1, a.shape[-1]), b[(0,) * (b.ndim - 2)]).reshape(n.shape)
@@ -201,6 +204,7 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.ADD_SCALAR: _scalar(np.add),
     Op.MUL_SCALAR: _scalar(np.multiply),
     Op.POWI: _powi,
+    Op.POW_SCALAR: _scalar(np.power),
     Op.CAST: _cast,
     Op.REDUCE_SUM_TO: _reduce_to(np.sum),
     Op.REDUCE_MAX_TO: _reduce_to(np.max),
