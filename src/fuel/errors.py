@@ -23,6 +23,11 @@ class IndexOutOfRange(FuelError, IndexError):
     """An index tensor points outside the tensor it indexes (checked before reading)."""
 
 
+class AxisIndexError(ShapeError, IndexError):
+    """An integer index is outside its axis (raised when the graph is built). It is an IndexError too, so
+    Python's iteration protocol stops at the end of the first axis."""
+
+
 class KernelError(FuelError, RuntimeError):
     """No kernel can run a node, or a kernel broke its contract."""
 

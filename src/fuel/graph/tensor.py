@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Union
 
 import numpy as np
@@ -48,6 +48,12 @@ class Tensor:
         if not self.shape:
             raise ShapeError("len: a rank-0 tensor has no length")
         return self.shape[0]
+
+    def __iter__(self) -> Iterator[Tensor]:
+        """The sub-tensors along the first axis, as NumPy iterates an array."""
+        if not self.shape:
+            raise ShapeError("iter: a rank-0 tensor cannot be iterated; use .item()")
+        return (self[i] for i in range(self.shape[0]))
 
     def __repr__(self) -> str:
         state = "realised" if self.node.value is not None else "lazy"
@@ -294,7 +300,9 @@ class Tensor:
         return Tensor(make(Op.CONTIGUIZE, (self.node,)))
 
     def __getitem__(self, key: Any) -> Tensor:
-        return _getitem(self, key)
+        from fuel.graph.indexing import getitem
+
+        return getitem(self, key)
 
     def gather(self, axis: int, index: TensorLike) -> Tensor:
         idx = as_tensor(index)
@@ -428,52 +436,3 @@ def pad(x: TensorLike, widths: Sequence[tuple[int, int]], value: float = 0.0) ->
     if not is_number(value):
         raise ParamError(f"pad: the fill value must be a number, got {value!r}")
     return Tensor(make(Op.PAD, (t.node,), (w, float(value))))
-
-
-def _getitem(t: Tensor, key: Any) -> Tensor:
-    keys = key if isinstance(key, tuple) else (key,)
-    if sum(k is Ellipsis for k in keys) > 1:
-        raise ShapeError("getitem: at most one ... in an index")
-    n_axes = sum(1 for k in keys if k is not None and k is not Ellipsis)
-    if n_axes > t.ndim:
-        raise ShapeError(f"getitem: {n_axes} indices for a tensor of rank {t.ndim}")
-    if Ellipsis in keys:
-        i = keys.index(Ellipsis)
-        keys = keys[:i] + (slice(None),) * (t.ndim - n_axes) + keys[i + 1:]
-    else:
-        keys = keys + (slice(None),) * (t.ndim - n_axes)
-    ranges: list[tuple[int, int, int]] = []
-    squeeze: list[int] = []
-    insert: list[int] = []
-    axis = 0
-    out_axis = 0
-    for k in keys:
-        if k is None:
-            insert.append(out_axis)
-            out_axis += 1
-            continue
-        size = t.shape[axis]
-        if isinstance(k, (int, np.integer)):
-            i = int(k)
-            if not -size <= i < size:
-                raise ShapeError(f"getitem: index {i} is out of range for axis {axis} of size {size}")
-            ranges.append((i % size, i % size + 1, 1))
-            squeeze.append(axis)
-        elif isinstance(k, slice):
-            start, stop, step = k.indices(size)
-            if step < 1:
-                raise ShapeError(f"getitem: step {k.step} is not supported (positive steps only)")
-            stop = max(stop, start)
-            ranges.append((start, stop, step))
-            out_axis += 1
-        else:
-            raise ShapeError(f"getitem: unsupported index {k!r}; use gather or index_select for tensors")
-        axis += 1
-    out = t
-    if any(r != (0, d, 1) for r, d in zip(ranges, t.shape, strict=True)):
-        out = Tensor(make(Op.SLICE, (t.node,), tuple(ranges)))
-    for a in reversed(squeeze):
-        out = Tensor(make(Op.SQUEEZE, (out.node,), a))
-    for a in insert:
-        out = Tensor(make(Op.UNSQUEEZE, (out.node,), a))
-    return out
