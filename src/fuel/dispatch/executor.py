@@ -122,7 +122,9 @@ def realize(*tensors: Tensor, env: dict[str, int] | None = None, fuse: bool = Tr
         _PLANS.move_to_end(key)
         for tr in _TRACE:
             tr.plans_reused += 1
-    values = _run(plan, [n.value for n in leaves], env)  # type: ignore[misc]
+    # Kernels follow IEEE (log 0 = -inf, 0/0 = NaN, as torch does); NumPy's warnings would only be noise.
+    with np.errstate(all="ignore"):
+        values = _run(plan, [n.value for n in leaves], env)  # type: ignore[misc]
     for node, value in zip(roots, values, strict=True):
         node.value = value
     return tensors
