@@ -21,6 +21,7 @@ from fuel.graph.registry.layer_norm_last_dim import LayerNormLastDimParams, deco
 from fuel.graph.registry.layer_norm_last_dim_backward import layer_norm_last_dim_backward
 from fuel.testing.contract import numba_threads, thread_counts
 from fuel.testing.oracle import assert_close_rowwise
+from fuel.testing.rescale import rescaled, rescaled_grad
 
 F = torch.nn.functional
 
@@ -115,36 +116,13 @@ HUGE[DType.BF16] = HUGE[DType.F32]
 HUGE_G = [[0.5, -1, 2, 0.25], [3, -1, 0.5, 2], [1, 1, -2, 0.75], [-0.5, 2, 1, -1], [2, -0.25, 1, 1]]
 
 
-def _exponent(row: np.ndarray) -> int:
-    """The k >= 0 that brings max|row| below 1."""
-    return max(math.frexp(float(np.max(np.abs(row))))[1], 0)
-
-
-def _oracle_huge(x: np.ndarray, eps: float) -> np.ndarray:
-    """torch float64 on each row scaled by 2^-k (exact), eps by 2^-2k: the same layer norm, and
-    squares that no longer overflow float64."""
-    rows = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
-    out = [_oracle(np.ldexp(r, -_exponent(r)), math.ldexp(eps, -2 * _exponent(r))) for r in rows]
-    return np.stack(out).reshape(x.shape)
-
-
-def _oracle_grad_huge(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
-    """dx is linear in g and scales as 1/std: dx(x, g) = 2^(kg − kx)·dx(x·2^-kx, g·2^-kg)."""
-    out = []
-    for rx, rg in zip(np.asarray(x, np.float64), np.asarray(g, np.float64), strict=True):
-        kx, kg = _exponent(rx), _exponent(rg)
-        d = _oracle_grad(np.ldexp(rx, -kx), np.ldexp(rg, -kg), math.ldexp(eps, -2 * kx))
-        out.append(np.ldexp(d, kg - kx))
-    return np.stack(out)
-
-
 @DTYPES
 def test_huge_rows_forward(dt: DType) -> None:
     x = np.array(HUGE[dt], np.float64).astype(dt.np)
     y = fl.ops.layer_norm_last_dim(x, EPS).numpy()
     # Never a large wrong value: every element of a layer norm is at most sqrt(n − 1) in size.
     assert np.all(np.abs(y.astype(np.float64)) <= math.sqrt(3) * 1.01), y
-    assert_close_rowwise(y, _oracle_huge(x, EPS), dt)
+    assert_close_rowwise(y, rescaled(_oracle, x, EPS), dt)
     if dt is not DType.F64:  # float64 holds these rows' squares: torch needs no rescaling
         assert_close_rowwise(y, _oracle(x, EPS), dt)
 
@@ -158,7 +136,7 @@ def test_huge_rows_backward(dt: DType) -> None:
         g = g.astype(dt.np)
         dx = layer_norm_last_dim_backward(x, g, EPS).numpy()
         assert np.isfinite(dx.astype(np.float64)).all(), dx
-        assert_close_rowwise(dx, _oracle_grad_huge(x, g, EPS), dt, backward=True)
+        assert_close_rowwise(dx, rescaled_grad(_oracle_grad, x, g, EPS), dt, backward=True)
 
 
 @pytest.mark.parametrize("dt", [DType.F32, DType.BF16, DType.F64], ids=lambda d: d.value)
@@ -177,11 +155,11 @@ def test_huge_constant_row_is_exact(dt: DType) -> None:
 def test_non_finite_rows_keep_ieee_results_next_to_huge_ones(dt: DType) -> None:
     x = np.array([[np.inf, 1, 2, 3], [np.nan, 1, 2, 3], [-np.inf, np.inf, 0, 1], HUGE[dt][0]]).astype(dt.np)
     g = np.array(HUGE_G[:4], np.float64).astype(dt.np)
-    want = np.concatenate([_oracle(x[:3], EPS), _oracle_huge(x[3:], EPS)])
+    want = np.concatenate([_oracle(x[:3], EPS), rescaled(_oracle, x[3:], EPS)])
     assert_close_rowwise(fl.ops.layer_norm_last_dim(x, EPS).numpy(), want, dt)
     dx = layer_norm_last_dim_backward(x, g, EPS).numpy()
     assert np.isnan(dx[:3].astype(np.float64)).all()
-    assert_close_rowwise(dx[3:], _oracle_grad_huge(x[3:], g[3:], EPS), dt, backward=True)
+    assert_close_rowwise(dx[3:], rescaled_grad(_oracle_grad, x[3:], g[3:], EPS), dt, backward=True)
 
 
 @pytest.mark.parametrize("dt", [DType.F32, DType.BF16, DType.F64], ids=lambda d: d.value)
@@ -201,8 +179,8 @@ def test_rows_redone_after_overflow_are_right_and_bit_stable(dt: DType) -> None:
     for other in runs.values():
         assert y.tobytes() == other[0].tobytes() and dx.tobytes() == other[1].tobytes()
     assert y[3].tobytes() == fl.ops.layer_norm_last_dim(x[3:4], EPS).numpy()[0].tobytes()
-    assert_close_rowwise(y, _oracle_huge(x, EPS), dt)
-    assert_close_rowwise(dx, _oracle_grad_huge(x, g, EPS), dt, backward=True)
+    assert_close_rowwise(y, rescaled(_oracle, x, EPS), dt)
+    assert_close_rowwise(dx, rescaled_grad(_oracle_grad, x, g, EPS), dt, backward=True)
 
 
 # ---- rules and errors ------------------------------------------------------------------------
