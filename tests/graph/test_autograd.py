@@ -7,10 +7,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 import fuel as fl
-
-torch = pytest.importorskip("torch")
 
 
 def _check(fn_fuel: Callable[..., fl.Tensor], fn_torch: Callable[..., Any], *arrays: np.ndarray,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,8 +15,6 @@ from fuel.graph.passes.fuse import fuse
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.fused_linear import FusedLinearParams, decompose
 from fuel.testing.oracle import assert_close_contraction
-
-torch = pytest.importorskip("torch")
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
 

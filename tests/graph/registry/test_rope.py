@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,8 +16,6 @@ from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.rope import RopeParams, decompose
 from fuel.testing.oracle import assert_close_rowwise
 from fuel.testing.reference.rope import rope_tables
-
-torch = pytest.importorskip("torch")
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
 SHAPES = [(5, 8), (2, 3, 7, 16), (1, 1, 1, 2), (3, 1, 64), (2, 1, 4, 6), (1, 9, 32)]
