@@ -1,9 +1,19 @@
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
 
 from fuel.dtype import FLOAT_DTYPES, DType
+
+# `ci`: derandomized (a red CI reproduces) with more examples; `dev`, the default, explores anew each run.
+# Tests that set max_examples themselves keep their count under both.
+settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 @pytest.fixture
