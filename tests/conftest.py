@@ -12,7 +12,7 @@ from fuel.dtype import FLOAT_DTYPES, DType
 # Tests that set max_examples themselves keep their count under both.
 settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=50, deadline=None)
+settings.register_profile("dev", derandomize=False, max_examples=50, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
