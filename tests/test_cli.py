@@ -25,6 +25,19 @@ def test_inventory_lists_every_id(capsys: pytest.CaptureFixture[str]) -> None:
     assert "## 1. SoftmaxLastDim" in md and "reserved" in md
 
 
+def test_inventory_keeps_backward_metadata_apart_from_whether_a_gradient_exists(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inventory", "--json"]) == 0
+    by_name = {r["name"]: r for r in json.loads(capsys.readouterr().out) if r["status"] == "complete"}
+    assert by_name["FusedLinear"]["backward"] == "NotDifferentiable" and by_name["FusedLinear"]["differentiable"]
+    assert main(["inventory"]) == 0
+    md = capsys.readouterr().out
+    linear = md[md.index("## 2. FusedLinear"):md.index("## 3.")]
+    assert "- Backward (inventory metadata): NotDifferentiable\n" in linear
+    assert "- Gradient: yes (vjp)\n" in linear
+    assert "vjp wired" not in md
+
+
 def test_verify_passes_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "SoftmaxLastDim"]) == 0
     out = capsys.readouterr().out

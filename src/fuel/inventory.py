@@ -131,7 +131,8 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
             f"- Family `{r['family']}`. Inputs: {r['inputs']}. CPU dtype tuples (inputs…, output): {dtypes}",
             f"- Params: {params}",
             f"- Shape rule: {r['shape_rule']}. Dtype rule: {r['dtype_rule']}. Output: {r['output']}",
-            f"- Backward: {r['backward']} (vjp {'wired' if r['differentiable'] else 'none'})",
+            f"- Backward (inventory metadata): {r['backward']}",
+            f"- Gradient: {'yes (vjp)' if r['differentiable'] else 'none'}",
             f"- Decompose: {r['decomposition']}. Pattern: {r['pattern']}",
             "- Precision: " + "; ".join(
                 f"{k}: rel {v['max_relative']}, abs {v['max_absolute']}, bit-stable {v['bit_stable']}"
