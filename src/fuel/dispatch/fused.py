@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+import importlib
 import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -90,12 +93,37 @@ class BackendImpl:
         return f"{file[file.rfind(marker) + len(marker):] if marker in file else file}:{line}"
 
 
+KERNEL_PACKAGE = "fuel.dispatch.cpu"
+
+
+def kernel_imports(module: ModuleType) -> set[str]:
+    """The `fuel.dispatch.cpu` modules `module` imports, directly or through each other."""
+    seen: set[str] = set()
+    todo = [module.__name__]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse(inspect.getsource(importlib.import_module(name)))):
+            targets = [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else (
+                [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            todo.extend(t for t in targets if t.startswith(KERNEL_PACKAGE + ".") and t not in seen)
+    return seen
+
+
 def revision_of(*objects: Any) -> str:
-    """A hash of the source of the modules holding `objects`: it changes when a kernel does."""
+    """A hash of the source of the modules holding `objects` and of the kernel modules they import
+    (vecmath, half, row helpers): it changes when anything the kernel runs does."""
     h = hashlib.sha256()
-    modules = {inspect.getmodule(inspect.unwrap(o)) for o in objects}
-    for mod in sorted((m for m in modules if m is not None), key=lambda m: m.__name__):
-        h.update(inspect.getsource(mod).encode())
+    names: set[str] = set()
+    for o in objects:
+        mod = inspect.getmodule(inspect.unwrap(o))
+        if mod is not None:
+            names |= kernel_imports(mod)
+    for name in sorted(names):
+        h.update(name.encode())
+        h.update(inspect.getsource(importlib.import_module(name)).encode())
     return h.hexdigest()[:16]
 
 

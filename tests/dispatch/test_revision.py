@@ -1,0 +1,42 @@
+"""An impl's revision covers every kernel module it runs, not only the one that registers it."""
+
+from __future__ import annotations
+
+import inspect
+from types import ModuleType
+
+import pytest
+
+import fuel.dispatch.cpu.softmax as softmax
+import fuel.dispatch.fused as fused
+from fuel.dispatch.fused import kernel_imports, revision_of
+
+
+def test_softmax_imports_vecmath_and_half() -> None:
+    assert {"fuel.dispatch.cpu.vecmath", "fuel.dispatch.cpu.half"} <= kernel_imports(softmax)
+
+
+@pytest.mark.parametrize("changed", ["fuel.dispatch.cpu.vecmath", "fuel.dispatch.cpu.half"])
+def test_a_change_to_an_imported_kernel_module_changes_the_revision(changed: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    before = revision_of(softmax.register)
+    real = inspect.getsource
+
+    def edited(obj: object) -> str:
+        text = real(obj)  # type: ignore[arg-type]
+        return text + "\n# an edit to expf\n" if isinstance(obj, ModuleType) and obj.__name__ == changed else text
+
+    monkeypatch.setattr(fused.inspect, "getsource", edited)
+    assert revision_of(softmax.register) != before
+
+
+def test_an_unrelated_module_does_not_change_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = revision_of(softmax.register)
+    real = inspect.getsource
+
+    def edited(obj: object) -> str:
+        text = real(obj)  # type: ignore[arg-type]
+        return text + "\n# edit\n" if isinstance(obj, ModuleType) and obj.__name__.endswith(".linear") else text
+
+    monkeypatch.setattr(fused.inspect, "getsource", edited)
+    assert revision_of(softmax.register) == before
