@@ -134,7 +134,27 @@ def test_fused_node_without_kernel_is_lowered(rng: np.random.Generator, monkeypa
     np.testing.assert_allclose(y, _softmax64(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
 
 
+def _rms_with_dynamic_eps(x: np.ndarray) -> fl.Tensor:
+    """An RMS norm node whose eps is a DynScalar (no builder takes one yet: the params are set directly)."""
+    from fuel.graph.registry import FusedOps
+    from fuel.graph.registry.rms_norm_last_dim import RmsNormLastDimParams
+
+    params = object.__new__(RmsNormLastDimParams)
+    object.__setattr__(params, "eps", fl.dyn("eps"))
+    leaf = fl.tensor(x).node
+    return fl.Tensor(Node(Op.FUSED, (leaf,), leaf.shape, leaf.dtype, (FusedOps.RMS_NORM_LAST_DIM, params)))
+
+
 def test_unbound_dyn_in_realize_env_is_reported() -> None:
-    assert fl.dyn("n").resolve({"n": 3}) == 3
-    with pytest.raises(fl.ParamError):
-        fl.dyn("n").resolve({})
+    x = np.arange(8, dtype=np.float64).reshape(2, 4) / 8
+    with pytest.raises(fl.ParamError, match="'eps' is unbound"):
+        fl.realize(_rms_with_dynamic_eps(x))
+    with pytest.raises(fl.ParamError, match="'eps' is unbound"):
+        fl.realize(_rms_with_dynamic_eps(x), env={"k_len": 3})
+    executor.clear_plan_cache()
+    with fl.trace() as t:
+        for eps in (1, 4):
+            (y,) = fl.realize(_rms_with_dynamic_eps(x), env={"eps": eps})
+            want = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+            np.testing.assert_allclose(y.numpy(), want, rtol=1e-12)
+    assert (t.plans_built, t.plans_reused) == (1, 1)
