@@ -34,11 +34,12 @@ def _report(ratio: np.ndarray, size: int, dtype: DType) -> None:
 
 
 def assert_close_rowwise(out: np.ndarray, ref: np.ndarray, dtype: DType, backward: bool = False,
-                         axis: int = -1, scale: np.ndarray | None = None) -> None:
+                         axis: int = -1, scale: np.ndarray | None = None, floor: float | None = None) -> None:
     """Row-wise op (softmax, norms, rope, CE, …) against a float64 oracle.
 
     `axis` is the op's reduction axis (the row); `scale` replaces the row's max|ref| when the op's
-    natural scale is per element.
+    natural scale is per element; `floor` (default: the output format's smallest subnormal) is the
+    absolute error always allowed, e.g. the smallest normal of a format the kernel flushes in.
     """
     o, r = as64(out), as64(ref)
     assert o.shape == r.shape, f"shape {o.shape} != reference {r.shape}"
@@ -47,7 +48,7 @@ def assert_close_rowwise(out: np.ndarray, ref: np.ndarray, dtype: DType, backwar
     rtol, atol = ROWWISE[dtype]
     k = 2.0 if backward else 1.0
     s = row_max_scale(r, axis) if scale is None else scale
-    _report(excess(o, r, s, k * rtol, k * atol, floor_of(dtype.np)), r.size, dtype)
+    _report(excess(o, r, s, k * rtol, k * atol, floor_of(dtype.np) if floor is None else floor), r.size, dtype)
 
 
 def assert_close_contraction(out: np.ndarray, ref: np.ndarray, scale: np.ndarray, dtype: DType,
