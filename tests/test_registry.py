@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
 
 import pytest
 
 import fuel as fl
+import fuel.graph.registry as registry_package
 from fuel.graph.registry import (
+    ENTRY_MODULES,
     UNASSIGNED,
     FusedOpEntry,
     FusedOpRegistry,
@@ -71,3 +75,11 @@ def test_ops_lists_every_builder_and_rejects_unknown() -> None:
     assert "softmax_last_dim" in dir(fl.ops)
     with pytest.raises(AttributeError, match="entries"):
         fl.ops.no_such_op  # noqa: B018
+
+
+def test_every_entry_module_is_listed_and_named_after_its_entry() -> None:
+    found = {i.name for i in pkgutil.iter_modules(registry_package.__path__)
+             if hasattr(importlib.import_module(f"fuel.graph.registry.{i.name}"), "ENTRY")}
+    assert found == set(ENTRY_MODULES) and len(ENTRY_MODULES) == len(set(ENTRY_MODULES))
+    for name in ENTRY_MODULES:
+        assert snake_name(importlib.import_module(f"fuel.graph.registry.{name}").ENTRY.name) == name

@@ -171,6 +171,9 @@ class FusedOpRegistry:
         return op_id in self._by_id
 
 
+# The one hand-kept list of a new fused op: its kernel and reference modules are discovered
+# (fuel.dispatch.dispatch, fuel.testing.reference), and tests/test_registry.py fails on an entry
+# module missing here.
 ENTRY_MODULES: tuple[str, ...] = (
     "softmax_last_dim",
     "softmax_last_dim_backward",
