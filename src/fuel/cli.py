@@ -41,7 +41,8 @@ def _verify(args: argparse.Namespace) -> int:
     results = verify(names)
     print(f"{'impl':52} {'cases':>5} {'worst/bound':>11} {'bit-stable':>10}  result")
     for r in results:
-        status = "ok" if r.ok else (r.error or "FAIL")
+        status = "ok" if r.ok else (r.error or (f"not bit-stable: {r.unstable}" if not r.bit_stable else "")
+                                    or f"FAIL: error {r.worst:.2f}x its declared bound")
         print(f"{r.impl:52} {r.cases:5} {r.worst:11.3f} {'yes' if r.bit_stable else 'NO':>10}  {status}")
     failed = [r for r in results if not r.ok]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
