@@ -13,6 +13,7 @@ from fuel.errors import (
     NoDecomposition,
     NotDifferentiable,
     ParamError,
+    RankZeroError,
     ShapeError,
 )
 from fuel.graph.autograd import grad
@@ -32,6 +33,7 @@ __all__ = [
     "NoDecomposition",
     "NotDifferentiable",
     "ParamError",
+    "RankZeroError",
     "ShapeError",
     "Tensor",
     "bf16",

@@ -28,6 +28,11 @@ class AxisIndexError(ShapeError, IndexError):
     Python's iteration protocol stops at the end of the first axis."""
 
 
+class RankZeroError(ShapeError, TypeError):
+    """A rank-0 tensor was iterated. It is a TypeError too, as NumPy raises for a 0-d array, so code that
+    tells iterables apart by catching TypeError treats a rank-0 tensor like a 0-d array."""
+
+
 class KernelError(FuelError, RuntimeError):
     """No kernel can run a node, or a kernel broke its contract."""
 

@@ -34,9 +34,12 @@ def test_an_out_of_range_integer_index_is_both_a_fuel_and_an_index_error() -> No
     assert isinstance(info.value, fl.FuelError) and isinstance(info.value, fl.ShapeError)
 
 
-def test_a_rank_zero_tensor_is_not_iterable() -> None:
-    with pytest.raises(fl.ShapeError, match="iter: a rank-0 tensor cannot be iterated"):
+def test_a_rank_zero_tensor_is_not_iterable_and_fails_as_numpy_does() -> None:
+    with pytest.raises(TypeError):
+        iter(np.array(1.0, np.float32))
+    with pytest.raises(fl.RankZeroError, match="iter: a rank-0 tensor cannot be iterated") as info:
         list(fl.tensor(np.float32(1.0)))
+    assert isinstance(info.value, TypeError) and isinstance(info.value, fl.ShapeError)
 
 
 @pytest.mark.parametrize("key", [True, False, np.True_, np.False_, (True, 0), (0, False, 1), (Ellipsis, True),

@@ -118,3 +118,24 @@ def test_integral_and_half_exponents_keep_the_nodes_the_fusion_patterns_match() 
     t = fl.tensor(np.ones(4, np.float32))
     assert (t ** 2).node.op is Op.POWI and (t ** 2.0).node.op is Op.POWI
     assert (t ** 0.5).node.op is Op.SQRT and (t ** -0.5).node.op is Op.RSQRT
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: d.value)
+@pytest.mark.parametrize(("sx", "se"), [((0, 3), (3,)), ((2, 0), (1,)), ((2, 3), (0, 1, 3)), ((0,), ())])
+def test_zero_size_powers_and_their_gradients_match_torch(dtype: DType, sx: tuple[int, ...],
+                                                          se: tuple[int, ...]) -> None:
+    x = np.full(sx, 1.5).astype(dtype.np)
+    e = np.full(se, 2.5).astype(dtype.np)
+    tx, te = fl.tensor(x), fl.tensor(e)
+    px, pe = _torch(x, dtype), _torch(e, dtype)
+    for y, py, wrt, leaves in ((tx ** te, px ** pe, [tx, te], [px, pe]), (tx ** 2.5, px ** 2.5, [tx], [px]),
+                               (2.0 ** tx, torch.pow(2.0, px), [tx], [px])):
+        assert y.shape == tuple(py.shape) and y.dtype is dtype
+        _check(y.numpy(), py, dtype)
+        grads = fl.grad(y.sum(), wrt)
+        for leaf in leaves:
+            leaf.grad = None
+        py.sum().backward()
+        for g, leaf in zip(grads, leaves, strict=True):
+            assert g.shape == tuple(leaf.shape)
+            _check(g.numpy(), leaf.grad, dtype)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from typing import Any, Union
 import numpy as np
 
 from fuel.dtype import DEFAULT_FLOAT, DType, as_dtype, from_numpy
-from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.errors import DTypeError, ParamError, RankZeroError, ShapeError
 from fuel.graph.node import DynScalar, Node, Op, Shape
 from fuel.graph.prims import as_int, broadcast_shapes, check_dims, make, norm_axis
 from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, promote_pair, result_dtype
@@ -52,7 +52,7 @@ class Tensor:
     def __iter__(self) -> Iterator[Tensor]:
         """The sub-tensors along the first axis, as NumPy iterates an array."""
         if not self.shape:
-            raise ShapeError("iter: a rank-0 tensor cannot be iterated; use .item()")
+            raise RankZeroError("iter: a rank-0 tensor cannot be iterated (it has no first axis); use .item()")
         return (self[i] for i in range(self.shape[0]))
 
     def __repr__(self) -> str:
