@@ -67,3 +67,8 @@ def test_basic_indexing_matches_numpy(key: list[object]) -> None:
     got = fl.tensor(x)[tuple(key)].numpy()
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)
+
+
+def test_len_of_a_rank_zero_tensor_is_a_type_error_as_in_numpy() -> None:
+    with pytest.raises(TypeError, match="len: a rank-0 tensor has no length"):
+        len(fl.tensor(np.float32(1.0)))

@@ -46,7 +46,7 @@ class Tensor:
 
     def __len__(self) -> int:
         if not self.shape:
-            raise ShapeError("len: a rank-0 tensor has no length")
+            raise RankZeroError("len: a rank-0 tensor has no length")
         return self.shape[0]
 
     def __iter__(self) -> Iterator[Tensor]:
