@@ -49,46 +49,54 @@ Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
 # loop holds no call to the fallback (one there cost the bf16 loop ~10% on rows in cache).
 
 
+@njit(cache=True)
+def _any(flags: Any) -> bool:
+    for f in flags:  # noqa: SIM110  (a loop Numba compiles; any() of a generator it does not)
+        if f:
+            return True
+    return False
+
+
 @njit(cache=True, parallel=True)
 def _rms(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    bad = np.zeros(x.shape[0], np.bool_)
+    bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
         bad[r] = not rms_row(x[r], out[r], eps, inv_n, one)
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             rms_row_rescaled(x[redo[i]], out[redo[i]], eps, inv_n, one)
 
 
 @njit(cache=True, parallel=True)
 def _ln(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    bad = np.zeros(x.shape[0], np.bool_)
+    bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
         bad[r] = not ln_row(x[r], out[r], eps, inv_n, one)
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             ln_row_rescaled(x[redo[i]], out[redo[i]], eps, inv_n, one)
 
 
 @njit(cache=True, parallel=True)
 def _ln_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    bad = np.zeros(x.shape[0], np.bool_)
+    bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
         bad[r] = not ln_bwd_row(x[r], g[r], out[r], eps, inv_n, one, True)
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             ln_bwd_row_rescaled(x[redo[i]], g[redo[i]], out[redo[i]], eps, inv_n, one)
 
 
 @njit(cache=True, parallel=True)
 def _rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
-    bad = np.zeros(x.shape[0], np.bool_)
+    bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
         bad[r] = not rms_bwd_row(x[r], g[r], out[r], eps, inv_n, one, True)
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             rms_bwd_row_rescaled(x[redo[i]], g[redo[i]], out[redo[i]], eps, inv_n, one)
 
@@ -97,7 +105,7 @@ def _rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
 def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
     chunks = min(rows, CHUNKS)
-    bad = np.zeros(rows, np.bool_)
+    bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wide = np.empty(n, np.uint32)
         res = np.empty(n, np.float32)
@@ -105,8 +113,8 @@ def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             widen_bf16_row(x[r], wide)
             bad[r] = not rms_row(wide.view(np.float32), res, eps, inv_n, one)
             narrow_bf16_row(res.view(np.uint32), out[r])
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             res = np.empty(n, np.float32)
             rms_row_rescaled(widened(x[redo[i]]), res, eps, inv_n, one)
@@ -117,7 +125,7 @@ def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
 def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
     chunks = min(rows, CHUNKS)
-    bad = np.zeros(rows, np.bool_)
+    bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wide = np.empty(n, np.uint32)
         res = np.empty(n, np.float32)
@@ -125,8 +133,8 @@ def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             widen_bf16_row(x[r], wide)
             bad[r] = not ln_row(wide.view(np.float32), res, eps, inv_n, one)
             narrow_bf16_row(res.view(np.uint32), out[r])
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             res = np.empty(n, np.float32)
             ln_row_rescaled(widened(x[redo[i]]), res, eps, inv_n, one)
@@ -137,7 +145,7 @@ def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
 def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
     chunks = min(rows, CHUNKS)
-    bad = np.zeros(rows, np.bool_)
+    bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wx = np.empty(n, np.uint32)
         wg = np.empty(n, np.uint32)
@@ -147,8 +155,8 @@ def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> No
             widen_bf16_row(g[r], wg)
             bad[r] = not ln_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one, True)
             narrow_bf16_row(res.view(np.uint32), out[r])
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             res = np.empty(n, np.float32)
             ln_bwd_row_rescaled(widened(x[redo[i]]), widened(g[redo[i]]), res, eps, inv_n, one)
@@ -159,7 +167,7 @@ def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> No
 def _rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
     chunks = min(rows, CHUNKS)
-    bad = np.zeros(rows, np.bool_)
+    bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wx = np.empty(n, np.uint32)
         wg = np.empty(n, np.uint32)
@@ -169,8 +177,8 @@ def _rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> N
             widen_bf16_row(g[r], wg)
             bad[r] = not rms_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one, True)
             narrow_bf16_row(res.view(np.uint32), out[r])
-    redo = np.flatnonzero(bad)
-    if redo.size:
+    if _any(bad):  # rare; serial, as Numba would make bad.any() (or np.zeros) a parallel region of its own
+        redo = np.flatnonzero(bad)
         for i in prange(redo.size):
             res = np.empty(n, np.float32)
             rms_bwd_row_rescaled(widened(x[redo[i]]), widened(g[redo[i]]), res, eps, inv_n, one)
