@@ -55,10 +55,15 @@ def _bench(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / "bench_ops.py").exists():
+    script = "bench_latency.py" if args.latency else "bench_ops.py"
+    if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
     sys.path.insert(0, str(root))
+    if args.latency:
+        from benchmarks import bench_latency
+
+        return bench_latency.main(args.out, args.repeat)
     from benchmarks import bench_ops
 
     return bench_ops.main(args.names, args.dtype, args.out, args.repeat, not args.no_compile)
@@ -108,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     p.add_argument("--repeat", type=_positive_int, default=10, help="timed runs per measurement (at least 1)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--latency", action="store_true",
+                   help="instead of the kernel cases: per-step latency of a SmolLM2-135M-shaped decode and prefill "
+                        "(fuel eager, fuel jit, NumPy, torch; names and --dtype do not apply)")
     p.set_defaults(run=_bench)
     p = sub.add_parser("demo", help="a short tour on the embedded default model")
     p.set_defaults(run=_demo)

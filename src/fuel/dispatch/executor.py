@@ -1,7 +1,13 @@
-"""realize(): plan a graph once per structure, then run it over the leaves' current values."""
+"""realize(): plan a graph once per structure, then run it over the leaves' current values.
+
+A plan holds kernels, op specs and slots, never Nodes or arrays of the graph it was built from: a
+cached plan pins nothing of the user's. Plans are keyed by graph structure and by the generation
+of both registries, so a kernel registered later is picked up instead of a stale plan reused.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -11,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.prims import PRIM_KERNELS, PrimKernel
 from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, default_kernel_registry
 from fuel.errors import KernelError, ShapeError
-from fuel.graph.node import DynScalar, Node, Op, topo_order
+from fuel.graph.node import DynScalar, Node, Op, OpSpec, topo_order
 from fuel.graph.passes import arg_key
 from fuel.graph.passes.cse import cse
 from fuel.graph.passes.fuse import fuse
@@ -32,20 +39,24 @@ PLAN_CACHE_SIZE = 512
 
 @dataclass(frozen=True)
 class Step:
-    node: Node
+    spec: OpSpec
     prim: PrimKernel | None
     impl: BackendImpl | None
+    params: Any  # a fused node's params as built (DynScalars unresolved)
+    dyn_fields: tuple[str, ...]  # the params fields that are DynScalars, resolved per run
     destructive: int | None
+    serial: bool  # below the parallel threshold: the kernel runs in the calling thread
     inputs: tuple[int, ...]
     output: int
     free_after: tuple[int, ...]
+    name: str  # the impl (or primitive) that runs it, as a trace shows it
 
 
 @dataclass
 class Plan:
     n_slots: int
-    leaf_slots: tuple[int, ...]
-    baked: dict[int, np.ndarray]
+    leaf_slots: tuple[int, ...]  # per leaf of the realised graph, in topological order (-1: unused)
+    baked: dict[int, np.ndarray]  # constants the passes made (never the user's arrays)
     steps: list[Step]
     outputs: tuple[int, ...]
 
@@ -75,6 +86,7 @@ class Trace:
 
 
 _PLANS: OrderedDict[object, Plan] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
 _TRACE: list[Trace] = []
 
 
@@ -89,8 +101,13 @@ def trace() -> Iterator[Trace]:
         _TRACE.remove(t)
 
 
+def tracing() -> list[Trace]:
+    return _TRACE
+
+
 def clear_plan_cache() -> None:
-    _PLANS.clear()
+    with _PLANS_LOCK:
+        _PLANS.clear()
 
 
 def plan_cache_size() -> int:
@@ -104,30 +121,86 @@ def realize(*tensors: Tensor, env: dict[str, int] | None = None, fuse: bool = Tr
     for t in tensors:
         if not isinstance(t, Tensor):
             raise ShapeError(f"realize: expects Tensors, got {type(t).__name__}")
+    if env:
+        _drop_stale([t.node for t in tensors], env)
     roots = [t.node for t in tensors if t.node.value is None]
     if not roots:
         return tensors
     order = topo_order(roots)
     leaves = [n for n in order if n.value is not None]
-    key = _structure_key(order, roots, fuse)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _build_plan(roots, leaves, fuse, default_registry(), default_kernel_registry())
-        _PLANS[key] = plan
-        if len(_PLANS) > PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-        for tr in _TRACE:
-            tr.plans_built += 1
-    else:
-        _PLANS.move_to_end(key)
-        for tr in _TRACE:
-            tr.plans_reused += 1
-    # Kernels follow IEEE (log 0 = -inf, 0/0 = NaN, as torch does); NumPy's warnings would only be noise.
-    with np.errstate(all="ignore"):
-        values = _run(plan, [n.value for n in leaves], env)  # type: ignore[misc]
+    registry, kernels = default_registry(), default_kernel_registry()
+    plan = cached_plan(order, roots, leaves, fuse, registry, kernels)
+    threads.apply()
+    values = run(plan, [n.value for n in leaves], env)  # type: ignore[misc]
+    bound = _bindings(order, env)
     for node, value in zip(roots, values, strict=True):
         node.value = value
+        node.bound = bound.get(node)
     return tensors
+
+
+def cached_plan(order: list[Node], roots: list[Node], leaves: list[Node], fuse_on: bool,
+                registry: FusedOpRegistry, kernels: FusedKernelRegistry) -> Plan:
+    """The plan for this graph structure, built once and kept in the cache."""
+    key = (_structure_key(order, roots, fuse_on), id(registry), id(kernels), kernels.generation)
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+    if plan is None:
+        plan = build_plan(roots, leaves, fuse_on, registry, kernels)
+        with _PLANS_LOCK:
+            _PLANS[key] = plan
+            if len(_PLANS) > PLAN_CACHE_SIZE:
+                _PLANS.popitem(last=False)
+    else:
+        for tr in _TRACE:
+            tr.plans_reused += 1
+    return plan
+
+
+def _drop_stale(roots: list[Node], env: dict[str, int]) -> None:
+    """Forget realised values computed under other bindings of a name `env` binds now."""
+    stack, seen = list(roots), set()
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if n.value is not None:
+            if n.bound is None or all(env.get(k, v) == v for k, v in n.bound.items()):
+                continue
+            n.value, n.bound = None, None
+        stack.extend(n.inputs)
+
+
+def dyn_names(params: Any) -> tuple[str, ...]:
+    """The fields of a params dataclass that hold DynScalars."""
+    if not is_dataclass(params) or isinstance(params, type):
+        return ()
+    return tuple(f.name for f in fields(params) if isinstance(getattr(params, f.name), DynScalar))
+
+
+def _bindings(order: list[Node], env: dict[str, int] | None) -> dict[Node, dict[str, int]]:
+    """Per node, the DynScalar bindings its value depends on (only nodes that depend on some)."""
+    if not env:
+        return {}
+    out: dict[Node, dict[str, int]] = {}
+    for n in order:
+        if n.value is not None:
+            if n.bound:
+                out[n] = n.bound
+            continue
+        names: dict[str, int] = {}
+        for i in n.inputs:
+            names.update(out.get(i, {}))
+        if n.op is Op.FUSED:
+            for f in dyn_names(n.arg[1]):
+                name = getattr(n.arg[1], f).name
+                names[name] = int(env[name])
+        if names:
+            out[n] = names
+    return out
 
 
 def _structure_key(order: list[Node], roots: list[Node], fuse_on: bool) -> object:
@@ -155,8 +228,15 @@ def _impl_for(n: Node, kernels: FusedKernelRegistry) -> BackendImpl | None:
     return kernels.lookup(n.arg[0], BACKEND, (*(i.dtype for i in n.inputs), n.dtype))
 
 
-def _build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
-                registry: FusedOpRegistry, kernels: FusedKernelRegistry) -> Plan:
+def _runs_serially(n: Node, impl: BackendImpl) -> bool:
+    cost = impl.cost([*(i.shape for i in n.inputs), n.shape], [*(i.dtype for i in n.inputs), n.dtype], n.arg[1])
+    return threads.runs_serially(cost.flops, cost.bytes_moved)
+
+
+def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
+               registry: FusedOpRegistry, kernels: FusedKernelRegistry) -> Plan:
+    for tr in _TRACE:
+        tr.plans_built += 1
     destructive = _destructive(registry)
     graph = cse(roots, destructive)
     if fuse_on:
@@ -181,23 +261,33 @@ def _build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
     for step_index, n in enumerate(order):
         if n.value is not None:
             continue
-        impl = _impl_for(n, kernels) if n.op is Op.FUSED else None
-        prim = None if n.op is Op.FUSED else PRIM_KERNELS[n.op]
-        steps.append(Step(n, prim, impl, destructive(n), tuple(slot[i] for i in n.inputs), slot[n],
-                          tuple(frees.get(step_index, ()))))
+        fused = n.op is Op.FUSED
+        impl = _impl_for(n, kernels) if fused else None
+        params = n.arg[1] if fused else None
+        steps.append(Step(
+            spec=n.spec(), prim=None if fused else PRIM_KERNELS[n.op], impl=impl, params=params,
+            dyn_fields=dyn_names(params), destructive=destructive(n),
+            serial=impl is not None and _runs_serially(n, impl),
+            inputs=tuple(slot[i] for i in n.inputs), output=slot[n], free_after=tuple(frees.get(step_index, ())),
+            name=impl.name if impl is not None else f"prim:{n.op.name.lower()}"))
     return Plan(len(order), leaf_slots, baked, steps, tuple(slot[r] for r in graph))
+
+
+def resolve(params: Any, names: Sequence[str], env: dict[str, int] | None) -> Any:
+    """params with its DynScalar fields `names` replaced by their bound values."""
+    if not names:
+        return params
+    return replace(params, **{f: getattr(params, f).resolve(env) for f in names})
 
 
 def _resolve(params: Any, env: dict[str, int] | None) -> Any:
     """Replace DynScalar fields of a params dataclass by their bound values."""
-    if not is_dataclass(params) or isinstance(params, type):
-        return params
-    changes = {f.name: getattr(params, f.name).resolve(env) for f in fields(params)
-               if isinstance(getattr(params, f.name), DynScalar)}
-    return replace(params, **changes) if changes else params
+    return resolve(params, dyn_names(params), env)
 
 
-def _run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | None) -> list[np.ndarray]:
+def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | None) -> list[np.ndarray]:
+    """Run a plan once, allocating its intermediates (large ones from the pool) and freeing each
+    after its last reader."""
     slots: list[Any] = [None] * plan.n_slots
     for s, v in zip(plan.leaf_slots, leaf_values, strict=True):
         if s >= 0:
@@ -205,34 +295,42 @@ def _run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | No
     for s, v in plan.baked.items():
         slots[s] = v
     tracing = bool(_TRACE)
-    for step in plan.steps:
-        start = time.perf_counter() if tracing else 0.0
-        args = [slots[i] for i in step.inputs]
-        node = step.node
-        copies = 0
-        if step.prim is not None:
-            out = step.prim(args, node)
-            if type(out) is not np.ndarray:  # NumPy full reductions return scalars
-                out = np.asarray(out)
-            impl_name = f"prim:{node.op.name.lower()}"
-        else:
-            out, copies = _run_fused(step, args, env)
-            impl_name = step.impl.name if step.impl else "?"
-        if out.shape != node.shape or out.dtype != node.dtype.np:
-            raise KernelError(f"{impl_name}: produced {list(out.shape)} {out.dtype}, rules say "
-                              f"{list(node.shape)} {node.dtype.value}")
-        slots[step.output] = out
-        for s in step.free_after:
-            slots[s] = None
-        if tracing:
-            record = TraceRecord(repr(node), impl_name, time.perf_counter() - start, copies)
-            for t in _TRACE:
-                t.records.append(record)
+    mode = threads.MODE
+    saved = mode.serial
+    try:
+        # Kernels follow IEEE (log 0 = -inf, 0/0 = NaN, as torch does); NumPy's warnings would only be noise.
+        with np.errstate(all="ignore"):
+            for step in plan.steps:
+                start = time.perf_counter() if tracing else 0.0
+                args = [slots[i] for i in step.inputs]
+                spec = step.spec
+                copies = 0
+                if step.prim is not None:
+                    out = step.prim(args, spec, None)
+                    if type(out) is not np.ndarray:  # NumPy full reductions return scalars
+                        out = np.asarray(out)
+                    if out.shape != spec.shape or out.dtype != spec.dtype.np:
+                        raise KernelError(f"{step.name}: produced {list(out.shape)} {out.dtype}, rules say "
+                                          f"{list(spec.shape)} {spec.dtype.value}")
+                else:
+                    mode.serial = saved or step.serial
+                    out, copies = run_fused(step, args, None, env)
+                slots[step.output] = out
+                for s in step.free_after:
+                    slots[s] = None
+                if tracing:
+                    record = TraceRecord(spec.label, step.name, time.perf_counter() - start, copies)
+                    for t in _TRACE:
+                        t.records.append(record)
+    finally:
+        mode.serial = saved
     return [slots[s] for s in plan.outputs]
 
 
-def _run_fused(step: Step, args: list[np.ndarray], env: dict[str, int] | None) -> tuple[np.ndarray, int]:
-    impl, node = step.impl, step.node
+def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None,
+              env: dict[str, int] | None) -> tuple[np.ndarray, int]:
+    """Run a fused step's kernel into `out` (allocated here when None); returns it and the input copies made."""
+    impl, spec = step.impl, step.spec
     assert impl is not None
     copies = 0
     if not impl.caps.strided_input:
@@ -240,12 +338,12 @@ def _run_fused(step: Step, args: list[np.ndarray], env: dict[str, int] | None) -
             if not a.flags.c_contiguous:
                 args[k] = np.ascontiguousarray(a)
                 copies += 1
-    params = _resolve(node.arg[1], env)
+    params = resolve(step.params, step.dyn_fields, env)
     if step.destructive is not None:
         out = args[step.destructive]
         if not out.flags.writeable:
             raise KernelError(f"{impl.name}: input {step.destructive} is destroyed in place but is read-only")
-    else:
-        out = POOL.empty(node.shape, node.dtype.np)
+    elif out is None:
+        out = POOL.empty(spec.shape, spec.dtype.np)
     impl.kernel(args, out, params)
     return out, copies

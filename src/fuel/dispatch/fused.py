@@ -136,6 +136,7 @@ class FusedKernelRegistry:
 
     def __init__(self) -> None:
         self._impls: dict[tuple[int, str, tuple[DType, ...]], BackendImpl] = {}
+        self.generation = 0  # counts registrations: plans built before one are not reused after it
 
     def register(self, impl: BackendImpl) -> None:
         if impl.op_id not in FusedOps.NAMES:
@@ -144,6 +145,7 @@ class FusedKernelRegistry:
         if key in self._impls:
             raise KernelRegistryError(f"kernels: {impl.name} is registered twice")
         self._impls[key] = impl
+        self.generation += 1
 
     def lookup(self, op_id: int, backend: str, dtypes: tuple[DType, ...]) -> BackendImpl | None:
         return self._impls.get((op_id, backend, dtypes))

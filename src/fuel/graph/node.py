@@ -106,10 +106,26 @@ def dyn(name: str) -> DynScalar:
 _serial = itertools.count()
 
 
+@dataclass(frozen=True)
+class OpSpec:
+    """What a kernel needs of a node, without the graph: op, argument, shapes and dtypes.
+
+    Plans hold these instead of Nodes, so a cached plan pins no graph and none of its arrays.
+    """
+
+    op: Op
+    arg: Any
+    shape: Shape
+    dtype: DType
+    in_shapes: tuple[Shape, ...]
+    in_dtypes: tuple[DType, ...]
+    label: str  # the node as a trace shows it
+
+
 class Node:
     """One value in the graph. Structure is immutable; `value` caches a realised array."""
 
-    __slots__ = ("__weakref__", "arg", "dtype", "inputs", "op", "serial", "shape", "value")
+    __slots__ = ("__weakref__", "arg", "bound", "dtype", "inputs", "op", "serial", "shape", "value")
 
     def __init__(
         self,
@@ -126,6 +142,9 @@ class Node:
         self.dtype = dtype
         self.arg = arg
         self.value = value
+        # The DynScalar bindings a realised value was computed under ({name: value}), or None when it
+        # depends on none: realising it again under other bindings recomputes it.
+        self.bound: dict[str, int] | None = None
         self.serial = next(_serial)
 
     @property
@@ -137,6 +156,10 @@ class Node:
         if all(a is b for a, b in zip(inputs, self.inputs, strict=True)):
             return self
         return Node(self.op, inputs, self.shape, self.dtype, self.arg)
+
+    def spec(self) -> OpSpec:
+        return OpSpec(self.op, self.arg, self.shape, self.dtype, tuple(i.shape for i in self.inputs),
+                      tuple(i.dtype for i in self.inputs), repr(self))
 
     def __repr__(self) -> str:
         arg = "" if self.arg is None or self.op is Op.CONST else f" {self.arg!r}"

@@ -22,9 +22,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, widen_bf16_row
 from fuel.dispatch.fused import (
     BackendImpl,
@@ -38,27 +39,26 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 
-CHUNKS = 256
 
-
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _widen_bf16(src: Any, dst_bits: Any) -> None:
     """dst_bits (uint32, flat) <- bf16 bits (uint16, flat) << 16: exact, at memory speed."""
     n = src.shape[0]
-    chunks = min(n, CHUNKS)
+    chunks = chunk_count(n)
     for c in prange(chunks):
-        lo, hi = c * n // chunks, (c + 1) * n // chunks
+        lo, hi = chunk_bounds(c, n, chunks)
         widen_bf16_row(src[lo:hi], dst_bits[lo:hi])
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _bias_narrow_bf16(acc: Any, bias: Any, out: Any) -> None:
     """out (bf16 bits) <- round(acc + bias) per row of the f32 accumulator, rounded once."""
     rows, n = acc.shape
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     for c in prange(chunks):
         tmp = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             for j in range(n):
                 tmp[j] = acc[r, j] + bias[j]
             narrow_bf16_row(tmp.view(np.uint32), out[r])

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
 from fuel.dispatch.cpu.norm_rows import (
     ln_bwd_row,
@@ -39,8 +40,6 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 
-CHUNKS = 256
-
 Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
 
 
@@ -57,7 +56,7 @@ def _any(flags: Any) -> bool:
     return False
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _rms(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
@@ -68,7 +67,7 @@ def _rms(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             rms_row_rescaled(x[redo[i]], out[redo[i]], eps, inv_n, one)
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _ln(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
@@ -79,7 +78,7 @@ def _ln(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             ln_row_rescaled(x[redo[i]], out[redo[i]], eps, inv_n, one)
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _ln_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
@@ -90,7 +89,7 @@ def _ln_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             ln_bwd_row_rescaled(x[redo[i]], g[redo[i]], out[redo[i]], eps, inv_n, one)
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     bad = np.empty(x.shape[0], np.bool_)  # every row sets its flag
     for r in prange(x.shape[0]):
@@ -101,15 +100,16 @@ def _rms_bwd(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             rms_bwd_row_rescaled(x[redo[i]], g[redo[i]], out[redo[i]], eps, inv_n, one)
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wide = np.empty(n, np.uint32)
         res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             widen_bf16_row(x[r], wide)
             bad[r] = not rms_row(wide.view(np.float32), res, eps, inv_n, one)
             narrow_bf16_row(res.view(np.uint32), out[r])
@@ -121,15 +121,16 @@ def _rms_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             narrow_bf16_row(res.view(np.uint32), out[redo[i]])
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wide = np.empty(n, np.uint32)
         res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             widen_bf16_row(x[r], wide)
             bad[r] = not ln_row(wide.view(np.float32), res, eps, inv_n, one)
             narrow_bf16_row(res.view(np.uint32), out[r])
@@ -141,16 +142,17 @@ def _ln_bf16(x: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
             narrow_bf16_row(res.view(np.uint32), out[redo[i]])
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wx = np.empty(n, np.uint32)
         wg = np.empty(n, np.uint32)
         res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             widen_bf16_row(x[r], wx)
             widen_bf16_row(g[r], wg)
             bad[r] = not ln_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one, True)
@@ -163,16 +165,17 @@ def _ln_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> No
             narrow_bf16_row(res.view(np.uint32), out[redo[i]])
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> None:
     rows, n = x.shape
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     bad = np.empty(rows, np.bool_)  # every row sets its flag
     for c in prange(chunks):
         wx = np.empty(n, np.uint32)
         wg = np.empty(n, np.uint32)
         res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             widen_bf16_row(x[r], wx)
             widen_bf16_row(g[r], wg)
             bad[r] = not rms_bwd_row(wx.view(np.float32), wg.view(np.float32), res, eps, inv_n, one, True)

@@ -1,4 +1,9 @@
-"""NumPy kernels of the primitive ops: one table, each `kernel(inputs, node) -> array`."""
+"""NumPy kernels of the primitive ops: one table, each `kernel(inputs, spec, out) -> array`.
+
+`out` is a buffer of the node's shape and dtype to write into (a replayed plan's arena), or None to
+allocate. View ops ignore it and return a view. Common f32/f64 elementwise ops and matmul write into
+`out` directly; the rest compute as NumPy does and copy into it.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
-from fuel.graph.node import Node, Op
+from fuel.graph.node import Op, OpSpec
 from fuel.graph.prims import reduce_to_axes
 
-PrimKernel = Callable[[list[np.ndarray], Node], np.ndarray]
+PrimKernel = Callable[[list[np.ndarray], OpSpec, np.ndarray | None], np.ndarray]
+Computed = Callable[[list[np.ndarray], OpSpec], np.ndarray]
 
 
 def _work(x: np.ndarray, dtype: DType) -> np.ndarray:
@@ -20,7 +26,7 @@ def _work(x: np.ndarray, dtype: DType) -> np.ndarray:
     return x.astype(np.float32) if dtype.is_half else x
 
 
-def _store(y: np.ndarray, node: Node) -> np.ndarray:
+def _store(y: np.ndarray, node: OpSpec) -> np.ndarray:
     return y if y.dtype == node.dtype.np else y.astype(node.dtype.np)
 
 
@@ -59,22 +65,56 @@ _BINARY: dict[Op, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 
 def _unary(op: Op) -> PrimKernel:
     f = _UNARY[op]
-    return lambda xs, n: _store(f(_work(xs[0], n.dtype)), n)
+    computed: Computed = lambda xs, n: _store(f(_work(xs[0], n.dtype)), n)  # noqa: E731
+    if not isinstance(f, np.ufunc):
+        return _into(computed)
+
+    def kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+        if out is None or n.dtype.is_half or xs[0].dtype != out.dtype:
+            return _copy_into(computed(xs, n), out)
+        return f(xs[0], out=out)
+
+    return kernel
 
 
 def _binary(op: Op) -> PrimKernel:
     f = _BINARY[op]
-    return lambda xs, n: _store(f(_work(xs[0], n.inputs[0].dtype), _work(xs[1], n.inputs[1].dtype)), n)
 
+    def kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+        if out is None or n.dtype.is_half or not xs[0].dtype == xs[1].dtype == out.dtype:
+            return _copy_into(_store(f(_work(xs[0], n.in_dtypes[0]), _work(xs[1], n.in_dtypes[1])), n), out)
+        return f(xs[0], xs[1], out=out)  # type: ignore[call-arg]
 
-def _scalar(f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> PrimKernel:
-    def kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
-        x = _work(xs[0], n.dtype)
-        return _store(f(x, np.asarray(n.arg, dtype=x.dtype)), n)
     return kernel
 
 
-def _powi(xs: list[np.ndarray], n: Node) -> np.ndarray:
+def _copy_into(y: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return y
+    np.copyto(out, y)
+    return out
+
+
+def _into(computed: Computed) -> PrimKernel:
+    """A kernel that computes a fresh array and copies it into `out` when one is given."""
+    return lambda xs, n, out: _copy_into(computed(xs, n), out)
+
+
+def _view(computed: Computed) -> PrimKernel:
+    """A view op: never writes, `out` is always None for it."""
+    return lambda xs, n, out: computed(xs, n)
+
+
+def _scalar(f: np.ufunc) -> PrimKernel:
+    def kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+        x = _work(xs[0], n.dtype)
+        if out is not None and not n.dtype.is_half and x.dtype == out.dtype:
+            return f(x, np.asarray(n.arg, dtype=x.dtype), out=out)
+        return _copy_into(_store(f(x, np.asarray(n.arg, dtype=x.dtype)), n), out)
+    return kernel
+
+
+def _powi(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     """Repeated squaring in the order of compiler-builtins __powi (not np.power)."""
     a = _work(xs[0], n.dtype)
     p = abs(int(n.arg))
@@ -109,48 +149,50 @@ def _saturate(x: np.ndarray, target: DType) -> np.ndarray:
     return out
 
 
-def _cast(xs: list[np.ndarray], n: Node) -> np.ndarray:
+def _cast(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     x, target = xs[0], n.dtype
-    if n.inputs[0].dtype.is_float and not target.is_float:
+    if n.in_dtypes[0].is_float and not target.is_float:
         return _saturate(x, target)
     return x.astype(target.np)
 
 
-def _acc(n: Node) -> Any:
+def _acc(n: OpSpec) -> Any:
     """The dtype NumPy accumulates a reduction in: the node's own for integer sums (64 bits), f64 for the
     mean of integers, and the working type (f32 for half types) for floats."""
-    if n.inputs[0].dtype.is_float:
+    if n.in_dtypes[0].is_float:
         return None
     return np.float64 if n.dtype.is_float else n.dtype.np
 
 
-def _reduce_to(f: Callable[..., np.ndarray]) -> PrimKernel:
-    def kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
-        axes = reduce_to_axes(n.op.name.lower(), n.inputs[0].shape, n.shape)
-        x = _work(xs[0], n.inputs[0].dtype)
+def _reduce_to(f: Callable[..., np.ndarray]) -> Computed:
+    def kernel(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
+        axes = reduce_to_axes(n.op.name.lower(), n.in_shapes[0], n.shape)
+        x = _work(xs[0], n.in_dtypes[0])
         y = f(x, axis=axes, keepdims=True) if f is np.max else f(x, axis=axes, keepdims=True, dtype=_acc(n))
         return _store(np.reshape(y, n.shape), n)
     return kernel
 
 
-def _dim(f: Callable[..., np.ndarray]) -> PrimKernel:
-    def kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
-        x = _work(xs[0], n.inputs[0].dtype)
+def _dim(f: Callable[..., np.ndarray]) -> Computed:
+    def kernel(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
+        x = _work(xs[0], n.in_dtypes[0])
         return _store(np.asarray(f(x, axis=n.arg) if f is np.max else f(x, axis=n.arg, dtype=_acc(n))), n)
     return kernel
 
 
-def _matmul(xs: list[np.ndarray], n: Node) -> np.ndarray:
+def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
     a, b = _work(xs[0], n.dtype), _work(xs[1], n.dtype)
     if a.size == 0 or b.size == 0:
         # NumPy's answer without its reshapes: empty when M, N or a batch dim is 0, zeros when only K is.
-        return np.zeros(n.shape, n.dtype.np)
+        return _copy_into(np.zeros(n.shape, n.dtype.np), out)
+    direct = out if out is not None and not n.dtype.is_half else None
     if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
         # b broadcast over the batch (a weight): one GEMM over all rows of a.
-        y = np.matmul(a.reshape(-1, a.shape[-1]), b[(0,) * (b.ndim - 2)]).reshape(n.shape)
+        flat = None if direct is None else direct.reshape(-1, n.shape[-1])
+        y = np.matmul(a.reshape(-1, a.shape[-1]), b[(0,) * (b.ndim - 2)], out=flat).reshape(n.shape)
     else:
-        y = np.matmul(a, b)
-    return _store(y, n)
+        y = np.matmul(a, b, out=direct)
+    return y if direct is not None else _copy_into(_store(y, n), out)
 
 
 def _check_index(op: str, idx: np.ndarray, size: int) -> np.ndarray:
@@ -160,17 +202,17 @@ def _check_index(op: str, idx: np.ndarray, size: int) -> np.ndarray:
     return idx.astype(np.intp, copy=False)
 
 
-def _gather(xs: list[np.ndarray], n: Node) -> np.ndarray:
-    idx = _check_index("gather", xs[1], n.inputs[0].shape[n.arg])
+def _gather(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
+    idx = _check_index("gather", xs[1], n.in_shapes[0][n.arg])
     return np.take_along_axis(xs[0], idx, axis=n.arg)
 
 
-def _index_select(xs: list[np.ndarray], n: Node) -> np.ndarray:
-    idx = _check_index("index_select", xs[1], n.inputs[0].shape[n.arg])
+def _index_select(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
+    idx = _check_index("index_select", xs[1], n.in_shapes[0][n.arg])
     return np.take(xs[0], idx, axis=n.arg)
 
 
-def _scatter_add(xs: list[np.ndarray], n: Node) -> np.ndarray:
+def _scatter_add(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     base, src = _work(xs[0], n.dtype), _work(xs[2], n.dtype)
     idx = _check_index("scatter_add", xs[1], n.shape[n.arg])
     out = np.array(base, copy=True)
@@ -180,7 +222,7 @@ def _scatter_add(xs: list[np.ndarray], n: Node) -> np.ndarray:
     return _store(out, n)
 
 
-def _index_add(xs: list[np.ndarray], n: Node) -> np.ndarray:
+def _index_add(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     base, src = _work(xs[0], n.dtype), _work(xs[2], n.dtype)
     idx = _check_index("index_add", xs[1], n.shape[n.arg])
     out = np.array(base, copy=True)
@@ -188,43 +230,51 @@ def _index_add(xs: list[np.ndarray], n: Node) -> np.ndarray:
     return _store(out, n)
 
 
-def _pad(xs: list[np.ndarray], n: Node) -> np.ndarray:
+def _pad(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     widths, value = n.arg
     return np.pad(xs[0], widths, mode="constant", constant_values=np.asarray(value, dtype=n.dtype.np))
 
 
-def _no_kernel(xs: list[np.ndarray], n: Node) -> np.ndarray:
+def _no_kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
     raise KernelError(f"{n.op.name.lower()}: has no primitive kernel; the executor handles it")
+
+
+def _concat(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+    return np.concatenate(xs, axis=n.arg, out=out)
+
+
+def _contiguize(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+    return np.ascontiguousarray(xs[0]) if out is None else _copy_into(xs[0], out)
 
 
 PRIM_KERNELS: dict[Op, PrimKernel] = {
     **{op: _unary(op) for op in _UNARY},
     **{op: _binary(op) for op in _BINARY},
-    Op.WHERE: lambda xs, n: np.where(xs[0] != 0, xs[1], xs[2]),
+    Op.WHERE: _into(lambda xs, n: np.where(xs[0] != 0, xs[1], xs[2])),
     Op.ADD_SCALAR: _scalar(np.add),
     Op.MUL_SCALAR: _scalar(np.multiply),
-    Op.POWI: _powi,
+    Op.POWI: _into(_powi),
     Op.POW_SCALAR: _scalar(np.power),
-    Op.CAST: _cast,
-    Op.REDUCE_SUM_TO: _reduce_to(np.sum),
-    Op.REDUCE_MAX_TO: _reduce_to(np.max),
-    Op.SUM_DIM: _dim(np.sum),
-    Op.MAX_DIM: _dim(np.max),
-    Op.MEAN_DIM: _dim(np.mean),
-    Op.BROADCAST_TO: lambda xs, n: np.broadcast_to(xs[0], n.shape),
-    Op.RESHAPE: lambda xs, n: np.reshape(xs[0], n.shape),
-    Op.PERMUTE: lambda xs, n: np.transpose(xs[0], n.arg),
-    Op.SLICE: lambda xs, n: xs[0][tuple(slice(*r) for r in n.arg)],
-    Op.UNSQUEEZE: lambda xs, n: np.expand_dims(xs[0], n.arg),
-    Op.SQUEEZE: lambda xs, n: np.squeeze(xs[0], axis=n.arg),
-    Op.CONCAT: lambda xs, n: np.concatenate(xs, axis=n.arg),
-    Op.PAD: _pad,
-    Op.CONTIGUIZE: lambda xs, n: np.ascontiguousarray(xs[0]),
+    Op.CAST: _into(_cast),
+    Op.REDUCE_SUM_TO: _into(_reduce_to(np.sum)),
+    Op.REDUCE_MAX_TO: _into(_reduce_to(np.max)),
+    Op.SUM_DIM: _into(_dim(np.sum)),
+    Op.MAX_DIM: _into(_dim(np.max)),
+    Op.MEAN_DIM: _into(_dim(np.mean)),
+    Op.BROADCAST_TO: _view(lambda xs, n: np.broadcast_to(xs[0], n.shape)),
+    Op.RESHAPE: _view(lambda xs, n: np.reshape(xs[0], n.shape)),
+    Op.PERMUTE: _view(lambda xs, n: np.transpose(xs[0], n.arg)),
+    Op.SLICE: _view(lambda xs, n: xs[0][tuple(slice(*r) for r in n.arg)]),
+    Op.UNSQUEEZE: _view(lambda xs, n: np.expand_dims(xs[0], n.arg)),
+    Op.SQUEEZE: _view(lambda xs, n: np.squeeze(xs[0], axis=n.arg)),
+    Op.CONCAT: _concat,
+    Op.PAD: _into(_pad),
+    Op.CONTIGUIZE: _contiguize,
     Op.MATMUL: _matmul,
-    Op.GATHER: _gather,
-    Op.INDEX_SELECT: _index_select,
-    Op.SCATTER_ADD: _scatter_add,
-    Op.INDEX_ADD: _index_add,
+    Op.GATHER: _into(_gather),
+    Op.INDEX_SELECT: _into(_index_select),
+    Op.SCATTER_ADD: _into(_scatter_add),
+    Op.INDEX_ADD: _into(_index_add),
     Op.VIEW: _no_kernel,
     Op.CONST: _no_kernel,
     Op.FUSED: _no_kernel,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, via_f32
 from fuel.dispatch.cpu.vecmath import bf16_to_f32
 from fuel.dispatch.fused import (
@@ -29,7 +30,6 @@ from fuel.graph.registry import FusedOps
 # `contract` lets LLVM use FMA (fixed per build, so still bit-stable; error stays below the bound);
 # no reassociation is needed since there are no reductions.
 FASTMATH = {"nsz", "contract"}
-CHUNKS = 256
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -41,20 +41,21 @@ def _rope_row(x: Any, c: Any, s: Any, o: Any, h: int) -> None:
         o[i + h] = hi * c[i + h] + lo * s[i + h]
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH)
 def _rope(x: Any, cos: Any, sin: Any, out: Any) -> None:
     """x, out [rows, D]; cos, sin [S, D]; f32 or f64 (the arrays' own type)."""
     rows, d = x.shape
     seq = cos.shape[0]
     h = d // 2
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     for c in prange(chunks):
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             t = r % seq
             _rope_row(x[r], cos[t], sin[t], out[r], h)
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH)
 def _rope_bf16(x: Any, cos: Any, sin: Any, out: Any) -> None:
     """bf16 bits: x, out [rows, D] uint16; cos, sin [S, D] already widened to f32.
 
@@ -63,12 +64,13 @@ def _rope_bf16(x: Any, cos: Any, sin: Any, out: Any) -> None:
     rows, d = x.shape
     seq = cos.shape[0]
     h = d // 2
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     for c in prange(chunks):
         lo = np.empty(h, np.float32)
         hi = np.empty(h, np.float32)
         res = np.empty(d, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             t = r % seq
             xr = x[r]
             for i in range(h):

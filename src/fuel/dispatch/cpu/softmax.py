@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
 from fuel.dispatch.cpu.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16
 from fuel.dispatch.fused import (
@@ -28,7 +29,6 @@ from fuel.graph.registry import FusedOps
 # Reassociation lets the row sums vectorise (a fixed order per build: still bit-stable);
 # no nnan/ninf, so NaN and inf rows keep IEEE behaviour.
 FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
-CHUNKS = 256
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _row_max(x: Any) -> Any:
@@ -50,7 +50,7 @@ def _exp_sum_f32(x: Any, m: Any, o: Any) -> Any:
     return s
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH)
 def _softmax_f32(x: Any, out: Any) -> None:
     rows, n = x.shape
     for r in prange(rows):
@@ -60,15 +60,16 @@ def _softmax_f32(x: Any, out: Any) -> None:
             o[j] = o[j] * inv
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH)
 def _softmax_bf16(x: Any, out: Any) -> None:
     """bf16 bits in and out; each row widened once into f32 scratch, rounded once on store."""
     rows, n = x.shape
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     for c in prange(chunks):
         wide = np.empty(n, np.float32)
         e = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             xr = x[r]
             for j in range(n):
                 wide[j] = bf16_to_f32(xr[j])
@@ -78,7 +79,7 @@ def _softmax_bf16(x: Any, out: Any) -> None:
                 o[j] = f32_to_bf16(e[j] * inv)
 
 
-@njit(cache=True, parallel=True)
+@row_kernel()
 def _softmax_f64(x: Any, out: Any) -> None:
     rows, n = x.shape
     for r in prange(rows):
@@ -93,7 +94,7 @@ def _softmax_f64(x: Any, out: Any) -> None:
             out[r, j] = out[r, j] * inv
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH)
 def _softmax_backward(y: Any, g: Any, out: Any) -> None:
     """out = y * (g - sum(g * y)) per row; f32 or f64 (the arrays' own type)."""
     rows, n = y.shape
@@ -105,15 +106,16 @@ def _softmax_backward(y: Any, g: Any, out: Any) -> None:
             out[r, j] = y[r, j] * (g[r, j] - dot)
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH)
 def _softmax_backward_bf16(y: Any, g: Any, out: Any) -> None:
     rows, n = y.shape
-    chunks = min(rows, CHUNKS)
+    chunks = chunk_count(rows)
     for c in prange(chunks):
         wy = np.empty(n, np.uint32)
         wg = np.empty(n, np.uint32)
         res = np.empty(n, np.float32)
-        for r in range(c * rows // chunks, (c + 1) * rows // chunks):
+        start, stop = chunk_bounds(c, rows, chunks)
+        for r in range(start, stop):
             widen_bf16_row(y[r], wy)
             widen_bf16_row(g[r], wg)
             fy = wy.view(np.float32)

@@ -1,0 +1,205 @@
+"""fuel's thread policy: one thread count for Numba and the BLAS, and small work run serially.
+
+Two thread pools that spin while idle starve each other on a small machine: after a BLAS call the
+OpenBLAS workers spin for about 2^28 cycles, and GNU OpenMP's workers (Numba's `omp` layer) spin
+about 300k iterations after each parallel region. Measured on a 2-core machine, a one-row Numba
+parallel kernel right after a `[1, 576] @ [576, 1536]` GEMV took 8.3 ms; the same row run serially
+in the calling thread took 0.06 ms, and with passive OpenMP waiting the parallel call took 0.1 ms.
+The policy, in order of what it saves:
+
+1. Work whose estimated time (the impl's own cost at one core's speed) is below
+   `PARALLEL_MIN_SECONDS` runs serially in the calling thread: the executor decides once per plan
+   step and every Numba kernel has a serial twin (`fuel.dispatch.cpu.driver.row_kernel`). No pool
+   wakes for a decode-sized row, so nothing is left spinning against the BLAS.
+2. Numba's layer is chosen on purpose: OpenMP first (it is thread-safe, unlike `workqueue`, so two
+   Python threads may realise at once), and it is started with `OMP_WAIT_POLICY=PASSIVE` (unless the
+   user set it) so its idle workers sleep instead of spinning against OpenBLAS. The variable is set
+   only while the pool starts and restored afterwards, so other libraries see the user's environment.
+3. `set_num_threads(n)` sets Numba's count and the BLAS's (OpenBLAS found in the process by its
+   exported symbols) together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Iterator
+
+from fuel.errors import ParamError
+
+# One core moves about this much and computes about this fast on the measured machines (a serial
+# NumPy copy moved 12-16 GB/s; a serial sgemm ran 60-200 GFLOP/s). The estimate only has to be right
+# within a factor of a few: a parallel launch costs 5-20 µs of wake-ups, so work under ~30 µs gains
+# nothing from a second core.
+SERIAL_BYTES_PER_SECOND = 12e9
+SERIAL_FLOPS_PER_SECOND = 30e9
+PARALLEL_MIN_SECONDS = 30e-6
+
+
+def runs_serially(flops: int, bytes_moved: int) -> bool:
+    """Whether work of this cost runs in the calling thread (below the parallel threshold)."""
+    seconds = bytes_moved / SERIAL_BYTES_PER_SECOND + flops / SERIAL_FLOPS_PER_SECOND
+    return seconds < PARALLEL_MIN_SECONDS
+
+
+class _Mode(threading.local):
+    serial = False
+    threads = 0  # the count last applied to Numba in this thread (Numba keeps it per thread)
+
+
+MODE = _Mode()
+"""Per Python thread: whether kernels run their serial twin (set by the executor per step)."""
+
+
+@contextlib.contextmanager
+def serial() -> Iterator[None]:
+    """Run every kernel called inside the block serially in this thread."""
+    saved = MODE.serial
+    MODE.serial = True
+    try:
+        yield
+    finally:
+        MODE.serial = saved
+
+
+# ---- the BLAS: OpenBLAS in this process, by its exported symbols ------------------------------
+_BLAS_SET_NAMES = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                   "openblas_set_num_threads64_", "openblas_set_num_threads")
+_BLAS_GET_NAMES = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
+                   "openblas_get_num_threads64_", "openblas_get_num_threads")
+
+
+class _Blas:
+    """The thread-count functions of the OpenBLAS NumPy loaded, or nothing where none is found."""
+
+    def __init__(self) -> None:
+        self.set: Callable[[int], None] | None = None
+        self.get: Callable[[], int] | None = None
+        import numpy as np  # loads NumPy's BLAS
+
+        np.dot(np.ones(2), np.ones(2))
+        for path in _loaded_libraries():
+            if "openblas" not in os.path.basename(path).lower():
+                continue
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            setter = next((getattr(lib, n) for n in _BLAS_SET_NAMES if hasattr(lib, n)), None)
+            getter = next((getattr(lib, n) for n in _BLAS_GET_NAMES if hasattr(lib, n)), None)
+            if setter is not None and getter is not None:
+                setter.argtypes, setter.restype = [ctypes.c_int], None
+                getter.argtypes, getter.restype = [], ctypes.c_int
+                self.set, self.get = setter, getter
+                return
+
+
+def _loaded_libraries() -> list[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(maxsplit=5)[5].strip() for line in f if line.count(" ") >= 5 and ".so" in line}
+    except (OSError, IndexError):
+        return []
+    return sorted(p for p in paths if p.startswith("/"))
+
+
+_BLAS: _Blas | None = None
+_STATE_LOCK = threading.Lock()
+_THREADS: int | None = None
+_POOL_STARTED = False
+
+
+def _blas() -> _Blas:
+    global _BLAS
+    if _BLAS is None:
+        _BLAS = _Blas()
+    return _BLAS
+
+
+def blas_num_threads() -> int | None:
+    """The BLAS's thread count, or None where fuel found no OpenBLAS to control."""
+    get = _blas().get
+    return None if get is None else int(get())
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def start_pool() -> None:
+    """Start Numba's thread pool under fuel's choices (idempotent; the executor calls it first)."""
+    global _POOL_STARTED
+    if _POOL_STARTED:
+        return
+    with _STATE_LOCK:
+        if _POOL_STARTED:
+            return
+        import numba
+        from numba.np.ufunc import parallel
+
+        if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
+            numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]  # type: ignore[attr-defined]
+        passive = "OMP_WAIT_POLICY" not in os.environ
+        if passive:
+            os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        try:
+            parallel._launch_threads()
+        finally:
+            if passive:
+                del os.environ["OMP_WAIT_POLICY"]
+        _POOL_STARTED = True
+    if _THREADS is None:
+        set_num_threads(available_cores())
+
+
+def set_num_threads(n: int) -> None:
+    """Use `n` threads for Numba kernels and for the BLAS (default: the cores available)."""
+    global _THREADS
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ParamError(f"set_num_threads: expected a positive integer, got {n!r}")
+    start_pool()
+    import numba
+
+    limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    if n > limit:
+        raise ParamError(f"set_num_threads: {n} threads asked, but Numba's pool has {limit} "
+                         f"(set NUMBA_NUM_THREADS before starting Python to allow more)")
+    numba.set_num_threads(n)
+    MODE.threads = n
+    setter = _blas().set
+    if setter is not None:
+        setter(n)
+    _THREADS = n
+
+
+def apply() -> None:
+    """Bring this Python thread's Numba count to fuel's (Numba keeps the count per thread)."""
+    if _THREADS is None:
+        start_pool()
+    n = _THREADS
+    assert n is not None
+    if MODE.threads != n:
+        import numba
+
+        numba.set_num_threads(n)
+        MODE.threads = n
+
+
+def get_num_threads() -> int:
+    """The thread count fuel uses for Numba and the BLAS."""
+    start_pool()
+    assert _THREADS is not None
+    return _THREADS
+
+
+def threading_layer() -> str:
+    """The Numba threading layer in use (`omp`, `tbb` or `workqueue`)."""
+    start_pool()
+    import numba
+
+    return str(numba.threading_layer())
