@@ -3,6 +3,8 @@
 from fuel import ops
 from fuel.dispatch.executor import realize, trace
 from fuel.dispatch.fused import default_kernel_registry as kernels
+from fuel.dispatch.jit import jit
+from fuel.dispatch.threads import get_num_threads, set_num_threads
 from fuel.dtype import DEFAULT_FLOAT, DType, bf16, f16, f32, f64, i64, u8, u32, u64
 from fuel.errors import (
     AxisIndexError,
@@ -44,14 +46,17 @@ __all__ = [
     "f32",
     "f64",
     "full",
+    "get_num_threads",
     "grad",
     "i64",
+    "jit",
     "kernels",
     "matmul",
     "ones",
     "ops",
     "pad",
     "realize",
+    "set_num_threads",
     "tensor",
     "trace",
     "u8",

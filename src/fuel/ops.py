@@ -5,6 +5,7 @@ The builders live beside their entries; this module finds them through the regis
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 from fuel.graph.registry import ENTRY_MODULES, snake_name
 
 
+@functools.cache
 def _builders() -> dict[str, Callable[..., Any]]:
     found: dict[str, Callable[..., Any]] = {}
     for mod_name in ENTRY_MODULES:
@@ -24,6 +26,7 @@ def _builders() -> dict[str, Callable[..., Any]]:
 def __getattr__(name: str) -> Callable[..., Any]:
     builders = _builders()
     if name in builders:
+        globals()[name] = builders[name]  # later lookups are plain module attributes
         return builders[name]
     raise AttributeError(f"fuel.ops has no builder {name!r}; entries: {', '.join(sorted(builders))}")
 

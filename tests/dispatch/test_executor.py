@@ -158,3 +158,89 @@ def test_unbound_dyn_in_realize_env_is_reported() -> None:
             want = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
             np.testing.assert_allclose(y.numpy(), want, rtol=1e-12)
     assert (t.plans_built, t.plans_reused) == (1, 1)
+
+
+# ---- plan-cache hygiene -----------------------------------------------------------------------------
+
+
+def test_a_cached_plan_pins_no_leaf_array(rng: np.random.Generator) -> None:
+    import gc
+    import weakref
+
+    executor.clear_plan_cache()
+    big = rng.standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    ref = weakref.ref(big)
+    y = fl.ops.softmax_last_dim(fl.tensor(big) * 2.0)
+    fl.realize(y)
+    del big, y
+    gc.collect()
+    assert executor.plan_cache_size() == 1
+    assert ref() is None
+
+
+def test_realising_under_other_bindings_recomputes() -> None:
+    x = np.arange(8, dtype=np.float64).reshape(2, 4) / 8
+    y = _rms_with_dynamic_eps(x)
+    z = y * 2.0
+    for eps in (1, 4, 1):
+        want = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+        np.testing.assert_allclose(y.numpy(env={"eps": eps}), want, rtol=1e-12)
+        np.testing.assert_allclose(z.numpy(env={"eps": eps}), 2 * want, rtol=1e-12)
+    # without bindings, the last computed value stands; an unrelated binding does not recompute
+    with fl.trace() as t:
+        y.numpy()
+        z.numpy(env={"k_len": 3})
+    assert t.records == []
+
+
+def test_a_plan_built_before_a_kernel_is_registered_is_not_reused(
+        rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fuel.dispatch.fused import FusedKernelRegistry, default_kernel_registry
+
+    kernels = FusedKernelRegistry()
+    monkeypatch.setattr(executor, "default_kernel_registry", lambda: kernels)
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    with fl.trace() as t:
+        fl.ops.softmax_last_dim(fl.tensor(x)).numpy()
+    assert all(r.impl.startswith("prim:") for r in t.records)
+    for impl in default_kernel_registry():
+        kernels.register(impl)
+    with fl.trace() as t:
+        y = fl.ops.softmax_last_dim(fl.tensor(x)).numpy()
+    assert [r.impl for r in t.records] == ["SoftmaxLastDim[cpu:f32,f32]"]
+    np.testing.assert_allclose(y, _softmax64(x.astype(np.float64)), rtol=1e-5, atol=1e-7)
+
+
+def test_plan_cache_and_pool_serve_two_threads(rng: np.random.Generator) -> None:
+    import threading
+
+    xs = [rng.standard_normal((256 + 64 * (i % 3), 1024)).astype(np.float32) for i in range(6)]  # pooled sizes
+    want = [_softmax64(2.0 * x.astype(np.float64)) for x in xs]
+    errors: list[BaseException] = []
+
+    def work(offset: int) -> None:
+        try:
+            for rep in range(8):
+                i = (offset + rep) % len(xs)
+                y = fl.ops.softmax_last_dim(fl.tensor(xs[i]) * 2.0).numpy()
+                np.testing.assert_allclose(y, want[i], rtol=1e-5, atol=1e-7)
+        except BaseException as e:  # reported in the main thread
+            errors.append(e)
+
+    executor.clear_plan_cache()
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors[0]
+
+
+def test_small_work_runs_serially_and_large_work_in_parallel() -> None:
+    small = fl.ops.rms_norm_last_dim(fl.tensor(np.ones((1, 576), np.float32)), 1e-6)
+    large = fl.ops.rms_norm_last_dim(fl.tensor(np.ones((4096, 576), np.float32)), 1e-6)
+    executor.clear_plan_cache()
+    fl.realize(small)
+    fl.realize(large)
+    steps = [p.steps[0] for p in executor._PLANS.values()]
+    assert [s.serial for s in steps] == [True, False]

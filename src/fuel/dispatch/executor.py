@@ -295,8 +295,6 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
     for s, v in plan.baked.items():
         slots[s] = v
     tracing = bool(_TRACE)
-    mode = threads.MODE
-    saved = mode.serial
     try:
         # Kernels follow IEEE (log 0 = -inf, 0/0 = NaN, as torch does); NumPy's warnings would only be noise.
         with np.errstate(all="ignore"):
@@ -313,7 +311,7 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
                         raise KernelError(f"{step.name}: produced {list(out.shape)} {out.dtype}, rules say "
                                           f"{list(spec.shape)} {spec.dtype.value}")
                 else:
-                    mode.serial = saved or step.serial
+                    threads.use_serial(step.serial)
                     out, copies = run_fused(step, args, None, env)
                 slots[step.output] = out
                 for s in step.free_after:
@@ -323,7 +321,7 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
                     for t in _TRACE:
                         t.records.append(record)
     finally:
-        mode.serial = saved
+        threads.use_serial(False)
     return [slots[s] for s in plan.outputs]
 
 

@@ -9,8 +9,9 @@ The policy, in order of what it saves:
 
 1. Work whose estimated time (the impl's own cost at one core's speed) is below
    `PARALLEL_MIN_SECONDS` runs serially in the calling thread: the executor decides once per plan
-   step and every Numba kernel has a serial twin (`fuel.dispatch.cpu.driver.row_kernel`). No pool
-   wakes for a decode-sized row, so nothing is left spinning against the BLAS.
+   step and runs the kernel with Numba's count at one (`use_serial`), which it changes only where
+   a serial step follows a parallel one or the reverse. No pool wakes for a decode-sized row, so
+   nothing is left spinning against the BLAS, and the bytes are those of the parallel path.
 2. Numba's layer is chosen on purpose: OpenMP first (it is thread-safe, unlike `workqueue`, so two
    Python threads may realise at once), and it is started with `OMP_WAIT_POLICY=PASSIVE` (unless the
    user set it) so its idle workers sleep instead of spinning against OpenBLAS. The variable is set
@@ -45,23 +46,39 @@ def runs_serially(flops: int, bytes_moved: int) -> bool:
 
 
 class _Mode(threading.local):
-    serial = False
+    serial = False  # Numba's count is one in this thread now
+    forced = False  # inside `serial()`: every kernel runs serially
     threads = 0  # the count last applied to Numba in this thread (Numba keeps it per thread)
 
 
 MODE = _Mode()
-"""Per Python thread: whether kernels run their serial twin (set by the executor per step)."""
+
+
+def use_serial(flag: bool) -> None:
+    """Run the next kernels of this Python thread serially (True) or on fuel's thread count."""
+    flag = flag or MODE.forced
+    if flag is not MODE.serial:
+        import numba
+
+        n = 1 if flag else _THREADS
+        assert n is not None, "start_pool() first"
+        numba.set_num_threads(n)
+        MODE.serial, MODE.threads = flag, n
 
 
 @contextlib.contextmanager
 def serial() -> Iterator[None]:
     """Run every kernel called inside the block serially in this thread."""
-    saved = MODE.serial
-    MODE.serial = True
+    start_pool()
+    apply()
+    saved = MODE.forced
+    MODE.forced = True
+    use_serial(True)
     try:
         yield
     finally:
-        MODE.serial = saved
+        MODE.forced = saved
+        use_serial(saved)
 
 
 # ---- the BLAS: OpenBLAS in this process, by its exported symbols ------------------------------
@@ -169,8 +186,8 @@ def set_num_threads(n: int) -> None:
     if n > limit:
         raise ParamError(f"set_num_threads: {n} threads asked, but Numba's pool has {limit} "
                          f"(set NUMBA_NUM_THREADS before starting Python to allow more)")
-    numba.set_num_threads(n)
-    MODE.threads = n
+    numba.set_num_threads(1 if MODE.serial else n)
+    MODE.threads = 1 if MODE.serial else n
     setter = _blas().set
     if setter is not None:
         setter(n)
@@ -183,7 +200,7 @@ def apply() -> None:
         start_pool()
     n = _THREADS
     assert n is not None
-    if MODE.threads != n:
+    if MODE.threads != n and not MODE.serial:
         import numba
 
         numba.set_num_threads(n)

@@ -11,6 +11,7 @@ import numba
 import numpy as np
 
 from fuel.dispatch.fused import BackendImpl, PrecisionGuarantee, default_kernel_registry
+from fuel.dispatch.threads import serial
 from fuel.graph.registry import FusedOpEntry, default_registry
 from fuel.testing.check import excess, floor_of, nonfinite_mismatch, row_max_scale
 from fuel.testing.reference import cases, has_reference, reference, scale
@@ -82,7 +83,8 @@ class VerifyResult:
 
 
 def verify_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0, repeats: int = 16) -> VerifyResult:
-    """Precision on every case, and the same bytes over `repeats` calls and with 1 and 2 Numba threads."""
+    """Precision on every case, and the same bytes over `repeats` calls, with 1 and 2 Numba threads and
+    on the serial path the executor takes for small work."""
     rng = np.random.default_rng(seed)
     worst, n, unstable = 0.0, 0, ""
     try:
@@ -102,6 +104,10 @@ def verify_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0, repeats: 
                 with numba_threads(threads):
                     if output_for(entry, impl, case.inputs, case.params).tobytes() != first:
                         unstable = f"{case.label}: differs with {threads} Numba thread(s)"
+            if not unstable:
+                with serial():
+                    if output_for(entry, impl, case.inputs, case.params).tobytes() != first:
+                        unstable = f"{case.label}: the serial path differs from the parallel one"
     except Exception as e:  # a crash is a failed verification, reported with its message
         return VerifyResult(entry.name, impl.name, n, worst, not unstable, f"{type(e).__name__}: {e}", unstable)
     return VerifyResult(entry.name, impl.name, n, worst, not unstable, "", unstable)

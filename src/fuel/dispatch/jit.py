@@ -1,0 +1,269 @@
+"""Capture and replay: `f = fl.jit(fn)` traces `fn` once per input signature and replays its plan.
+
+The contract:
+- `fn` takes Tensors (one per positional argument) and returns a Tensor or a tuple/list of Tensors,
+  built with the lazy API. It must not realise anything itself: its graph is traced once.
+- `f(*args, **env)`: `args` are arrays or realised Tensors; their shapes and dtypes are the signature
+  (a new signature traces again); keyword arguments bind DynScalars (`f(x, k_len=17)`).
+- The first call of a signature traces `fn`, plans the graph (CSE, fusion, lowering, scheduling) and
+  lays out an arena: every intermediate gets a buffer, and buffers whose values are dead are shared
+  by later steps of the same size. Later calls bind the new arrays and DynScalar values and run the
+  steps: no graph is built, nothing is keyed, no intermediate is allocated.
+- Outputs are fresh arrays each call, so a result already handed out is never overwritten; with
+  `reuse_outputs=True` they live in the arena too, and the next call overwrites them.
+- Leaves `fn` captures from outside (weights) are held by the capture and read on every call. A
+  destructive op writes into its input as in `realize`, be it an argument or a captured array.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fuel.dispatch import executor, threads
+from fuel.dispatch.buffers import POOL
+from fuel.dispatch.executor import Plan, Step, TraceRecord
+from fuel.dispatch.fused import default_kernel_registry
+from fuel.dtype import from_numpy
+from fuel.errors import KernelError, ParamError
+from fuel.graph.node import Node, Op, topo_order
+from fuel.graph.registry import default_registry
+
+_VIEWS = frozenset({Op.BROADCAST_TO, Op.RESHAPE, Op.PERMUTE, Op.SLICE, Op.UNSQUEEZE, Op.SQUEEZE})
+
+Signature = tuple[tuple[tuple[int, ...], np.dtype[Any]], ...]
+
+
+@dataclass
+class _Run:
+    """One step as the replay loop reads it."""
+
+    step: Step
+    inputs: tuple[int, ...]
+    output: int
+    out: np.ndarray | None  # the arena buffer it writes, or None (a view, or a fresh output)
+    check: tuple[int, ...]  # inputs that may arrive non-contiguous (arguments and views)
+    params: Any  # resolved params (per call for DynScalar params)
+
+
+class Capture:
+    """One traced signature: its plan, arena and the leaves it holds."""
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[np.ndarray], fuse: bool, reuse_outputs: bool) -> None:
+        placeholders = [Node(Op.CONST, (), a.shape, from_numpy(a.dtype), None, a) for a in args]
+        from fuel.graph.tensor import Tensor
+
+        result = fn(*(Tensor(p) for p in placeholders))
+        self.single = isinstance(result, Tensor)
+        outs = [result] if self.single else list(result) if isinstance(result, (tuple, list)) else None
+        if outs is None or not all(isinstance(t, Tensor) for t in outs):
+            raise ParamError(f"jit: fn must return a Tensor or a tuple/list of Tensors, got {type(result).__name__}")
+        nodes = [t.node for t in outs]
+        roots = [n for n in nodes if n.value is None]
+        order = topo_order(roots)
+        leaves = [n for n in order if n.value is not None]
+        position = {id(p): i for i, p in enumerate(placeholders)}
+        plan = executor.build_plan(roots, leaves, fuse, default_registry(), default_kernel_registry())
+        self.n_steps = len(plan.steps)
+        self._layout(plan, leaves, position, nodes, roots, reuse_outputs)
+        self.dyn = tuple(sorted({getattr(r.step.params, f).name for r in self.runs for f in r.step.dyn_fields}))
+        self._checked = False
+        self._lock = threading.Lock()
+
+    def _layout(self, plan: Plan, leaves: list[Node], position: dict[int, int], nodes: list[Node],
+                roots: list[Node], reuse_outputs: bool) -> None:
+        template: list[Any] = [None] * plan.n_slots
+        self.arg_slots: list[tuple[int, int]] = []  # (slot, argument index)
+        for leaf, s in zip(leaves, plan.leaf_slots, strict=True):
+            if s < 0:
+                continue
+            if id(leaf) in position:
+                self.arg_slots.append((s, position[id(leaf)]))
+            else:
+                template[s] = leaf.value  # a captured weight or constant
+        for s, v in plan.baked.items():
+            template[s] = v
+        # Which arena buffer holds each slot's memory: a step owns a new one unless it is a view or
+        # destroys an input, which alias their input's buffer. Argument and constant slots own none.
+        base: dict[int, int] = {}
+        owner: dict[int, int] = {}  # buffer -> the step index that writes it
+        for k, step in enumerate(plan.steps):
+            spec = step.spec
+            alias = 0 if step.prim is not None and spec.op in _VIEWS else step.destructive
+            if alias is not None:
+                if step.inputs[alias] in base:
+                    base[step.output] = base[step.inputs[alias]]
+            else:
+                base[step.output] = k
+                owner[k] = k
+        fresh = {base[s] for s in plan.outputs if s in base} if not reuse_outputs else set()
+        last_read: dict[int, int] = {}
+        for k, step in enumerate(plan.steps):
+            for s in step.inputs:
+                if s in base:
+                    last_read[base[s]] = k
+        for s in plan.outputs:
+            if s in base:
+                last_read[base[s]] = len(plan.steps)
+        free: dict[int, list[np.ndarray]] = {}
+        buffers: dict[int, np.ndarray] = {}
+        releases: dict[int, list[int]] = {}
+        for b, k in last_read.items():
+            releases.setdefault(k, []).append(b)
+        self.arena_bytes = 0
+        for k, step in enumerate(plan.steps):
+            if k in owner and k not in fresh:
+                nbytes = int(np.prod(step.spec.shape)) * step.spec.dtype.np.itemsize
+                pool = free.get(nbytes)
+                if pool:
+                    raw = pool.pop()
+                else:
+                    raw = np.empty(max(nbytes, 1), np.uint8)[:nbytes]
+                    self.arena_bytes += nbytes
+                buffers[k] = raw
+            for b in releases.get(k, ()):
+                if b in buffers and b not in fresh:
+                    free.setdefault(buffers[b].nbytes, []).append(buffers[b])
+        self.runs: list[_Run] = []
+        owned_slots = {plan.steps[k].output for k in buffers}
+        for k, step in enumerate(plan.steps):
+            out = None
+            if k in buffers:
+                out = buffers[k].view(step.spec.dtype.np).reshape(step.spec.shape)
+                template[step.output] = out
+            check = tuple(i for i, s in enumerate(step.inputs) if s not in owned_slots)
+            self.runs.append(_Run(step, step.inputs, step.output, out, check, step.params))
+        self.template = template
+        # Each output is a slot of the plan, an argument fn returned as it is, or a captured value.
+        self.outputs: list[tuple[int, int, np.ndarray | None]] = [
+            (plan.outputs[roots.index(n)], -1, None) if n.value is None
+            else (-1, position[id(n)], None) if id(n) in position else (-1, -1, n.value) for n in nodes]
+
+    def run(self, args: Sequence[np.ndarray], env: dict[str, int]) -> list[np.ndarray]:
+        missing = [n for n in self.dyn if n not in env]
+        if missing:
+            raise ParamError(f"jit: dynamic scalar {missing[0]!r} is unbound; call f(..., {missing[0]}=…)")
+        slots = list(self.template)
+        for s, i in self.arg_slots:
+            slots[s] = args[i]
+        tracers = executor.tracing()
+        use_serial = threads.use_serial
+        first = not self._checked
+        try:
+            with np.errstate(all="ignore"):
+                for r in self.runs:
+                    start = time.perf_counter() if tracers else 0.0
+                    step = r.step
+                    xs = [slots[i] for i in r.inputs]
+                    copies = 0
+                    if step.prim is not None:
+                        res = step.prim(xs, step.spec, r.out)
+                        if first:
+                            res = self._check(step, res)
+                    else:
+                        for i in r.check:
+                            if not step.impl.caps.strided_input and not xs[i].flags.c_contiguous:  # type: ignore[union-attr]
+                                xs[i] = np.ascontiguousarray(xs[i])
+                                copies += 1
+                        params = executor.resolve(r.params, step.dyn_fields, env) if step.dyn_fields else r.params
+                        if step.destructive is not None:
+                            res = xs[step.destructive]
+                            if not res.flags.writeable:
+                                raise KernelError(f"{step.name}: input {step.destructive} is destroyed in place "
+                                                  f"but is read-only")
+                        else:
+                            res = r.out if r.out is not None else POOL.empty(step.spec.shape, step.spec.dtype.np)
+                        use_serial(step.serial)
+                        step.impl.kernel(xs, res, params)  # type: ignore[union-attr]
+                    slots[r.output] = res
+                    if tracers:
+                        record = TraceRecord(step.spec.label, step.name, time.perf_counter() - start, copies)
+                        for t in tracers:
+                            t.records.append(record)
+        finally:
+            use_serial(False)
+        self._checked = True
+        return [slots[s] if s >= 0 else args[i] if i >= 0 else c for s, i, c in self.outputs]  # type: ignore[misc]
+
+    @staticmethod
+    def _check(step: Step, res: Any) -> np.ndarray:
+        if type(res) is not np.ndarray:
+            res = np.asarray(res)
+        spec = step.spec
+        if res.shape != spec.shape or res.dtype != spec.dtype.np:
+            raise KernelError(f"{step.name}: produced {list(res.shape)} {res.dtype}, rules say "
+                              f"{list(spec.shape)} {spec.dtype.value}")
+        return res  # type: ignore[no-any-return]
+
+
+class Jit:
+    """A function traced once per input signature and replayed; see the module docstring."""
+
+    def __init__(self, fn: Callable[..., Any], *, reuse_outputs: bool = False, fuse: bool = True) -> None:
+        if not callable(fn):
+            raise ParamError(f"jit: expects a callable, got {type(fn).__name__}")
+        self.fn = fn
+        self.reuse_outputs = reuse_outputs
+        self.fuse = fuse
+        self._captures: dict[Signature, Capture] = {}
+        self._lock = threading.Lock()
+        self.__wrapped__ = fn
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args: Any, **env: int) -> Any:
+        from fuel.graph.tensor import Tensor
+
+        arrays = [_array(a) for a in args]
+        for name, v in env.items():
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ParamError(f"jit: dynamic scalar {name!r} must be an integer, got {v!r}")
+        sig: Signature = tuple((a.shape, a.dtype) for a in arrays)
+        capture = self._captures.get(sig)
+        if capture is None:
+            with self._lock:
+                capture = self._captures.get(sig)
+                if capture is None:
+                    capture = Capture(self.fn, arrays, self.fuse, self.reuse_outputs)
+                    self._captures[sig] = capture
+        threads.apply()
+        with capture._lock:  # one capture's arena serves one call at a time
+            values = capture.run(arrays, env)
+        outs = [Tensor(Node(Op.CONST, (), v.shape, from_numpy(v.dtype), None, v)) for v in values]
+        return outs[0] if capture.single else tuple(outs)
+
+    def capture_for(self, *args: Any) -> Capture | None:
+        """The capture that serves these arguments' signature, once traced (for inspection)."""
+        return self._captures.get(tuple((a.shape, a.dtype) for a in map(_array, args)))
+
+    @property
+    def captures(self) -> int:
+        return len(self._captures)
+
+
+def _array(a: Any) -> np.ndarray:
+    from fuel.graph.tensor import Tensor
+
+    if isinstance(a, Tensor):
+        if a.node.value is None:
+            a.realize()
+        value = a.node.value
+        assert value is not None
+        return value
+    arr = np.asarray(a)
+    if arr.dtype == np.bool_:
+        arr = arr.astype(np.uint8)
+    from_numpy(arr.dtype)  # a clear DTypeError for a dtype fuel has no type for
+    return arr
+
+
+def jit(fn: Callable[..., Any] | None = None, *, reuse_outputs: bool = False,
+        fuse: bool = True) -> Any:
+    """`f = fl.jit(fn)` (or `@fl.jit`, `@fl.jit(reuse_outputs=True)`): capture once, replay after."""
+    if fn is None:
+        return lambda f: Jit(f, reuse_outputs=reuse_outputs, fuse=fuse)
+    return Jit(fn, reuse_outputs=reuse_outputs, fuse=fuse)
