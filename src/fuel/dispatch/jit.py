@@ -198,7 +198,7 @@ class Capture:
         if res.shape != spec.shape or res.dtype != spec.dtype.np:
             raise KernelError(f"{step.name}: produced {list(res.shape)} {res.dtype}, rules say "
                               f"{list(spec.shape)} {spec.dtype.value}")
-        return res  # type: ignore[no-any-return]
+        return res
 
 
 class Jit:

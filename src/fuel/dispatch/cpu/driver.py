@@ -21,7 +21,7 @@ CHUNKS = 256
 
 def row_kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
     """Decorate a `prange` kernel: Numba options as for `njit` (e.g. `fastmath`); cached and parallel."""
-    return njit(cache=True, parallel=True, **options)  # type: ignore[no-any-return]
+    return njit(cache=True, parallel=True, **options)
 
 
 @njit(inline="always", cache=True)
