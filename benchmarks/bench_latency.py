@@ -6,8 +6,8 @@ costs: ms per step, jit's ratio to NumPy and torch doing the same math, and the 
 (step time - the sum of the traced kernel times) / node count. One small fused op per call
 (rms_norm_last_dim on [1, 576]) isolates the fixed cost of one realize.
 
-The ways run interleaved (one call of each per round) in one process, so drift and the other engineer's
-load hit them alike. `fl.jit` (trace once, replay the plan) is reported as n/a where fuel lacks it.
+The ways run interleaved (one call of each per round) in one process, so drift and other load hit them
+alike.
 Run it through `fuel bench --latency` or, from the checkout, `python -m benchmarks.bench_latency`.
 """
 
@@ -24,7 +24,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numba
 import numpy as np
 
 import fuel as fl
@@ -36,13 +35,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 WAYS = ("fuel_eager", "fuel_jit", "numpy", "torch")
-# Attributes a jitted step may expose with its plan's length (the API is still being written; the
-# current draft keeps it on the capture, see _plan_steps).
-STEP_COUNT_ATTRS = ("last_plan_steps", "n_steps")
-
-
-def has_jit() -> bool:
-    return hasattr(fl, "jit")
 
 
 def interleaved_ms(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int = 1,
@@ -68,24 +60,11 @@ def as_arrays(outs: Any) -> list[np.ndarray]:
     return [o.numpy() if hasattr(o, "numpy") else np.asarray(o) for o in items]
 
 
-def _count(value: Any) -> int | None:
-    if callable(value):
-        value = value()
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    return len(value) if value is not None and hasattr(value, "__len__") else None
-
-
-def _plan_steps(step: Any, inputs: Sequence[np.ndarray]) -> int | None:
-    """The jitted step's node count, if it exposes one: an attribute of the step (an int, a sized list
-    of steps, or a method), or `n_steps` of the capture `step.capture_for(*inputs)` serves them with."""
-    for attr in STEP_COUNT_ATTRS:
-        n = _count(getattr(step, attr, None))
-        if n is not None:
-            return n
-    capture_for = getattr(step, "capture_for", None)
-    capture = capture_for(*inputs) if callable(capture_for) else None
-    return _count(getattr(capture, "n_steps", None))
+def _plan_steps(step: Any, inputs: Sequence[np.ndarray]) -> int:
+    """How many plan steps the jitted step replays for these inputs."""
+    capture = step.capture_for(*inputs)
+    assert capture is not None, "call the step once first"
+    return int(capture.n_steps)
 
 
 def traced(run: Callable[[], Any], repeat: int) -> tuple[float, int]:
@@ -120,36 +99,27 @@ def run_workload(name: str, cfg: lm.ModelConfig, w: lm.Weights, inputs: list[np.
     np_step = lm.numpy_fn(cfg, w)
     torch_step = lm.torch_fn(cfg, w)
     tin = lm.torch_inputs(inputs)
-    jit_step = fl.jit(fn) if has_jit() else None
+    jit_step = fl.jit(fn)
 
     ref = [np.asarray(o) for o in np_step(*inputs)]
-    outs = {"fuel_eager": eager(*inputs), "torch": as_arrays(torch_step(*tin))}
-    if jit_step is not None:
-        outs["fuel_jit"] = as_arrays(jit_step(*inputs))
+    outs = {"fuel_eager": eager(*inputs), "torch": as_arrays(torch_step(*tin)),
+            "fuel_jit": as_arrays(jit_step(*inputs))}
     checks = {way: compare(ref, got) for way, got in outs.items()}
     for way, c in checks.items():
         if not c["ok"]:
             print(f"WARNING: {name}: {way} disagrees with NumPy (rtol 1e-3, atol 1e-3) on outputs "
                   f"{c['bad_outputs']}; max |diff| {c['max_abs']:.3g} {c.get('error', '')}", flush=True)
 
-    fns: dict[str, Callable[[], Any]] = {"fuel_eager": lambda: eager(*inputs)}
-    if jit_step is not None:
-        fns["fuel_jit"] = lambda: as_arrays(jit_step(*inputs))
+    fns: dict[str, Callable[[], Any]] = {"fuel_eager": lambda: eager(*inputs),
+                                         "fuel_jit": lambda: as_arrays(jit_step(*inputs))}
     fns["numpy"] = lambda: np_step(*inputs)
     fns["torch"] = lambda: torch_step(*tin)
     ms: dict[str, float | None] = {way: None for way in WAYS}
     ms.update(interleaved_ms(fns, repeat))
 
-    traces = min(repeat, 3)
-    kernel_ms, nodes = traced(lambda: eager(*inputs), traces)
-    count_source = "eager trace records"
-    if jit_step is not None:
-        jit_kernel_ms, jit_records = traced(lambda: jit_step(*inputs), traces)
-        if jit_records:  # the replay reports its nodes to fl.trace: its own kernels are the fairer sum
-            kernel_ms, nodes, count_source = jit_kernel_ms, jit_records, "jit trace records"
-        steps = _plan_steps(jit_step, inputs)
-        if steps is not None:
-            nodes, count_source = steps, "jit plan steps"
+    # The replay's own kernel times (it reports every step to fl.trace) against its untraced time.
+    kernel_ms, _ = traced(lambda: jit_step(*inputs), min(repeat, 3))
+    nodes, count_source = _plan_steps(jit_step, inputs), "jit plan steps"
 
     def per_node_us(way: str) -> float | None:
         t = ms[way]
@@ -180,10 +150,9 @@ def small_op(cfg: lm.ModelConfig, repeat: int, calls: int = 200) -> dict[str, An
     rms = fl.ops.rms_norm_last_dim
     xt = fl.tensor(x)
     tx = torch.from_numpy(x)
-    fns: dict[str, Callable[[], Any]] = {"fuel_eager": lambda: fl.realize(rms(xt, eps))}
-    if has_jit():
-        jitted = fl.jit(lambda t: rms(t, eps))
-        fns["fuel_jit"] = lambda: jitted(x)
+    jitted = fl.jit(lambda t: rms(t, eps))
+    fns: dict[str, Callable[[], Any]] = {"fuel_eager": lambda: fl.realize(rms(xt, eps)),
+                                         "fuel_jit": lambda: jitted(x)}
     fns["numpy"] = lambda: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
 
     def torch_rms() -> Any:
@@ -259,11 +228,10 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
     import torch
 
     cfg = cfg or lm.ModelConfig()
-    # As many threads for torch as fuel's kernels use (fuel's own count where it has one, else Numba's).
-    threads = fl.get_num_threads() if hasattr(fl, "get_num_threads") else numba.get_num_threads()
+    threads = fl.get_num_threads()  # torch gets as many as fuel uses
     torch.set_num_threads(threads)
     print(f"latency: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/{cfg.kv_heads} heads, "
-          f"{threads} threads, repeat {repeat}, fl.jit {'present' if has_jit() else 'missing (n/a)'}", flush=True)
+          f"{threads} threads, repeat {repeat}", flush=True)
     w = lm.make_weights(cfg)
     results = [run_workload("decode", cfg, w, lm.decode_inputs(cfg), repeat),
                run_workload("prefill", cfg, w, lm.prefill_inputs(cfg), repeat)]
@@ -272,7 +240,7 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": threads, "blas": _blas_info(),
-            "torch": torch.__version__, "repeat": repeat, "jit": has_jit(), "config": asdict(cfg),
+            "torch": torch.__version__, "repeat": repeat, "config": asdict(cfg),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     (folder / "latency.json").write_text(json.dumps({"meta": meta, "results": results, "small_op": small},
                                                     indent=2))
