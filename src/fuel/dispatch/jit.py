@@ -73,7 +73,7 @@ class Capture:
         self._layout(plan, leaves, position, nodes, roots, reuse_outputs)
         self.dyn = tuple(sorted({getattr(r.step.params, f).name for r in self.runs for f in r.step.dyn_fields}))
         self._checked = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one capture's arena serves one call at a time
 
     def _layout(self, plan: Plan, leaves: list[Node], position: dict[int, int], nodes: list[Node],
                 roots: list[Node], reuse_outputs: bool) -> None:
@@ -216,9 +216,7 @@ class Jit:
         self.__doc__ = fn.__doc__
 
     def __call__(self, *args: Any, **env: int) -> Any:
-        from fuel.graph.tensor import Tensor
-
-        arrays = [_array(a) for a in args]
+        arrays = [a if type(a) is np.ndarray and a.dtype.kind != "b" else _array(a) for a in args]
         for name, v in env.items():
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise ParamError(f"jit: dynamic scalar {name!r} must be an integer, got {v!r}")
@@ -233,7 +231,7 @@ class Jit:
         threads.apply()
         with capture._lock:  # one capture's arena serves one call at a time
             values = capture.run(arrays, env)
-        outs = [Tensor(Node(Op.CONST, (), v.shape, from_numpy(v.dtype), None, v)) for v in values]
+        outs = [_leaf(v) for v in values]
         return outs[0] if capture.single else tuple(outs)
 
     def capture_for(self, *args: Any) -> Capture | None:
@@ -243,6 +241,12 @@ class Jit:
     @property
     def captures(self) -> int:
         return len(self._captures)
+
+
+def _leaf(v: np.ndarray) -> Any:
+    from fuel.graph.tensor import Tensor
+
+    return Tensor(Node(Op.CONST, (), v.shape, from_numpy(v.dtype), None, v))
 
 
 def _array(a: Any) -> np.ndarray:

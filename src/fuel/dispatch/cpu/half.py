@@ -40,6 +40,8 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 def rows2d(a: np.ndarray) -> np.ndarray:
     """A contiguous array seen as [outer, last] (rank 0 and 1 included)."""
+    if a.ndim == 2 and a.shape[1]:
+        return a
     last = a.shape[-1] if a.ndim else 1
     return a.reshape(-1, last) if last else a.reshape(0, 0)
 

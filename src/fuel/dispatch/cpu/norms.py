@@ -8,6 +8,7 @@ the f32 kernel on a widened copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 
 Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
+_BF16 = DType.BF16.np
 
 
 # ---- whole tensors: f32/f64 directly, bf16 through per-chunk scratch rows ---------------------
@@ -191,10 +193,15 @@ def _rms_bwd_bf16(x: Any, g: Any, out: Any, eps: Any, inv_n: Any, one: Any) -> N
 # ---- kernel entry points: kernel(inputs, out, params) ----------------------------------------
 
 
+@functools.lru_cache(maxsize=256)
+def _scalars_for(wide: bool, eps: float, n: int) -> tuple[Any, Any, Any]:
+    w = np.float64 if wide else np.float32
+    return w(eps), w(1.0) / w(n), w(1.0)
+
+
 def _scalars(out: np.ndarray, eps: float) -> tuple[Any, Any, Any]:
     """eps, 1/n and 1 in the working type: f64 for f64, else f32 (eps rounded once, as upstream)."""
-    w = np.float64 if out.dtype == np.float64 else np.float32
-    return w(eps), w(1.0) / w(out.shape[-1]), w(1.0)
+    return _scalars_for(out.dtype == np.float64, eps, out.shape[-1])
 
 
 def _native(run: Callable[..., None]) -> Kernel:
@@ -204,7 +211,7 @@ def _native(run: Callable[..., None]) -> Kernel:
         if not out.size:
             return
         scalars = _scalars(out, params.eps)
-        half = out.dtype == DType.BF16.np
+        half = out.dtype == _BF16
         arrays = [rows2d(bits(a) if half else a) for a in (*inputs, out)]
         run(*arrays, *scalars)
 
