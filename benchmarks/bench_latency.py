@@ -28,6 +28,7 @@ import numpy as np
 
 import fuel as fl
 from benchmarks import latency_model as lm
+from benchmarks.bench_ops import blas_info
 
 # Numba's and torch's OpenMP pools spin while idle and slow each other down in one process (see cli);
 # set before torch loads, which is why torch is imported inside the functions below.
@@ -167,16 +168,6 @@ def small_op(cfg: lm.ModelConfig, repeat: int, calls: int = 200) -> dict[str, An
     return {"op": "rms_norm_last_dim", "shape": [1, cfg.hidden], "us_per_call": us}
 
 
-def _blas_info() -> str:
-    try:
-        from threadpoolctl import threadpool_info
-
-        return "; ".join(f"{i.get('internal_api')} {i.get('architecture')} x{i.get('num_threads')}"
-                         for i in threadpool_info() if i.get("user_api") == "blas")
-    except ImportError:
-        return "threadpoolctl not installed"
-
-
 def _fmt(v: float | None, spec: str = "8.2f") -> str:
     width = int(spec.split(".")[0]) if spec[0].isdigit() else 8
     return f"{v:{spec}}" if v is not None else f"{'n/a':>{width}}"
@@ -239,7 +230,7 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
     print_table(results, small)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": threads, "blas": _blas_info(),
+    meta = {"machine": platform.processor() or platform.machine(), "threads": threads, "blas": blas_info(),
             "torch": torch.__version__, "repeat": repeat, "config": asdict(cfg),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     (folder / "latency.json").write_text(json.dumps({"meta": meta, "results": results, "small_op": small},

@@ -193,7 +193,7 @@ def run_case(c: BenchCase, dtype: DType, repeat: int, limits: dict[str, float], 
     }
 
 
-def _blas_info() -> str:
+def blas_info() -> str:
     try:
         from threadpoolctl import threadpool_info
 
@@ -231,7 +231,7 @@ def _write(out_dir: str, limits: dict[str, float], repeat: int, results: list[di
     """JSON and PNG of the results so far (rewritten after each case, so a long run keeps its results)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "limits": limits, "blas": _blas_info(),
+    meta = {"machine": platform.processor() or platform.machine(), "limits": limits, "blas": blas_info(),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "repeat": repeat}
     (out / "bench_ops.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
@@ -259,5 +259,5 @@ def main(names: list[str], dtypes: list[str], out_dir: str, repeat: int, compile
             _write(out_dir, limits, repeat, results)
     out = Path(out_dir)
     print(f"limits: {limits['bandwidth_gbs']:.1f} GB/s copy, {limits['gemm_gflops']:.0f} GFLOP/s sgemm; "
-          f"BLAS {_blas_info()}; wrote {out / 'bench_ops.json'} and {out / 'bench_ops.png'}")
+          f"BLAS {blas_info()}; wrote {out / 'bench_ops.json'} and {out / 'bench_ops.png'}")
     return 0
