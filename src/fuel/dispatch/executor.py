@@ -304,37 +304,44 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
                 spec = step.spec
                 copies = 0
                 if step.prim is not None:
-                    out = step.prim(args, spec, None)
-                    if type(out) is not np.ndarray:  # NumPy full reductions return scalars
-                        out = np.asarray(out)
-                    if out.shape != spec.shape or out.dtype != spec.dtype.np:
-                        raise KernelError(f"{step.name}: produced {list(out.shape)} {out.dtype}, rules say "
-                                          f"{list(spec.shape)} {spec.dtype.value}")
+                    out = checked(step, step.prim(args, spec, None))
                 else:
-                    threads.use_serial(step.serial)
                     out, copies = run_fused(step, args, None, env)
                 slots[step.output] = out
                 for s in step.free_after:
                     slots[s] = None
                 if tracing:
-                    record = TraceRecord(spec.label, step.name, time.perf_counter() - start, copies)
-                    for t in _TRACE:
-                        t.records.append(record)
+                    record(step, start, copies)
     finally:
         threads.use_serial(False)
     return [slots[s] for s in plan.outputs]
 
 
-def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None,
-              env: dict[str, int] | None) -> tuple[np.ndarray, int]:
-    """Run a fused step's kernel into `out` (allocated here when None); returns it and the input copies made."""
+def checked(step: Step, out: Any) -> np.ndarray:
+    """A primitive's result as an array, checked against the node's rules."""
+    if type(out) is not np.ndarray:  # NumPy full reductions return scalars
+        out = np.asarray(out)
+    spec = step.spec
+    if out.shape != spec.shape or out.dtype != spec.dtype.np:
+        raise KernelError(f"{step.name}: produced {list(out.shape)} {out.dtype}, rules say "
+                          f"{list(spec.shape)} {spec.dtype.value}")
+    return out
+
+
+def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: dict[str, int] | None,
+              check: Sequence[int] | None = None) -> tuple[np.ndarray, int]:
+    """Run a fused step's kernel into `out` (allocated here when None), serially if the step is small.
+
+    Inputs at positions `check` (all when None) are made contiguous for an impl that needs it.
+    Returns the output and the number of input copies made.
+    """
     impl, spec = step.impl, step.spec
     assert impl is not None
     copies = 0
     if not impl.caps.strided_input:
-        for k, a in enumerate(args):
-            if not a.flags.c_contiguous:
-                args[k] = np.ascontiguousarray(a)
+        for k in range(len(args)) if check is None else check:
+            if not args[k].flags.c_contiguous:
+                args[k] = np.ascontiguousarray(args[k])
                 copies += 1
     params = resolve(step.params, step.dyn_fields, env)
     if step.destructive is not None:
@@ -343,5 +350,13 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None,
             raise KernelError(f"{impl.name}: input {step.destructive} is destroyed in place but is read-only")
     elif out is None:
         out = POOL.empty(spec.shape, spec.dtype.np)
+    threads.use_serial(step.serial)
     impl.kernel(args, out, params)
     return out, copies
+
+
+def record(step: Step, start: float, copies: int) -> None:
+    """Add a step's run to every open trace."""
+    rec = TraceRecord(step.spec.label, step.name, time.perf_counter() - start, copies)
+    for t in _TRACE:
+        t.records.append(rec)

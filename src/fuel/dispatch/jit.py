@@ -26,11 +26,10 @@ from typing import Any
 import numpy as np
 
 from fuel.dispatch import executor, threads
-from fuel.dispatch.buffers import POOL
-from fuel.dispatch.executor import Plan, Step, TraceRecord
+from fuel.dispatch.executor import Plan, Step
 from fuel.dispatch.fused import default_kernel_registry
 from fuel.dtype import from_numpy
-from fuel.errors import KernelError, ParamError
+from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, topo_order
 from fuel.graph.registry import default_registry
 
@@ -39,16 +38,13 @@ _VIEWS = frozenset({Op.BROADCAST_TO, Op.RESHAPE, Op.PERMUTE, Op.SLICE, Op.UNSQUE
 Signature = tuple[tuple[tuple[int, ...], np.dtype[Any]], ...]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Run:
     """One step as the replay loop reads it."""
 
     step: Step
-    inputs: tuple[int, ...]
-    output: int
     out: np.ndarray | None  # the arena buffer it writes, or None (a view, or a fresh output)
     check: tuple[int, ...]  # inputs that may arrive non-contiguous (arguments and views)
-    params: Any  # resolved params (per call for DynScalar params)
 
 
 class Capture:
@@ -137,7 +133,7 @@ class Capture:
                 out = buffers[k].view(step.spec.dtype.np).reshape(step.spec.shape)
                 template[step.output] = out
             check = tuple(i for i, s in enumerate(step.inputs) if s not in owned_slots)
-            self.runs.append(_Run(step, step.inputs, step.output, out, check, step.params))
+            self.runs.append(_Run(step, out, check))
         self.template = template
         # Each output is a slot of the plan, an argument fn returned as it is, or a captured value.
         self.outputs: list[tuple[int, int, np.ndarray | None]] = [
@@ -152,53 +148,27 @@ class Capture:
         for s, i in self.arg_slots:
             slots[s] = args[i]
         tracers = executor.tracing()
-        use_serial = threads.use_serial
         first = not self._checked
         try:
             with np.errstate(all="ignore"):
                 for r in self.runs:
                     start = time.perf_counter() if tracers else 0.0
                     step = r.step
-                    xs = [slots[i] for i in r.inputs]
-                    copies = 0
+                    xs = [slots[i] for i in step.inputs]
                     if step.prim is not None:
                         res = step.prim(xs, step.spec, r.out)
                         if first:
-                            res = self._check(step, res)
+                            res = executor.checked(step, res)
+                        copies = 0
                     else:
-                        for i in r.check:
-                            if not step.impl.caps.strided_input and not xs[i].flags.c_contiguous:  # type: ignore[union-attr]
-                                xs[i] = np.ascontiguousarray(xs[i])
-                                copies += 1
-                        params = executor.resolve(r.params, step.dyn_fields, env) if step.dyn_fields else r.params
-                        if step.destructive is not None:
-                            res = xs[step.destructive]
-                            if not res.flags.writeable:
-                                raise KernelError(f"{step.name}: input {step.destructive} is destroyed in place "
-                                                  f"but is read-only")
-                        else:
-                            res = r.out if r.out is not None else POOL.empty(step.spec.shape, step.spec.dtype.np)
-                        use_serial(step.serial)
-                        step.impl.kernel(xs, res, params)  # type: ignore[union-attr]
-                    slots[r.output] = res
+                        res, copies = executor.run_fused(step, xs, r.out, env, r.check)
+                    slots[step.output] = res
                     if tracers:
-                        record = TraceRecord(step.spec.label, step.name, time.perf_counter() - start, copies)
-                        for t in tracers:
-                            t.records.append(record)
+                        executor.record(step, start, copies)
         finally:
-            use_serial(False)
+            threads.use_serial(False)
         self._checked = True
         return [slots[s] if s >= 0 else args[i] if i >= 0 else c for s, i, c in self.outputs]  # type: ignore[misc]
-
-    @staticmethod
-    def _check(step: Step, res: Any) -> np.ndarray:
-        if type(res) is not np.ndarray:
-            res = np.asarray(res)
-        spec = step.spec
-        if res.shape != spec.shape or res.dtype != spec.dtype.np:
-            raise KernelError(f"{step.name}: produced {list(res.shape)} {res.dtype}, rules say "
-                              f"{list(spec.shape)} {spec.dtype.value}")
-        return res
 
 
 class Jit:

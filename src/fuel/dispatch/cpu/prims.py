@@ -30,13 +30,23 @@ def _store(y: np.ndarray, node: OpSpec) -> np.ndarray:
     return y if y.dtype == node.dtype.np else y.astype(node.dtype.np)
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    """1 / (1 + e^-x) in two in-place passes: exp overflows to inf for very negative x, giving 0 as it
-    should, and the relative error stays a few ulp everywhere. A two-branch form allocated five large
-    temporaries, each page-faulted: 1.1 ms instead of 0.09 ms on [64, 1536]."""
+def _one_plus_exp_neg(x: np.ndarray) -> np.ndarray:
+    """1 + e^-x in one fresh buffer. Sigmoid is 1 / this and SiLU x / this: e^-x overflows to inf for
+    very negative x, which gives 0 as it should, and the relative error stays a few ulp everywhere. A
+    two-branch form allocated five large temporaries, each page-faulted: 1.1 ms against 0.09 ms on
+    [64, 1536] f32."""
     d = np.exp(np.negative(x))
-    np.add(d, 1, out=d)
+    return np.add(d, 1, out=d)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    d = _one_plus_exp_neg(x)
     return np.divide(1, d, out=d)
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    d = _one_plus_exp_neg(x)
+    return np.divide(x, d, out=d)
 
 
 _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
@@ -53,7 +63,7 @@ _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
     Op.COS: np.cos,
     Op.SIGMOID: _sigmoid,
     Op.RELU: lambda x: np.maximum(x, 0).astype(x.dtype, copy=False),
-    Op.SILU: lambda x: np.divide(x, np.add(np.exp(np.negative(x)), 1)),
+    Op.SILU: _silu,
     Op.SIGN: lambda x: np.sign(x),
     Op.STEP: lambda x: (x > 0).astype(x.dtype),
     Op.FLOOR: np.floor,
