@@ -28,11 +28,10 @@ import numpy as np
 
 import fuel as fl
 from benchmarks import latency_model as lm
-from benchmarks.bench_ops import blas_info
+from benchmarks.bench_ops import blas_info, machine_limits
 
-# Numba's and torch's OpenMP pools spin while idle and slow each other down in one process (see cli);
-# set before torch loads, which is why torch is imported inside the functions below.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch keeps its default OpenMP waiting (spinning), its faster setting for small ops; fuel's own pool
+# starts passive regardless (fuel.dispatch.threads). torch is imported inside the functions below.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 WAYS = ("fuel_eager", "fuel_jit", "numpy", "torch")
@@ -92,9 +91,16 @@ def compare(ref: Sequence[np.ndarray], got: Sequence[np.ndarray], rtol: float = 
     return {"ok": not bad, "bad_outputs": bad, "max_abs": worst}
 
 
+def step_bytes(w: lm.Weights, inputs: Sequence[np.ndarray], outputs: Sequence[np.ndarray]) -> int:
+    """Bytes a step must move at least: every weight and input read once, every output written once."""
+    weights = [getattr(lw, k) for lw in w.layers for k in lm.LayerWeights.__dataclass_fields__]
+    return sum(a.nbytes for a in (*weights, w.final_norm, *inputs, *outputs))
+
+
 def run_workload(name: str, cfg: lm.ModelConfig, w: lm.Weights, inputs: list[np.ndarray],
-                 repeat: int) -> dict[str, Any]:
-    """Time the four ways on one workload and check fuel (eager, jit) and torch against NumPy."""
+                 repeat: int, bandwidth_gbs: float) -> dict[str, Any]:
+    """Time the four ways on one workload and check fuel (eager, jit) and torch against NumPy.
+    The roofline is the step's bytes (`step_bytes`) over the measured copy bandwidth."""
     fn = lm.fuel_fn(cfg, w)
     eager = lm.fuel_eager(fn)
     np_step = lm.numpy_fn(cfg, w)
@@ -130,8 +136,10 @@ def run_workload(name: str, cfg: lm.ModelConfig, w: lm.Weights, inputs: list[np.
         ta, tb = ms[a], ms[b]
         return None if ta is None or tb is None else ta / tb
 
+    roofline_ms = step_bytes(w, inputs, ref) / (bandwidth_gbs * 1e6)
     return {
-        "workload": name, "x_shape": list(inputs[0].shape), "ms": ms,
+        "workload": name, "x_shape": list(inputs[0].shape), "ms": ms, "roofline_ms": roofline_ms,
+        "roofline_fraction": {way: (roofline_ms / t if t else None) for way, t in ms.items()},
         "jit_over_numpy": ratio("fuel_jit", "numpy"), "jit_over_torch": ratio("fuel_jit", "torch"),
         "eager_over_numpy": ratio("fuel_eager", "numpy"), "eager_over_torch": ratio("fuel_eager", "torch"),
         "nodes": nodes, "node_count_source": count_source, "kernel_ms": kernel_ms,
@@ -175,12 +183,13 @@ def _fmt(v: float | None, spec: str = "8.2f") -> str:
 
 def print_table(results: list[dict[str, Any]], small: dict[str, Any]) -> None:
     print(f"{'workload':9} {'eager ms':>8} {'jit ms':>8} {'numpy ms':>8} {'torch ms':>8} {'jit/np':>6} "
-          f"{'jit/torch':>9} {'nodes':>6} {'kern ms':>8} {'eager us/node':>13} {'jit us/node':>11}")
+          f"{'jit/torch':>9} {'roofline':>8} {'nodes':>6} {'kern ms':>8} {'eager us/node':>13} {'jit us/node':>11}")
     for r in results:
         ms = r["ms"]
         print(f"{r['workload']:9} {_fmt(ms['fuel_eager'])} {_fmt(ms['fuel_jit'])} {_fmt(ms['numpy'])} "
               f"{_fmt(ms['torch'])} {_fmt(r['jit_over_numpy'], '6.2f')} {_fmt(r['jit_over_torch'], '9.2f')} "
-              f"{r['nodes']:6} {_fmt(r['kernel_ms'])} {_fmt(r['eager_overhead_us_per_node'], '13.2f')} "
+              f"{_fmt(r['roofline_fraction']['fuel_jit'], '8.2f')} {r['nodes']:6} {_fmt(r['kernel_ms'])} "
+              f"{_fmt(r['eager_overhead_us_per_node'], '13.2f')} "
               f"{_fmt(r['jit_overhead_us_per_node'], '11.2f')}")
     us = small["us_per_call"]
     print(f"{small['op']} {small['shape']} per call (us): fuel eager {_fmt(us['fuel_eager'])} | "
@@ -224,15 +233,19 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
     print(f"latency: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/{cfg.kv_heads} heads, "
           f"{threads} threads, repeat {repeat}", flush=True)
     w = lm.make_weights(cfg)
-    results = [run_workload("decode", cfg, w, lm.decode_inputs(cfg), repeat),
-               run_workload("prefill", cfg, w, lm.prefill_inputs(cfg), repeat)]
+    limits = machine_limits()
+    results = [run_workload("decode", cfg, w, lm.decode_inputs(cfg), repeat, limits["bandwidth_gbs"]),
+               run_workload("prefill", cfg, w, lm.prefill_inputs(cfg), repeat, limits["bandwidth_gbs"])]
     small = small_op(cfg, repeat)
     print_table(results, small)
+    floors = ", ".join(f"{r['workload']} {r['roofline_ms']:.1f} ms" for r in results)
+    print(f"roofline: the step's weight, input and output bytes over {limits['bandwidth_gbs']:.1f} GB/s measured "
+          f"copy bandwidth ({floors}); the roofline column is that over fuel jit's time")
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": threads, "blas": blas_info(),
             "torch": torch.__version__, "repeat": repeat, "config": asdict(cfg),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "limits": limits}
     (folder / "latency.json").write_text(json.dumps({"meta": meta, "results": results, "small_op": small},
                                                     indent=2))
     plot(results, folder / "latency.png")
