@@ -250,3 +250,30 @@ def test_destructive_op_on_an_intermediate_reuses_its_arena_buffer() -> None:
     f = fl.jit(lambda x: _affine(x * 3.0) + 0.0)
     for v in (1.0, 2.0):
         np.testing.assert_array_equal(f(np.full(5, v, np.float32)).numpy(), np.full(5, 6 * v + 1))
+
+
+def test_primitives_of_captured_weights_are_folded_at_capture(rng: np.random.Generator) -> None:
+    w = fl.tensor(rng.standard_normal((6, 4)).astype(np.float32))
+    g = fl.tensor(rng.standard_normal(4).astype(np.float32))
+
+    def fn(x: fl.Tensor) -> fl.Tensor:
+        return (x @ w.T.T * 2.0) * g  # the transposes and g's broadcast read only captured values
+
+    f = fl.jit(fn)
+    for _ in range(2):
+        x = rng.standard_normal((3, 6)).astype(np.float32)
+        np.testing.assert_array_equal(f(x).numpy(), fl.realize(fn(fl.tensor(x)))[0].numpy())
+    capture = f.capture_for(x)
+    assert capture is not None and capture.n_folded >= 3
+
+
+@pytest.mark.usefixtures("destructive_op")
+def test_captured_arrays_a_step_destroys_are_not_folded() -> None:
+    state = np.ones(4, np.float32)
+    held = fl.tensor(state)
+    f = fl.jit(lambda x: (_affine(held), held * 2.0 + x))
+    for _ in range(3):
+        before = state.copy()
+        _, doubled = f(np.zeros(4, np.float32))
+        np.testing.assert_array_equal(doubled.numpy(), before * 2.0)  # read before this call's write
+        np.testing.assert_array_equal(state, before * 2 + 1)

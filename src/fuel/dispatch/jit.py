@@ -65,8 +65,8 @@ class Capture:
         leaves = [n for n in order if n.value is not None]
         position = {id(p): i for i, p in enumerate(placeholders)}
         plan = executor.build_plan(roots, leaves, fuse, default_registry(), default_kernel_registry())
-        self.n_steps = len(plan.steps)
         self._layout(plan, leaves, position, nodes, roots, reuse_outputs)
+        self.n_steps = len(self.runs)  # the steps each call replays
         self.dyn = tuple(sorted({getattr(r.step.params, f).name for r in self.runs for f in r.step.dyn_fields}))
         self._checked = False
         self._lock = threading.Lock()  # one capture's arena serves one call at a time
@@ -84,50 +84,12 @@ class Capture:
                 template[s] = leaf.value  # a captured weight or constant
         for s, v in plan.baked.items():
             template[s] = v
-        # Which arena buffer holds each slot's memory: a step owns a new one unless it is a view or
-        # destroys an input, which alias their input's buffer. Argument and constant slots own none.
-        base: dict[int, int] = {}
-        owner: dict[int, int] = {}  # buffer -> the step index that writes it
-        for k, step in enumerate(plan.steps):
-            spec = step.spec
-            alias = 0 if step.prim is not None and spec.op in _VIEWS else step.destructive
-            if alias is not None:
-                if step.inputs[alias] in base:
-                    base[step.output] = base[step.inputs[alias]]
-            else:
-                base[step.output] = k
-                owner[k] = k
-        fresh = {base[s] for s in plan.outputs if s in base} if not reuse_outputs else set()
-        last_read: dict[int, int] = {}
-        for k, step in enumerate(plan.steps):
-            for s in step.inputs:
-                if s in base:
-                    last_read[base[s]] = k
-        for s in plan.outputs:
-            if s in base:
-                last_read[base[s]] = len(plan.steps)
-        free: dict[int, list[np.ndarray]] = {}
-        buffers: dict[int, np.ndarray] = {}
-        releases: dict[int, list[int]] = {}
-        for b, k in last_read.items():
-            releases.setdefault(k, []).append(b)
-        self.arena_bytes = 0
-        for k, step in enumerate(plan.steps):
-            if k in owner and k not in fresh:
-                nbytes = int(np.prod(step.spec.shape)) * step.spec.dtype.np.itemsize
-                pool = free.get(nbytes)
-                if pool:
-                    raw = pool.pop()
-                else:
-                    raw = np.empty(max(nbytes, 1), np.uint8)[:nbytes]
-                    self.arena_bytes += nbytes
-                buffers[k] = raw
-            for b in releases.get(k, ()):
-                if b in buffers and b not in fresh:
-                    free.setdefault(buffers[b].nbytes, []).append(buffers[b])
+        steps = _fold_constants(plan, template)
+        self.n_folded = len(plan.steps) - len(steps)
+        buffers, self.arena_bytes = _arena(steps, plan.outputs, reuse_outputs)
+        owned_slots = {steps[k].output for k in buffers}
         self.runs: list[_Run] = []
-        owned_slots = {plan.steps[k].output for k in buffers}
-        for k, step in enumerate(plan.steps):
+        for k, step in enumerate(steps):
             out = None
             if k in buffers:
                 out = buffers[k].view(step.spec.dtype.np).reshape(step.spec.shape)
@@ -169,6 +131,79 @@ class Capture:
             threads.use_serial(False)
         self._checked = True
         return [slots[s] if s >= 0 else args[i] if i >= 0 else c for s, i, c in self.outputs]  # type: ignore[misc]
+
+
+def _fold_constants(plan: Plan, template: list[Any]) -> list[Step]:
+    """Run once, at capture, the primitive steps that read only captured values (a weight's broadcast,
+    reshape or transpose) and keep their results in `template`; return the steps left to replay.
+
+    Views are always folded (a view sees later writes to what it views); other primitives only when no
+    step destroys an input, since one could rewrite a captured array between calls. Outputs are never
+    folded: each call hands out fresh ones.
+    """
+    constant = {s for s, v in enumerate(template) if v is not None}
+    may_mutate = any(step.destructive is not None for step in plan.steps)
+    outputs = set(plan.outputs)
+    left = []
+    with np.errstate(all="ignore"):
+        for step in plan.steps:
+            foldable = (step.prim is not None and step.output not in outputs
+                        and all(s in constant for s in step.inputs)
+                        and (step.spec.op in _VIEWS or not may_mutate))
+            if foldable:
+                template[step.output] = executor.checked(step, step.prim([template[s] for s in step.inputs],  # type: ignore[misc]
+                                                                          step.spec, None))
+                constant.add(step.output)
+            else:
+                left.append(step)
+    return left
+
+
+def _arena(steps: list[Step], outputs: Sequence[int], reuse_outputs: bool) -> tuple[dict[int, np.ndarray], int]:
+    """Raw buffers per step index (of `steps`) that owns one, and the arena's total bytes.
+
+    A step owns a buffer unless it is a view or destroys an input (those alias their input's buffer);
+    argument and constant slots own none. A buffer whose last reader has run is handed to the next step
+    of the same size. Buffers the outputs live in are left out (allocated per call), unless
+    `reuse_outputs`.
+    """
+    base: dict[int, int] = {}  # slot -> the step index whose buffer holds its memory
+    owner: set[int] = set()
+    for k, step in enumerate(steps):
+        alias = 0 if step.prim is not None and step.spec.op in _VIEWS else step.destructive
+        if alias is None:
+            base[step.output] = k
+            owner.add(k)
+        elif step.inputs[alias] in base:
+            base[step.output] = base[step.inputs[alias]]
+    fresh = set() if reuse_outputs else {base[s] for s in outputs if s in base}
+    releases: dict[int, list[int]] = {}
+    last_read: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        for s in step.inputs:
+            if s in base:
+                last_read[base[s]] = k
+    for s in outputs:
+        if s in base:
+            last_read[base[s]] = len(steps)
+    for b, k in last_read.items():
+        releases.setdefault(k, []).append(b)
+    free: dict[int, list[np.ndarray]] = {}
+    buffers: dict[int, np.ndarray] = {}
+    total = 0
+    for k, step in enumerate(steps):
+        if k in owner and k not in fresh:
+            nbytes = int(np.prod(step.spec.shape)) * step.spec.dtype.np.itemsize
+            pool = free.get(nbytes)
+            if pool:
+                buffers[k] = pool.pop()
+            else:
+                buffers[k] = np.empty(max(nbytes, 1), np.uint8)[:nbytes]
+                total += nbytes
+        for b in releases.get(k, ()):  # after this step's own buffer: a step never writes what it reads
+            if b in buffers:
+                free.setdefault(buffers[b].nbytes, []).append(buffers[b])
+    return buffers, total
 
 
 class Jit:
