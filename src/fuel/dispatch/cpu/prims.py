@@ -7,11 +7,13 @@ allocate. View ops ignore it and return a view. Common f32/f64 elementwise ops a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, gemv
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
 from fuel.graph.node import Op, OpSpec
@@ -201,9 +203,17 @@ def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarr
         return _copy_into(np.zeros(n.shape, n.dtype.np), out)
     direct = out if out is not None and not n.dtype.is_half else None
     if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
-        # b broadcast over the batch (a weight): one GEMM over all rows of a.
-        flat = None if direct is None else direct.reshape(-1, n.shape[-1])
-        y = np.matmul(a.reshape(-1, a.shape[-1]), b[(0,) * (b.ndim - 2)], out=flat).reshape(n.shape)
+        b = b[(0,) * (b.ndim - 2)]  # b broadcast over the batch (a weight): one product over all rows of a
+    if b.ndim == 2 and a.ndim >= 2:
+        rows = math.prod(a.shape[:-1])
+        flat = None if direct is None else direct.reshape(rows, b.shape[1])
+        if rows <= GEMV_MAX_ROWS and b.nbytes <= GEMV_MAX_BYTES and b.flags.c_contiguous:
+            if flat is None:
+                flat = np.empty((rows, b.shape[1]), b.dtype)
+            gemv(a.reshape(rows, a.shape[-1]), b, flat)
+            y = flat.reshape(n.shape)
+        else:
+            y = np.matmul(a.reshape(rows, a.shape[-1]), b, out=flat).reshape(n.shape)
     else:
         y = np.matmul(a, b, out=direct)
     return y if direct is not None else _copy_into(_store(y, n), out)
