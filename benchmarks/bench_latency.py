@@ -151,6 +151,31 @@ def run_workload(name: str, cfg: lm.ModelConfig, w: lm.Weights, inputs: list[np.
     }
 
 
+def replay_overhead(repeat: int, nodes: int = 400) -> dict[str, Any]:
+    """The replay's own cost per node: a chain of `nodes` scalar adds on one element under `fl.jit`,
+    against the same adds as NumPy ufunc calls writing into a buffer (what each replayed step runs)."""
+
+    def chain(x: fl.Tensor) -> fl.Tensor:
+        for _ in range(nodes):
+            x = x + 1.0
+        return x
+
+    x = np.zeros(1, np.float32)
+    out = np.empty_like(x)
+    one = np.float32(1.0)
+    jitted = fl.jit(chain)
+
+    def numpy_chain() -> None:
+        y = x
+        for _ in range(nodes):
+            y = np.add(y, one, out=out)
+
+    ms = interleaved_ms({"fuel_jit": lambda: jitted(x), "numpy": numpy_chain}, repeat, warmup=3)
+    return {"nodes": nodes, "jit_us_per_node": ms["fuel_jit"] * 1e3 / nodes,
+            "numpy_us_per_op": ms["numpy"] * 1e3 / nodes,
+            "overhead_us_per_node": (ms["fuel_jit"] - ms["numpy"]) * 1e3 / nodes}
+
+
 def small_op(cfg: lm.ModelConfig, repeat: int, calls: int = 200) -> dict[str, Any]:
     """One rms_norm_last_dim on [1, hidden] per call: the fixed cost of one realize (or one replay)."""
     import torch
@@ -239,7 +264,11 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
     results = [run_workload("decode", cfg, w, lm.decode_inputs(cfg), repeat, limits["bandwidth_gbs"]),
                run_workload("prefill", cfg, w, lm.prefill_inputs(cfg), repeat, limits["bandwidth_gbs"])]
     small = small_op(cfg, repeat)
+    overhead = replay_overhead(repeat)
     print_table(results, small)
+    print(f"replay overhead: {overhead['overhead_us_per_node']:.2f} us per node ({overhead['nodes']} one-element "
+          f"adds: jit {overhead['jit_us_per_node']:.2f} us per node, the NumPy ufunc alone "
+          f"{overhead['numpy_us_per_op']:.2f})")
     floors = ", ".join(f"{r['workload']} {r['roofline_ms']:.1f} ms" for r in results)
     print(f"roofline: the step's weight, input and output bytes over {limits['bandwidth_gbs']:.1f} GB/s measured "
           f"copy bandwidth ({floors}); the roofline column is that over fuel jit's time")
@@ -248,7 +277,8 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
     meta = {"machine": platform.processor() or platform.machine(), "threads": threads, "blas": blas_info(),
             "torch": torch.__version__, "repeat": repeat, "config": asdict(cfg),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "limits": limits}
-    (folder / "latency.json").write_text(json.dumps({"meta": meta, "results": results, "small_op": small},
+    (folder / "latency.json").write_text(json.dumps({"meta": meta, "results": results, "small_op": small,
+                                                     "replay_overhead": overhead},
                                                     indent=2))
     plot(results, folder / "latency.png")
     print(f"wrote {folder / 'latency.json'} and {folder / 'latency.png'}")

@@ -57,4 +57,5 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
         assert set(r["correctness"]) == {"fuel_eager", "fuel_jit", "torch"}
         assert all(c["ok"] for c in r["correctness"].values())
     assert data["small_op"]["us_per_call"]["torch"] > 0 and data["small_op"]["us_per_call"]["fuel_jit"] > 0
+    assert data["replay_overhead"]["jit_us_per_node"] > 0 and data["replay_overhead"]["nodes"] == 400
     assert (tmp_path / "latency.png").stat().st_size > 1000

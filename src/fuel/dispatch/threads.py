@@ -16,6 +16,8 @@ The policy, in order of what it saves:
    Python threads may realise at once), and it is started with `OMP_WAIT_POLICY=PASSIVE` (unless the
    user set it) so its idle workers sleep instead of spinning against OpenBLAS. The variable is set
    only while the pool starts and restored afterwards, so other libraries see the user's environment.
+   A bounded spin (`GOMP_SPINCOUNT=30000`) made back-to-back regions cheap (2 µs) but a one-row
+   parallel kernel after a GEMV took 1.8 ms: the spinning worker fought OpenBLAS's.
 3. `set_num_threads(n)` sets Numba's count and the BLAS's (OpenBLAS found in the process by its
    exported symbols) together.
 """
@@ -32,11 +34,12 @@ from fuel.errors import ParamError
 
 # One core moves about this much and computes about this fast on the measured machines (a serial
 # NumPy copy moved 12-16 GB/s; a serial sgemm ran 60-200 GFLOP/s). The estimate only has to be right
-# within a factor of a few: a parallel launch costs 5-20 µs of wake-ups, so work under ~30 µs gains
-# nothing from a second core.
+# within a factor of a few. A parallel region costs about 60 µs here with passive waiting (an empty
+# two-thread prange took 62 µs, one thread 1.7 µs: the sleeping worker's wake-up), so a second core
+# pays only for work above about twice that.
 SERIAL_BYTES_PER_SECOND = 12e9
 SERIAL_FLOPS_PER_SECOND = 30e9
-PARALLEL_MIN_SECONDS = 30e-6
+PARALLEL_MIN_SECONDS = 150e-6
 
 
 def runs_serially(flops: int, bytes_moved: int) -> bool:
