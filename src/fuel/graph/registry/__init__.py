@@ -210,8 +210,10 @@ def fused_node(op_id: FusedOpId, inputs: Sequence[Node], params: Any) -> Node:
 _SNAKE_OVERRIDES = {"QMatMul": "qmatmul", "PowIBackward": "powi_backward"}
 
 
+@functools.cache
 def snake_name(name: str) -> str:
-    """'SoftmaxLastDim' -> 'softmax_last_dim' (the builder's name in fuel.ops)."""
+    """'SoftmaxLastDim' -> 'softmax_last_dim' (the builder's name in fuel.ops); cached, as every
+    fused node's build names its op in its error messages."""
     if name in _SNAKE_OVERRIDES:
         return _SNAKE_OVERRIDES[name]
     out = []
