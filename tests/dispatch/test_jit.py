@@ -110,6 +110,8 @@ def test_replay_binds_new_dynamic_scalars(rng: np.random.Generator) -> None:
         f(x)
     with pytest.raises(fl.ParamError, match="must be an integer"):
         f(x, eps=1.5)
+    with pytest.raises(fl.ParamError, match=r"got esp=2, but the traced graph has no DynScalar 'esp' \(it uses: eps\)"):
+        f(x, eps=1, esp=2)
 
 
 def test_a_gradient_step_under_jit_matches_torch(rng: np.random.Generator) -> None:

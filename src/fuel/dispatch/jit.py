@@ -103,9 +103,8 @@ class Capture:
             else (-1, position[id(n)], None) if id(n) in position else (-1, -1, n.value) for n in nodes]
 
     def run(self, args: Sequence[np.ndarray], env: dict[str, int]) -> list[np.ndarray]:
-        missing = [n for n in self.dyn if n not in env]
-        if missing:
-            raise ParamError(f"jit: dynamic scalar {missing[0]!r} is unbound; call f(..., {missing[0]}=…)")
+        if len(env) != len(self.dyn) or any(n not in env for n in self.dyn):
+            self._check_names(env)
         slots = list(self.template)
         for s, i in self.arg_slots:
             slots[s] = args[i]
@@ -131,6 +130,17 @@ class Capture:
             threads.use_serial(False)
         self._checked = True
         return [slots[s] if s >= 0 else args[i] if i >= 0 else c for s, i, c in self.outputs]  # type: ignore[misc]
+
+    def _check_names(self, env: dict[str, int]) -> None:
+        """A clear error for an unbound DynScalar, or for a keyword the graph has no DynScalar for (a typo
+        would otherwise be ignored silently)."""
+        uses = ", ".join(self.dyn) or "none"
+        for n in self.dyn:
+            if n not in env:
+                raise ParamError(f"jit: dynamic scalar {n!r} is unbound; call f(..., {n}=…) (the graph uses: {uses})")
+        extra = sorted(set(env) - set(self.dyn))
+        raise ParamError(f"jit: got {extra[0]}={env[extra[0]]!r}, but the traced graph has no DynScalar "
+                         f"{extra[0]!r} (it uses: {uses})")
 
 
 def _fold_constants(plan: Plan, template: list[Any]) -> list[Step]:
