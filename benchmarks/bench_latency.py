@@ -99,10 +99,19 @@ def step_bytes(w: lm.Weights, inputs: Sequence[np.ndarray], outputs: Sequence[np
     return sum(a.nbytes for a in (*weights, w.final_norm, *inputs, *outputs))
 
 
+def step_flops(cfg: lm.ModelConfig, w: lm.Weights, rows: int, keys: int) -> int:
+    """Multiply-adds of the step's products, twice: every weight once per row, and per layer the two
+    attention products of `rows` queries over `keys` keys in every head."""
+    weights = sum(getattr(lw, k).size for lw in w.layers for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    attention = cfg.layers * 2 * cfg.heads * rows * keys * cfg.head_dim
+    return 2 * (rows * weights + attention)
+
+
 def run_workload(name: str, cfg: lm.ModelConfig, w: lm.Weights, inputs: list[np.ndarray],
-                 repeat: int, bandwidth_gbs: float) -> dict[str, Any]:
+                 repeat: int, limits: dict[str, float]) -> dict[str, Any]:
     """Time the four ways on one workload and check fuel (eager, jit) and torch against NumPy.
-    The roofline is the step's bytes (`step_bytes`) over the measured copy bandwidth."""
+    The roofline is the larger of the step's bytes (`step_bytes`) over the measured copy bandwidth and
+    its flops (`step_flops`) over the measured sgemm peak."""
     fn = lm.fuel_fn(cfg, w)
     eager = lm.fuel_eager(fn)
     np_step = lm.numpy_fn(cfg, w)
@@ -138,7 +147,10 @@ def run_workload(name: str, cfg: lm.ModelConfig, w: lm.Weights, inputs: list[np.
         ta, tb = ms[a], ms[b]
         return None if ta is None or tb is None else ta / tb
 
-    roofline_ms = step_bytes(w, inputs, ref) / (bandwidth_gbs * 1e6)
+    rows = inputs[0].shape[0]
+    keys = inputs[1].shape[-1]  # the mask's width: the cache for decode, the tokens for prefill
+    roofline_ms = max(step_bytes(w, inputs, ref) / (limits["bandwidth_gbs"] * 1e6),
+                      step_flops(cfg, w, rows, keys) / (limits["gemm_gflops"] * 1e6))
     return {
         "workload": name, "x_shape": list(inputs[0].shape), "ms": ms, "roofline_ms": roofline_ms,
         "roofline_fraction": {way: (roofline_ms / t if t else None) for way, t in ms.items()},
@@ -261,8 +273,8 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
           f"{threads} threads, repeat {repeat}", flush=True)
     w = lm.make_weights(cfg)
     limits = machine_limits()
-    results = [run_workload("decode", cfg, w, lm.decode_inputs(cfg), repeat, limits["bandwidth_gbs"]),
-               run_workload("prefill", cfg, w, lm.prefill_inputs(cfg), repeat, limits["bandwidth_gbs"])]
+    results = [run_workload("decode", cfg, w, lm.decode_inputs(cfg), repeat, limits),
+               run_workload("prefill", cfg, w, lm.prefill_inputs(cfg), repeat, limits)]
     small = small_op(cfg, repeat)
     overhead = replay_overhead(repeat)
     print_table(results, small)
@@ -270,8 +282,9 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
           f"adds: jit {overhead['jit_us_per_node']:.2f} us per node, the NumPy ufunc alone "
           f"{overhead['numpy_us_per_op']:.2f})")
     floors = ", ".join(f"{r['workload']} {r['roofline_ms']:.1f} ms" for r in results)
-    print(f"roofline: the step's weight, input and output bytes over {limits['bandwidth_gbs']:.1f} GB/s measured "
-          f"copy bandwidth ({floors}); the roofline column is that over fuel jit's time")
+    print(f"roofline: the larger of the step's bytes over {limits['bandwidth_gbs']:.1f} GB/s measured copy "
+          f"bandwidth and its flops over {limits['gemm_gflops']:.0f} GFLOP/s measured sgemm ({floors}); "
+          f"the roofline column is that over fuel jit's time")
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "threads": threads, "blas": blas_info(),
