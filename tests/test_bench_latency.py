@@ -51,7 +51,7 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
     assert (decode["workload"], prefill["workload"]) == ("decode", "prefill")
     for r in (decode, prefill):
         assert all(r["ms"][w] > 0 for w in ("fuel_eager", "fuel_jit", "numpy", "torch"))
-        assert r["jit_over_torch"] > 0 and r["jit_overhead_us_per_node"] is not None
+        assert r["jit_over_torch"] > 0 and r["eager_overhead_us_per_node"] is not None
         assert r["roofline_ms"] > 0 and r["roofline_fraction"]["fuel_jit"] > 0
         assert r["nodes"] > 0 and r["node_count_source"] == "jit plan steps"
         assert set(r["correctness"]) == {"fuel_eager", "fuel_jit", "torch"}
