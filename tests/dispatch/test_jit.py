@@ -279,3 +279,31 @@ def test_captured_arrays_a_step_destroys_are_not_folded() -> None:
         _, doubled = f(np.zeros(4, np.float32))
         np.testing.assert_array_equal(doubled.numpy(), before * 2.0)  # read before this call's write
         np.testing.assert_array_equal(state, before * 2 + 1)
+
+
+def test_views_of_arena_buffers_are_folded_and_copying_reshapes_are_not(rng: np.random.Generator) -> None:
+    def fn(x: fl.Tensor) -> tuple[fl.Tensor, fl.Tensor]:
+        y = (x * 2.0).reshape(4, 3).T          # views of an arena buffer: the same every call
+        flat = y.reshape(12)                    # y is transposed: NumPy copies, so this runs every call
+        return y * 1.0, flat + 0.0
+
+    f = fl.jit(fn)
+    for _ in range(3):
+        x = rng.standard_normal(12).astype(np.float32)
+        got = [t.numpy() for t in f(x)]
+        want = [t.numpy() for t in fl.realize(*fn(fl.tensor(x)))]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    capture = f.capture_for(x)
+    assert capture is not None and capture.n_folded == 2  # the reshape and the transpose
+
+
+@pytest.mark.usefixtures("destructive_op")
+def test_a_copying_reshape_of_a_destroyed_capture_is_not_folded() -> None:
+    state = np.arange(6, dtype=np.float32).reshape(2, 3)
+    held = fl.tensor(state)
+    f = fl.jit(lambda x: (held.T.reshape(6) + x, _affine(held)))
+    for _ in range(3):
+        before = state.copy()
+        flat, _ = f(np.zeros(6, np.float32))
+        np.testing.assert_array_equal(flat.numpy(), before.T.reshape(6))

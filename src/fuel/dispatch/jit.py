@@ -84,18 +84,20 @@ class Capture:
                 template[s] = leaf.value  # a captured weight or constant
         for s, v in plan.baked.items():
             template[s] = v
-        steps = _fold_constants(plan, template)
-        self.n_folded = len(plan.steps) - len(steps)
+        # Fold what reads captured values only, then lay out the arena, then fold the views of arena
+        # buffers (their memory is fixed too, so a reshape of one is the same view every call).
+        may_mutate = any(step.destructive is not None for step in plan.steps)
+        steps = _fold(plan.steps, template, plan.outputs, views_only=may_mutate)
         buffers, self.arena_bytes = _arena(steps, plan.outputs, reuse_outputs)
         owned_slots = {steps[k].output for k in buffers}
-        self.runs: list[_Run] = []
-        for k, step in enumerate(steps):
-            out = None
-            if k in buffers:
-                out = buffers[k].view(step.spec.dtype.np).reshape(step.spec.shape)
-                template[step.output] = out
-            check = tuple(i for i, s in enumerate(step.inputs) if s not in owned_slots)
-            self.runs.append(_Run(step, out, check))
+        for k, raw in buffers.items():
+            template[steps[k].output] = raw.view(steps[k].spec.dtype.np).reshape(steps[k].spec.shape)
+        replayed = _fold(steps, template, plan.outputs, views_only=True)
+        self.n_folded = len(plan.steps) - len(replayed)
+        self.runs: list[_Run] = [
+            _Run(step, template[step.output] if step.output in owned_slots else None,
+                 tuple(i for i, s in enumerate(step.inputs) if s not in owned_slots))
+            for step in replayed]
         self.template = template
         # Each output is a slot of the plan, an argument fn returned as it is, or a captured value.
         self.outputs: list[tuple[int, int, np.ndarray | None]] = [
@@ -143,29 +145,35 @@ class Capture:
                          f"{extra[0]!r} (it uses: {uses})")
 
 
-def _fold_constants(plan: Plan, template: list[Any]) -> list[Step]:
-    """Run once, at capture, the primitive steps that read only captured values (a weight's broadcast,
-    reshape or transpose) and keep their results in `template`; return the steps left to replay.
+def _fold(steps: Sequence[Step], template: list[Any], outputs: Sequence[int], views_only: bool) -> list[Step]:
+    """Run once, at capture, the primitive steps whose inputs are fixed (a value in `template`: a
+    captured array, or an arena buffer, which keeps its memory across calls); keep their results in
+    `template` and return the steps left to replay.
 
-    Views are always folded (a view sees later writes to what it views); other primitives only when no
-    step destroys an input, since one could rewrite a captured array between calls. Outputs are never
-    folded: each call hands out fresh ones.
+    A view of a fixed value is folded whenever it really is a view (it sees later writes to its
+    memory); a reshape NumPy had to copy is not. Other primitives are folded only when `views_only` is
+    false (no step destroys an input, which could rewrite a captured array between calls) and their
+    inputs are captured values. Outputs are never folded: each call hands out fresh ones.
     """
-    constant = {s for s, v in enumerate(template) if v is not None}
-    may_mutate = any(step.destructive is not None for step in plan.steps)
-    outputs = set(plan.outputs)
+    fixed = {s for s, v in enumerate(template) if v is not None}
+    out_slots = set(outputs)
     left = []
     with np.errstate(all="ignore"):
-        for step in plan.steps:
-            foldable = (step.prim is not None and step.output not in outputs
-                        and all(s in constant for s in step.inputs)
-                        and (step.spec.op in _VIEWS or not may_mutate))
-            if foldable:
-                template[step.output] = executor.checked(step, step.prim([template[s] for s in step.inputs],  # type: ignore[misc]
-                                                                          step.spec, None))
-                constant.add(step.output)
-            else:
+        for step in steps:
+            if step.prim is None or step.output in out_slots or not all(s in fixed for s in step.inputs):
                 left.append(step)
+                continue
+            view = step.spec.op in _VIEWS
+            if not view and views_only:
+                left.append(step)
+                continue
+            srcs = [template[s] for s in step.inputs]
+            res = executor.checked(step, step.prim(srcs, step.spec, None))
+            if view and not (res.size and np.may_share_memory(res, srcs[0])):
+                left.append(step)  # a copy: it would not follow later writes
+                continue
+            template[step.output] = res
+            fixed.add(step.output)
     return left
 
 
