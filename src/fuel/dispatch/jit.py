@@ -31,9 +31,11 @@ from fuel.dispatch.fused import default_kernel_registry
 from fuel.dtype import from_numpy
 from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, topo_order
+from fuel.graph.prims import VIEW_OPS
 from fuel.graph.registry import default_registry
 
-_VIEWS = frozenset({Op.BROADCAST_TO, Op.RESHAPE, Op.PERMUTE, Op.SLICE, Op.UNSQUEEZE, Op.SQUEEZE})
+# Steps whose result aliases their input's memory (a reshape NumPy must copy is caught where it matters).
+_VIEWS = VIEW_OPS | {Op.RESHAPE}
 
 Signature = tuple[tuple[tuple[int, ...], np.dtype[Any]], ...]
 
