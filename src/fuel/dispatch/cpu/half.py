@@ -10,9 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.vecmath import bf16_to_f32, f32_to_bf16
 from fuel.dtype import DType
 
@@ -57,3 +58,49 @@ def via_f32(kernel: Callable[[list[np.ndarray], np.ndarray, Any], None]) -> Call
 
     run.__wrapped__ = kernel  # type: ignore[attr-defined]
     return run
+
+
+@row_kernel()
+def _widen_bf16(src: Any, dst_bits: Any) -> None:
+    """dst_bits (uint32, flat) <- bf16 bits (uint16, flat) << 16: exact, at memory speed."""
+    n = src.shape[0]
+    chunks = chunk_count(n)
+    for c in prange(chunks):
+        lo, hi = chunk_bounds(c, n, chunks)
+        widen_bf16_row(src[lo:hi], dst_bits[lo:hi])
+
+
+@row_kernel()
+def _narrow_bf16(src_bits: Any, dst: Any) -> None:
+    """dst (bf16 bits, flat) <- nearest-even rounding of src_bits (float32 bits as uint32, flat)."""
+    n = src_bits.shape[0]
+    chunks = chunk_count(n)
+    for c in prange(chunks):
+        lo, hi = chunk_bounds(c, n, chunks)
+        narrow_bf16_row(src_bits[lo:hi], dst[lo:hi])
+
+
+def widened(x: np.ndarray) -> np.ndarray:
+    """An exact f32 copy of a bf16/f16 array, in a pooled buffer, in x's own matrix order.
+
+    A column-major x (a transposed weight) is widened as its contiguous transpose and handed back
+    transposed, so BLAS reads it with its trans flag instead of us gathering it element by element.
+    """
+    if not x.flags.c_contiguous and x.ndim >= 2 and x.swapaxes(-1, -2).flags.c_contiguous:
+        return widened(x.swapaxes(-1, -2)).swapaxes(-1, -2)
+    wide = POOL.empty(x.shape, np.dtype(np.float32))
+    if x.dtype == DType.BF16.np:
+        if x.size:  # reshape(-1) gathers any other strided x in C order, matching wide's layout
+            _widen_bf16(bits(x).reshape(-1), wide.reshape(-1).view(np.uint32))
+    else:
+        np.copyto(wide, x, casting="safe")
+    return wide
+
+
+def narrow_into(src: np.ndarray, out: np.ndarray) -> None:
+    """out (bf16 or f16, contiguous) <- src (f32, contiguous, same shape) rounded once to nearest-even."""
+    if out.dtype == DType.BF16.np:
+        if out.size:
+            _narrow_bf16(src.reshape(-1).view(np.uint32), bits(out).reshape(-1))
+    else:
+        np.copyto(out, src, casting="unsafe")

@@ -26,7 +26,7 @@ from numba import prange
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
-from fuel.dispatch.cpu.half import bits, narrow_bf16_row, widen_bf16_row
+from fuel.dispatch.cpu.half import bits, narrow_bf16_row, widened
 from fuel.dispatch.fused import (
     BackendImpl,
     CostEstimate,
@@ -38,16 +38,6 @@ from fuel.dispatch.fused import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
-
-
-@row_kernel()
-def _widen_bf16(src: Any, dst_bits: Any) -> None:
-    """dst_bits (uint32, flat) <- bf16 bits (uint16, flat) << 16: exact, at memory speed."""
-    n = src.shape[0]
-    chunks = chunk_count(n)
-    for c in prange(chunks):
-        lo, hi = chunk_bounds(c, n, chunks)
-        widen_bf16_row(src[lo:hi], dst_bits[lo:hi])
 
 
 @row_kernel()
@@ -105,23 +95,6 @@ def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) 
     np.add(out, bias, out=out)
 
 
-def _widened(x: np.ndarray) -> np.ndarray:
-    """An exact f32 copy of a bf16/f16 array, in a pooled buffer, in x's own matrix order.
-
-    A column-major x (a transposed weight) is widened as its contiguous transpose and handed back
-    transposed, so BLAS reads it with its trans flag instead of us gathering it element by element.
-    """
-    if not x.flags.c_contiguous and x.ndim >= 2 and x.swapaxes(-1, -2).flags.c_contiguous:
-        return _widened(x.swapaxes(-1, -2)).swapaxes(-1, -2)
-    wide = POOL.empty(x.shape, np.dtype(np.float32))
-    if x.dtype == DType.BF16.np:
-        if x.size:  # reshape(-1) gathers any other strided x in C order, matching wide's layout
-            _widen_bf16(bits(x).reshape(-1), wide.reshape(-1).view(np.uint32))
-    else:
-        np.copyto(wide, x, casting="safe")
-    return wide
-
-
 def linear_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     a, b, bias = inputs
     _gemm_bias(a, b, bias, out)
@@ -134,7 +107,7 @@ def linear_half(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     """bf16/f16: one sgemm on exact f32 copies, bias added in f32, one rounding on store."""
     a, b, bias = inputs
     acc = POOL.empty(out.shape, np.dtype(np.float32))
-    va, vb, vo = _operands(_widened(a), _widened(b), acc)
+    va, vb, vo = _operands(widened(a), widened(b), acc)
     np.matmul(va, vb, out=vo)
     bias32 = bias.astype(np.float32)
     if out.dtype == DType.BF16.np:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 _I32 = ir.IntType(32)
 
@@ -91,3 +91,19 @@ def expf_nonpositive(t: Any) -> Any:
     p = ((((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * (r * r) + r) + _ONE
     e = p * pow2_f32(fx)
     return _ZERO if t < EXP_LOW else e
+
+
+def exp_nonpositive(t: Any) -> Any:
+    """exp(t) for t <= 0 in t's own type: expf_nonpositive for float32, libm exp for float64 (jitted only)."""
+    raise NotImplementedError("exp_nonpositive is callable from jitted code only")
+
+
+@overload(exp_nonpositive, inline="always")
+def _exp_nonpositive(t: Any) -> Any:
+    def f32(t: Any) -> Any:
+        return expf_nonpositive(t)
+
+    def other(t: Any) -> Any:
+        return np.exp(t)
+
+    return f32 if t == types.float32 else other

@@ -1,0 +1,267 @@
+"""FlashAttn (entry 12) on the CPU: blocked online softmax, products on BLAS, never the [Sq, Sk] matrix.
+
+Layout of the work: the G = Hq/Hkv query heads that share a kv head are stacked into the rows of one
+matrix, so a block of Bq queries is a `[G·Bq, D]` operand and K/V are never repeated. All B·Hkv
+groups go through each step together (NumPy's stacked matmul runs one BLAS call per group), so a
+step's Python cost is paid once for every head. For each query block, the keys it may see (the
+union of its rows' windows) are visited in blocks of BK:
+  1. `S = Q·Kᵀ` on BLAS;
+  2. one Numba pass per row: scale, softcap, ALiBi, mask, the running max and sum, the rescaling of
+     the accumulator, and `P = exp(S − max)` in place;
+  3. `acc += P·V` on BLAS.
+Memory is O(rows·BK) per step whatever the sequence length. Block sizes are constants and each
+row's arithmetic is fixed by them, so results are the same bytes at any thread count (OpenBLAS
+splits a product over M and N, never over K). A row with no admissible key gives 0.
+
+Half types are widened exactly to f32 once, computed in f32 and rounded once on store; f64 runs in
+f64 throughout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu.driver import row_kernel
+from fuel.dispatch.cpu.half import narrow_into, widened
+from fuel.dispatch.cpu.vecmath import exp_nonpositive
+from fuel.dispatch.fused import (
+    CONTIGUOUS_ONLY,
+    BackendImpl,
+    CostEstimate,
+    FusedKernelRegistry,
+    PrecisionGuarantee,
+    revision_of,
+)
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.errors import IndexOutOfRange
+from fuel.graph.node import Shape
+from fuel.graph.registry import FusedOps
+
+BQ = 128  # queries per block, per head
+BK = 512  # keys per block
+
+# Reassociation lets row reductions vectorise (one fixed order per build); no nnan/ninf: -inf is
+# the mask value and NaN must propagate.
+FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
+
+
+@dataclass(frozen=True)
+class Window:
+    """The resolved mask of one call: live keys, query count and window sides (-1: unbounded)."""
+
+    kl: int
+    sq: int
+    left: int
+    right: int
+
+    def keys(self, i0: int, i1: int) -> tuple[int, int]:
+        """Keys [lo, hi) some query in [i0, i1) may attend to (hi <= lo: none)."""
+        lo = 0 if self.left < 0 else max(0, i0 + self.kl - self.sq - self.left)
+        hi = self.kl if self.right < 0 else min(self.kl, i1 - 1 + self.kl - self.sq + self.right + 1)
+        return lo, hi
+
+
+def window_of(params: Any, sq: int, sk: int) -> Window:
+    """The mask a call's (resolved) FlashAttnParams describe; a k_len outside the cache is an error."""
+    kl = sk if params.k_len is None else int(params.k_len)
+    if not 0 <= kl <= sk:
+        raise IndexOutOfRange(f"flash_attn: k_len {kl} is outside the cache capacity [0, {sk}]")
+    right = params.window_size_right
+    if params.causal:
+        right = 0 if right is None else min(right, 0)
+    left = params.window_size_left
+    return Window(kl, sq, -1 if left is None else left, -1 if right is None else right)
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def row_window(i: int, j0: int, cols: int, kl: int, sq: int, left: int, right: int) -> tuple[int, int]:
+    """Columns [lo, hi) of a key block starting at key j0 that query i may attend to."""
+    aq = i + kl - sq
+    lo = 0 if left < 0 else max(0, aq - left - j0)
+    hi = min(cols, kl - j0) if right < 0 else min(cols, kl - j0, aq + right + 1 - j0)
+    return lo, max(lo, hi)
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def transform_row(row: Any, lo: int, hi: int, aq: int, j0: int, scale: Any, softcap: Any, slope: Any,
+                  capped: Any) -> Any:
+    """Scores of one row in place over [lo, hi): scale, softcap, ALiBi; returns their max. With a
+    softcap, `capped` (same length as row) receives tanh(s/c) for the gradient."""
+    m = -np.inf * scale
+    for c in range(lo, hi):
+        x = row[c] * scale
+        if softcap > 0:
+            t = np.tanh(x / softcap)
+            capped[c] = t
+            x = softcap * t
+        if slope != 0:
+            x -= slope * abs(aq - (j0 + c))
+        row[c] = x
+        m = x if x > m else m
+    return m
+
+
+@row_kernel(fastmath=FASTMATH)
+def _online_block(s: Any, m: Any, l: Any, acc: Any, i0: int, bq: int, j0: int, kl: int, sq: int, left: int,
+                  right: int, scale: Any, softcap: Any, slopes: Any, hkv: int) -> None:
+    """One key block of the online softmax. s `[n, rows, cols]` holds raw q·k and leaves holding P;
+    m, l `[n, rows]` are the running max and sum; acc `[n, rows, D]` is rescaled to the new max."""
+    n, rows, cols = s.shape
+    for t in prange(n * rows):
+        g, r = t // rows, t % rows
+        i = i0 + r % bq
+        row = s[g, r]
+        lo, hi = row_window(i, j0, cols, kl, sq, left, right)
+        mx = transform_row(row, lo, hi, i + kl - sq, j0, scale, softcap, slopes[(g % hkv) * (rows // bq) + r // bq],
+                           row)
+        old = m[g, r]
+        new = mx if mx > old else old
+        total = row[0] * 0
+        if new == -np.inf or lo == hi:
+            for c in range(cols):
+                row[c] = 0
+            continue
+        for c in range(cols):
+            if lo <= c < hi:
+                e = exp_nonpositive(row[c] - new)
+                row[c] = e
+                total += e
+            else:
+                row[c] = 0
+        alpha = exp_nonpositive(old - new)
+        if alpha != 1:
+            a = acc[g, r]
+            for d in range(a.shape[0]):
+                a[d] *= alpha
+        m[g, r] = new
+        l[g, r] = l[g, r] * alpha + total
+
+
+@row_kernel(fastmath=FASTMATH)
+def _normalise(acc: Any, l: Any) -> None:
+    """acc /= l per row; rows that saw no admissible key (l = 0) become 0."""
+    n, rows, d = acc.shape
+    for t in prange(n * rows):
+        g, r = t // rows, t % rows
+        a = acc[g, r]
+        total = l[g, r]
+        for k in range(d):
+            a[k] = a[k] / total if total > 0 else total * 0
+
+
+def grouped(x: np.ndarray, hkv: int) -> np.ndarray:
+    """[B, Hq, S, D] as [B·Hkv, G, S, D] (a view): the query heads that share each kv head."""
+    b, hq, s, d = x.shape
+    return x.reshape(b * hkv, hq // hkv, s, d)
+
+
+def query_block(x: np.ndarray, i0: int, i1: int) -> np.ndarray:
+    """Rows [i0, i1) of every head of a grouped [n, G, S, D] array as one contiguous [n, G·rows, D]."""
+    n, g, _, d = x.shape
+    return np.ascontiguousarray(x[:, :, i0:i1]).reshape(n, g * (i1 - i0), d)
+
+
+@dataclass
+class Problem:
+    """One call in the accumulation type: q, k, v grouped per kv head, the mask and the options."""
+
+    q: np.ndarray  # [n, G, Sq, D]
+    k: np.ndarray  # [n, Sk, D]
+    v: np.ndarray
+    win: Window
+    scale: Any
+    softcap: Any
+    slopes: np.ndarray
+    hkv: int
+
+
+def problem(inputs: Sequence[np.ndarray], params: Any, acc: np.dtype[Any]) -> Problem:
+    q, k, v = (widened(a) if a.dtype != acc else a for a in inputs[:3])
+    b, hkv, sk, d = k.shape
+    win = window_of(params, q.shape[2], sk)
+    # Without ALiBi every slope is 0, which the row pass skips.
+    slopes = np.asarray(inputs[-1], acc) if inputs[-1].ndim == 1 else np.zeros(q.shape[1], acc)
+    return Problem(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d), win,
+                   acc.type(params.softmax_scale), acc.type(params.softcap or 0), slopes, hkv)
+
+
+def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(acc, m, l) of query rows [i0, i1): the unnormalised output and the softmax's max and sum."""
+    n, rows, d = qb.shape
+    dt = qb.dtype
+    acc = np.zeros((n, rows, d), dt)
+    m = np.full((n, rows), -np.inf, dt)
+    l = np.zeros((n, rows), dt)
+    lo, hi = p.win.keys(i0, i1)
+    w = p.win
+    for j0 in range(lo, hi, BK):
+        j1 = min(hi, j0 + BK)
+        s = np.matmul(qb, p.k[:, j0:j1].transpose(0, 2, 1))
+        _online_block(s, m, l, acc, i0, i1 - i0, j0, w.kl, w.sq, w.left, w.right, p.scale, p.softcap,
+                      p.slopes, p.hkv)
+        acc += np.matmul(s, p.v[:, j0:j1])
+    return acc, m, l
+
+
+def attention(p: Problem, out: np.ndarray) -> None:
+    """out `[n, G, Sq, D]` (accumulation type) <- attention of every query block."""
+    sq = p.q.shape[2]
+    g = p.q.shape[1]
+    for i0 in range(0, sq, BQ):
+        i1 = min(sq, i0 + BQ)
+        acc, _, l = forward_block(p, i0, i1, query_block(p.q, i0, i1))
+        _normalise(acc, l)
+        out[:, :, i0:i1] = acc.reshape(acc.shape[0], g, i1 - i0, -1)
+
+
+def flash_attn_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+    acc_t = np.dtype(np.float64) if out.dtype == np.float64 else np.dtype(np.float32)
+    p = problem(inputs, params, acc_t)
+    if out.size == 0:
+        return
+    if out.dtype == acc_t:
+        attention(p, grouped(out, p.hkv))
+        return
+    tmp = POOL.empty(out.shape, acc_t)
+    attention(p, grouped(tmp, p.hkv))
+    narrow_into(tmp, out)
+
+
+def attention_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:
+    """Two products over the live keys (a causal mask halves them), plus reading q, k, v and writing out."""
+    q, k = shapes[0], shapes[1]
+    b, hq, sq, d = q
+    sk = k[2]
+    kl = sk if params.k_len is None or not isinstance(params.k_len, int) else params.k_len
+    pairs = b * hq * sq * kl
+    if params.causal and sq > 1:
+        pairs = pairs // 2
+    moved = sum(math.prod(s) * t.itemsize for s, t in zip(shapes, dtypes, strict=True))
+    return CostEstimate(flops=4 * pairs * d, bytes_moved=moved)
+
+
+# |out - ref| <= max_relative·|ref| + max_absolute·S against float64, S = Σ_j p_ij·|v_j| per element
+# (the size of what the output averages). Twice the worst error `python -m fuel.testing.measure
+# FlashAttn` found; the half types compute in f32 and round once on store.
+PRECISION = {
+    DType.F32: PrecisionGuarantee(True, None, 5e-7, 2e-6, "f32 BLAS products, Cephes expf, f32 online softmax"),
+    DType.F64: PrecisionGuarantee(True, None, 5e-15, 5e-15, "f64 BLAS products, libm exp"),
+    DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, 2e-6, "f32 compute, one RNE rounding on store"),
+    DType.F16: PrecisionGuarantee(True, None, 9.8e-4, 2e-6, "f32 compute, one RNE rounding on store"),
+}
+
+
+def register(registry: FusedKernelRegistry) -> None:
+    rev = revision_of(_online_block)
+    for dt in FLOAT_DTYPES:
+        slopes = DType.F64 if dt is DType.F64 else DType.F32
+        for tail in ((), (slopes,)):
+            registry.register(BackendImpl(FusedOps.FLASH_ATTN, "cpu", flash_attn_kernel, (dt, dt, dt, *tail, dt),
+                                          attention_cost, PRECISION[dt], CONTIGUOUS_ONLY, rev))
