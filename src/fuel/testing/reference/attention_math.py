@@ -82,3 +82,34 @@ def abs_attention64(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, c
     hq, hkv = q.shape[1], k.shape[1]
     vr = np.repeat(np.abs(np.asarray(v, np.float64)), hq // hkv, axis=1)
     return np.einsum("bhqk,bhkd->bhqd", p, vr)
+
+
+def _fold(x: np.ndarray, hkv: int) -> np.ndarray:
+    """[B,Hq,Sk,D] per-query-head terms summed into their kv head: [B,Hkv,Sk,D]."""
+    b, hq, sk, d = x.shape
+    return x.reshape(b, hkv, hq // hkv, sk, d).sum(2)
+
+
+def attention_grads64(q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray, scale: float,
+                      causal: bool = False, left: int | None = None, right: int | None = None,
+                      softcap: float | None = None, alibi: np.ndarray | None = None, k_len: int | None = None,
+                      magnitude: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dq, dk, dv) in float64 by the chain rule through softmax, softcap and the GQA head map.
+
+    With `magnitude`, every term is replaced by its absolute value: the size of what each gradient
+    element sums before it cancels (its local error scale)."""
+    f = np.abs if magnitude else (lambda a: a)
+    hq, hkv = q.shape[1], k.shape[1]
+    p = probs64(q, k, scale, causal, left, right, softcap, alibi, k_len)
+    kr, vr = np.repeat(f(k), hq // hkv, axis=1), np.repeat(f(v), hq // hkv, axis=1)
+    dp = np.einsum("bhqd,bhkd->bhqk", f(do), vr)
+    delta = (p * dp).sum(-1, keepdims=True)
+    ds = p * (dp + delta) if magnitude else p * (dp - delta)
+    if softcap is not None:
+        t = np.tanh(scores64(q, k, scale, None, None, k_len) / softcap)
+        ds = ds * (1 - t * t)
+    ds = ds * abs(scale)
+    dq = np.einsum("bhqk,bhkd->bhqd", ds, kr)
+    dk = _fold(np.einsum("bhqk,bhqd->bhkd", ds, f(q)), hkv)
+    dv = _fold(np.einsum("bhqk,bhqd->bhkd", p, f(do)), hkv)
+    return dq, dk, dv
