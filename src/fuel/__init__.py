@@ -21,7 +21,7 @@ from fuel.errors import (
 from fuel.graph.autograd import grad
 from fuel.graph.node import DynScalar, dyn
 from fuel.graph.registry import default_registry
-from fuel.graph.tensor import Tensor, concat, full, matmul, ones, pad, tensor, where, zeros
+from fuel.graph.tensor import Tensor, cache_write, concat, full, matmul, ones, pad, tensor, where, zeros
 
 __all__ = [
     "DEFAULT_FLOAT",
@@ -39,6 +39,7 @@ __all__ = [
     "ShapeError",
     "Tensor",
     "bf16",
+    "cache_write",
     "concat",
     "default_registry",
     "dyn",

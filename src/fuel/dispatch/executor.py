@@ -28,6 +28,7 @@ from fuel.graph.passes.cse import cse
 from fuel.graph.passes.fuse import fuse
 from fuel.graph.passes.lower import lower
 from fuel.graph.passes.order import schedule
+from fuel.graph.prims import DESTRUCTIVE_PRIMS
 from fuel.graph.registry import FusedOpRegistry, default_registry
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class Step:
     spec: OpSpec
     prim: PrimKernel | None
     impl: BackendImpl | None
-    params: Any  # a fused node's params as built (DynScalars unresolved)
+    params: Any  # a fused node's params, or a primitive's arg, as built (DynScalars unresolved)
     dyn_fields: tuple[str, ...]  # the params fields that are DynScalars, resolved per run
     destructive: int | None
     serial: bool  # below the parallel threshold: the kernel runs in the calling thread
@@ -194,10 +195,10 @@ def _bindings(order: list[Node], env: dict[str, int] | None) -> dict[Node, dict[
         names: dict[str, int] = {}
         for i in n.inputs:
             names.update(out.get(i, {}))
-        if n.op is Op.FUSED:
-            for f in dyn_names(n.arg[1]):
-                name = getattr(n.arg[1], f).name
-                names[name] = int(env[name])
+        params = n.arg[1] if n.op is Op.FUSED else n.arg
+        for f in dyn_names(params):
+            name = getattr(params, f).name
+            names[name] = int(env[name])
         if names:
             out[n] = names
     return out
@@ -218,7 +219,7 @@ def _structure_key(order: list[Node], roots: list[Node], fuse_on: bool) -> objec
 def _destructive(registry: FusedOpRegistry) -> Any:
     def destructive(n: Node) -> int | None:
         if n.op is not Op.FUSED:
-            return None
+            return DESTRUCTIVE_PRIMS.get(n.op)
         entry = registry.get(n.arg[0])
         return None if entry is None else entry.destructive_input
     return destructive
@@ -263,7 +264,7 @@ def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
             continue
         fused = n.op is Op.FUSED
         impl = _impl_for(n, kernels) if fused else None
-        params = n.arg[1] if fused else None
+        params = n.arg[1] if fused else n.arg
         steps.append(Step(
             spec=n.spec(), prim=None if fused else PRIM_KERNELS[n.op], impl=impl, params=params,
             dyn_fields=dyn_names(params), destructive=destructive(n),
@@ -278,6 +279,11 @@ def resolve(params: Any, names: Sequence[str], env: dict[str, int] | None) -> An
     if not names:
         return params
     return replace(params, **{f: getattr(params, f).resolve(env) for f in names})
+
+
+def prim_spec(step: Step, env: dict[str, int] | None) -> OpSpec:
+    """A primitive step's spec with the DynScalars of its arg bound (e.g. a cache write's offset)."""
+    return replace(step.spec, arg=resolve(step.params, step.dyn_fields, env))
 
 
 def _resolve(params: Any, env: dict[str, int] | None) -> Any:
@@ -304,7 +310,7 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
                 spec = step.spec
                 copies = 0
                 if step.prim is not None:
-                    out = checked(step, step.prim(args, spec, None))
+                    out = checked(step, step.prim(args, prim_spec(step, env) if step.dyn_fields else spec, None))
                 else:
                     out, copies = run_fused(step, args, None, env)
                 slots[step.output] = out

@@ -121,7 +121,7 @@ class Capture:
                     step = r.step
                     xs = [slots[i] for i in step.inputs]
                     if step.prim is not None:
-                        res = step.prim(xs, step.spec, r.out)
+                        res = step.prim(xs, executor.prim_spec(step, env) if step.dyn_fields else step.spec, r.out)
                         if first:
                             res = executor.checked(step, res)
                         copies = 0

@@ -80,6 +80,8 @@ class Op(enum.Enum):
     INDEX_SELECT = enum.auto()
     SCATTER_ADD = enum.auto()
     INDEX_ADD = enum.auto()
+    # destructive: writes rows into input 0 at a runtime offset and returns it (a KV-cache append)
+    CACHE_WRITE = enum.auto()
     # multi-output projection and fused ops
     VIEW = enum.auto()
     FUSED = enum.auto()

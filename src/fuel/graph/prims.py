@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fuel.dtype import DType
@@ -20,6 +21,7 @@ UNARY = frozenset({
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.POW})
 COMPARE = frozenset({Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE})
 VIEW_OPS = frozenset({Op.BROADCAST_TO, Op.PERMUTE, Op.SLICE, Op.UNSQUEEZE, Op.SQUEEZE, Op.VIEW})
+DESTRUCTIVE_PRIMS: dict[Op, int] = {Op.CACHE_WRITE: 0}  # op -> the input it writes in place (and returns)
 
 
 def _name(op: Op) -> str:
@@ -315,6 +317,34 @@ def _index_add(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     return base.shape, base.dtype
 
 
+@dataclass(frozen=True)
+class CacheWriteArg:
+    """Where CACHE_WRITE puts its rows: along `axis`, from position `offset` (an int or a DynScalar)."""
+
+    axis: int
+    offset: DynScalar | int
+
+
+def _cache_write(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
+    _arity(Op.CACHE_WRITE, inputs, 2)
+    cache, rows = inputs
+    ax = arg.axis
+    if rows.dtype != cache.dtype:
+        raise DTypeError(f"cache_write: rows are {rows.dtype.value}, the cache is {cache.dtype.value}")
+    if len(rows.shape) != len(cache.shape) or any(
+            i != ax and r != c for i, (r, c) in enumerate(zip(rows.shape, cache.shape, strict=True))):
+        raise ShapeError(f"cache_write: rows {list(rows.shape)} must match the cache {list(cache.shape)} "
+                         f"outside axis {ax}")
+    cap, n = cache.shape[ax], rows.shape[ax]
+    if n > cap:
+        raise ShapeError(f"cache_write: {n} rows do not fit the cache's {cap} positions on axis {ax}")
+    off = arg.offset
+    if not isinstance(off, DynScalar) and not 0 <= off <= cap - n:
+        raise ParamError(f"cache_write: offset {off} with {n} rows is outside the cache's {cap} positions "
+                         f"on axis {ax}")
+    return cache.shape, cache.dtype
+
+
 def _view(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     _arity(Op.VIEW, inputs, 1)
     _slot, shape, dtype = arg
@@ -355,6 +385,7 @@ RULES: dict[Op, Rule] = {
     Op.INDEX_SELECT: _index_select,
     Op.SCATTER_ADD: _scatter_add,
     Op.INDEX_ADD: _index_add,
+    Op.CACHE_WRITE: _cache_write,
     Op.VIEW: _view,
     Op.CONST: _no_rule(Op.CONST),
     Op.FUSED: _no_rule(Op.FUSED),

@@ -11,7 +11,7 @@ import numpy as np
 from fuel.dtype import DEFAULT_FLOAT, DType, as_dtype, from_numpy
 from fuel.errors import DTypeError, ParamError, RankZeroError, ShapeError
 from fuel.graph.node import DynScalar, Node, Op, Shape
-from fuel.graph.prims import as_int, broadcast_shapes, check_dims, make, norm_axis
+from fuel.graph.prims import CacheWriteArg, as_int, broadcast_shapes, check_dims, make, norm_axis
 from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, promote_pair, result_dtype
 
 Scalar = int | float
@@ -436,3 +436,16 @@ def pad(x: TensorLike, widths: Sequence[tuple[int, int]], value: float = 0.0) ->
     if not is_number(value):
         raise ParamError(f"pad: the fill value must be a number, got {value!r}")
     return Tensor(make(Op.PAD, (t.node,), (w, float(value))))
+
+
+def cache_write(cache: TensorLike, rows: TensorLike, offset: DynScalar | int, axis: int = -2) -> Tensor:
+    """Write `rows` into `cache` in place at positions [offset, offset + n) of `axis`, and return the
+    cache (the same memory). The one destructive primitive: a KV cache `[B, H, capacity, D]` takes a
+    step's new rows at `offset = fl.dyn("pos")`, so one captured decode step serves every token.
+    Readers of `cache` built before the write run before it; read the returned tensor to see the new
+    rows. An offset outside the cache is an error (at build for an int, at realize for a DynScalar)."""
+    tc, tr = as_tensor(cache), as_tensor(rows)
+    ax = norm_axis("cache_write", axis, tc.ndim)
+    if not isinstance(offset, DynScalar):
+        offset = as_int("cache_write", offset, "the offset")
+    return Tensor(make(Op.CACHE_WRITE, (tc.node, tr.node), CacheWriteArg(ax, offset)))

@@ -259,6 +259,20 @@ def _pad(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     return np.pad(xs[0], widths, mode="constant", constant_values=np.asarray(value, dtype=n.dtype.np))
 
 
+def _cache_write(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+    """Write the rows into the cache (input 0) in place, from the resolved offset; return the cache."""
+    cache, rows = xs
+    ax, off = n.arg.axis, n.arg.offset
+    count, cap = rows.shape[ax], cache.shape[ax]
+    if not 0 <= off <= cap - count:
+        raise IndexOutOfRange(f"cache_write: offset {off} with {count} rows is outside the cache's {cap} "
+                              f"positions on axis {ax}")
+    if not cache.flags.writeable:
+        raise KernelError("cache_write: the cache is read-only; pass a writable array (it is written in place)")
+    cache[(slice(None),) * ax + (slice(off, off + count),)] = rows
+    return cache
+
+
 def _no_kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
     raise KernelError(f"{n.op.name.lower()}: has no primitive kernel; the executor handles it")
 
@@ -299,6 +313,7 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.INDEX_SELECT: _into(_index_select),
     Op.SCATTER_ADD: _into(_scatter_add),
     Op.INDEX_ADD: _into(_index_add),
+    Op.CACHE_WRITE: _cache_write,
     Op.VIEW: _no_kernel,
     Op.CONST: _no_kernel,
     Op.FUSED: _no_kernel,
