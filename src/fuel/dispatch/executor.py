@@ -20,7 +20,7 @@ import numpy as np
 from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.prims import PRIM_KERNELS, PrimKernel
-from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, default_kernel_registry
+from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, JointKernel, default_kernel_registry
 from fuel.errors import KernelError, ShapeError
 from fuel.graph.node import DynScalar, Node, Op, OpSpec, topo_order
 from fuel.graph.passes import arg_key
@@ -51,6 +51,8 @@ class Step:
     output: int
     free_after: tuple[int, ...]
     name: str  # the impl (or primitive) that runs it, as a trace shows it
+    joint: JointKernel | None = None  # runs this step's siblings too (same inputs and params)
+    siblings: tuple[tuple[int, int, OpSpec], ...] = ()  # (entry id, slot, spec) of each sibling's output
 
 
 @dataclass
@@ -271,7 +273,37 @@ def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
             serial=impl is not None and _runs_serially(n, impl),
             inputs=tuple(slot[i] for i in n.inputs), output=slot[n], free_after=tuple(frees.get(step_index, ())),
             name=impl.name if impl is not None else f"prim:{n.op.name.lower()}"))
-    return Plan(len(order), leaf_slots, baked, steps, tuple(slot[r] for r in graph))
+    return Plan(len(order), leaf_slots, baked, join_siblings(steps, kernels), tuple(slot[r] for r in graph))
+
+
+def join_siblings(steps: list[Step], kernels: FusedKernelRegistry) -> list[Step]:
+    """Fused steps that one joint kernel serves, over the same input slots and params, run as one: the
+    first computes every sibling's output and the others are dropped (their frees move to the step
+    before them, which is then the last reader of what they read)."""
+    groups: dict[object, list[int]] = {}
+    for k, st in enumerate(steps):
+        joint = None if st.impl is None else kernels.joint_for(st.impl.op_id, BACKEND)
+        if joint is not None and st.impl is not None:
+            key = (id(joint), st.inputs, arg_key(st.params), st.impl.dtypes[:-1])
+            groups.setdefault(key, []).append(k)
+    dropped: set[int] = set()
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        first, rest = steps[members[0]], [steps[m] for m in members[1:]]
+        siblings = tuple((s.impl.op_id, s.output, s.spec) for s in rest if s.impl is not None)
+        steps[members[0]] = replace(first, joint=kernels.joint_for(first.impl.op_id, BACKEND) if first.impl else None,
+                                    siblings=siblings, name=" + ".join([first.name, *(s.name for s in rest)]))
+        dropped.update(members[1:])
+    if not dropped:
+        return steps
+    kept: list[Step] = []
+    for k, st in enumerate(steps):
+        if k not in dropped:
+            kept.append(st)
+        elif st.free_after:
+            kept[-1] = replace(kept[-1], free_after=kept[-1].free_after + st.free_after)
+    return kept
 
 
 def resolve(params: Any, names: Sequence[str], env: dict[str, int] | None) -> Any:
@@ -312,7 +344,7 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
                 if step.prim is not None:
                     out = checked(step, step.prim(args, prim_spec(step, env) if step.dyn_fields else spec, None))
                 else:
-                    out, copies = run_fused(step, args, None, env)
+                    out, copies = run_fused(step, args, None, env, slots=slots)
                 slots[step.output] = out
                 for s in step.free_after:
                     slots[s] = None
@@ -335,11 +367,12 @@ def checked(step: Step, out: Any) -> np.ndarray:
 
 
 def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: dict[str, int] | None,
-              check: Sequence[int] | None = None) -> tuple[np.ndarray, int]:
+              check: Sequence[int] | None = None, slots: list[Any] | None = None) -> tuple[np.ndarray, int]:
     """Run a fused step's kernel into `out` (allocated here when None), serially if the step is small.
 
-    Inputs at positions `check` (all when None) are made contiguous for an impl that needs it.
-    Returns the output and the number of input copies made.
+    Inputs at positions `check` (all when None) are made contiguous for an impl that needs it. A joint
+    step also writes its siblings' outputs into `slots`. Returns the output and the number of input
+    copies made.
     """
     impl, spec = step.impl, step.spec
     assert impl is not None
@@ -357,7 +390,13 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
     elif out is None:
         out = POOL.empty(spec.shape, spec.dtype.np)
     threads.use_serial(step.serial)
-    impl.kernel(args, out, params)
+    if step.joint is not None and slots is not None:
+        outs: dict[int, np.ndarray] = {impl.op_id: out}
+        for op_id, slot, sib in step.siblings:
+            outs[op_id] = slots[slot] = POOL.empty(sib.shape, sib.dtype.np)
+        step.joint.kernel(args, outs, params)
+    else:
+        impl.kernel(args, out, params)
     return out, copies
 
 

@@ -127,6 +127,20 @@ def revision_of(*objects: Any) -> str:
     return h.hexdigest()[:16]
 
 
+JointFn = Callable[[Sequence[np.ndarray], dict[int, np.ndarray], Any], None]
+
+
+@dataclass(frozen=True)
+class JointKernel:
+    """One kernel that computes the outputs of several entries over the same inputs and params (the
+    three FlashAttnBackward gradients share one softmax recomputation). `kernel(inputs, outs, params)`
+    fills `outs`, keyed by entry id; the executor runs it once for the siblings a plan holds."""
+
+    op_ids: frozenset[int]
+    backend: str
+    kernel: JointFn
+
+
 class KernelRegistryError(FuelError):
     """Two impls claim the same key, or an impl names an unknown op."""
 
@@ -136,6 +150,7 @@ class FusedKernelRegistry:
 
     def __init__(self) -> None:
         self._impls: dict[tuple[int, str, tuple[DType, ...]], BackendImpl] = {}
+        self._joint: dict[tuple[int, str], JointKernel] = {}
         self.generation = 0  # counts registrations: plans built before one are not reused after it
 
     def register(self, impl: BackendImpl) -> None:
@@ -146,6 +161,16 @@ class FusedKernelRegistry:
             raise KernelRegistryError(f"kernels: {impl.name} is registered twice")
         self._impls[key] = impl
         self.generation += 1
+
+    def register_joint(self, joint: JointKernel) -> None:
+        for op_id in joint.op_ids:
+            if (op_id, joint.backend) in self._joint:
+                raise KernelRegistryError(f"kernels: {FusedOps.NAMES[op_id]} has two joint kernels")
+            self._joint[(op_id, joint.backend)] = joint
+        self.generation += 1
+
+    def joint_for(self, op_id: int, backend: str) -> JointKernel | None:
+        return self._joint.get((op_id, backend))
 
     def lookup(self, op_id: int, backend: str, dtypes: tuple[DType, ...]) -> BackendImpl | None:
         return self._impls.get((op_id, backend, dtypes))

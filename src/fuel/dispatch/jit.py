@@ -126,7 +126,7 @@ class Capture:
                             res = executor.checked(step, res)
                         copies = 0
                     else:
-                        res, copies = executor.run_fused(step, xs, r.out, env, r.check)
+                        res, copies = executor.run_fused(step, xs, r.out, env, r.check, slots)
                     slots[step.output] = res
                     if tracers:
                         executor.record(step, start, copies)

@@ -44,6 +44,7 @@ from fuel.dispatch.fused import (
     BackendImpl,
     CostEstimate,
     FusedKernelRegistry,
+    JointKernel,
     PrecisionGuarantee,
     revision_of,
 )
@@ -101,6 +102,9 @@ def _grad_block(s: Any, dp: Any, m: Any, l: Any, delta: Any, i0: int, bq: int, j
             dseg[c] = ds
 
 
+GRADIENT_IDS = (FusedOps.FLASH_ATTN_BACKWARD_Q, FusedOps.FLASH_ATTN_BACKWARD_K, FusedOps.FLASH_ATTN_BACKWARD_V)
+
+
 def gradients(p: Problem, do: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray) -> None:
     """dq `[n, G, Sq, D]`, dk and dv `[n, Sk, D]` (accumulation type, zeroed by the caller)."""
     sq, g = p.q.shape[2], p.q.shape[1]
@@ -132,9 +136,8 @@ def flash_attn_backward_all(inputs: Sequence[np.ndarray], outs: dict[int, np.nda
     acc_t = np.dtype(np.float64) if any_out.dtype == np.float64 else np.dtype(np.float32)
     p = problem(inputs, params, acc_t)
     do = inputs[3] if inputs[3].dtype == acc_t else widened(inputs[3])
-    shapes = {FusedOps.FLASH_ATTN_BACKWARD_Q: inputs[0].shape, FusedOps.FLASH_ATTN_BACKWARD_K: inputs[1].shape,
-              FusedOps.FLASH_ATTN_BACKWARD_V: inputs[2].shape}
-    grads = {i: np.zeros(shape, acc_t) for i, shape in shapes.items()}
+    shapes: dict[int, tuple[int, ...]] = {i: a.shape for i, a in zip(GRADIENT_IDS, inputs[:3], strict=True)}
+    grads: dict[int, np.ndarray] = {i: np.zeros(shape, acc_t) for i, shape in shapes.items()}
     if any(a.size for a in grads.values()) and p.q.size:
         hkv = p.hkv
         b, _, sk, d = inputs[1].shape
@@ -177,7 +180,8 @@ BACKWARD_PRECISION = {
 
 def register(registry: FusedKernelRegistry) -> None:
     rev = revision_of(_grad_block)
-    for op_id in (FusedOps.FLASH_ATTN_BACKWARD_Q, FusedOps.FLASH_ATTN_BACKWARD_K, FusedOps.FLASH_ATTN_BACKWARD_V):
+    registry.register_joint(JointKernel(frozenset(GRADIENT_IDS), "cpu", flash_attn_backward_all))
+    for op_id in GRADIENT_IDS:
         kernel = kernel_for(op_id)
         for dt in FLOAT_DTYPES:
             slopes = DType.F64 if dt is DType.F64 else DType.F32

@@ -118,9 +118,9 @@ def admissible_mask(sq: int, kl: int, p: FlashAttnParams) -> np.ndarray:
     aq = np.arange(sq)[:, None] + (kl - sq)
     j = np.arange(kl)[None, :]
     ok = np.ones((sq, kl), bool)
-    right = 0 if p.causal else p.window_size_right
-    if p.causal and p.window_size_right is not None:
-        right = min(right, p.window_size_right)
+    right = p.window_size_right
+    if p.causal:
+        right = 0 if right is None else min(right, 0)
     if p.window_size_left is not None:
         ok &= j >= aq - p.window_size_left
     if right is not None:

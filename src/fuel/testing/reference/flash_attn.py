@@ -19,17 +19,20 @@ def _options(p: FlashAttnParams, xs: list[np.ndarray], n: int) -> dict[str, Any]
 
 
 def flash_attn64(xs: list[np.ndarray], p: Any) -> np.ndarray:
-    return attention64(*xs[:3], **_options(p, xs, 3))
+    q, k, v = xs[:3]
+    return attention64(q, k, v, **_options(p, xs, 3))
 
 
 def flash_attn_scale(xs: list[np.ndarray], p: Any, ref: np.ndarray) -> np.ndarray:
     """Σ_j p_ij·|v_j| per element: the size of what the output averages."""
-    return abs_attention64(*xs[:3], **_options(p, xs, 3))
+    q, k, v = xs[:3]
+    return abs_attention64(q, k, v, **_options(p, xs, 3))
 
 
 def _grad(slot: int, magnitude: bool) -> Any:
     def fn(xs: list[np.ndarray], p: Any, ref: np.ndarray | None = None) -> np.ndarray:
-        return attention_grads64(*xs[:4], **_options(p, xs, 4), magnitude=magnitude)[slot]
+        q, k, v, do = xs[:4]
+        return attention_grads64(q, k, v, do, **_options(p, xs, 4), magnitude=magnitude)[slot]
     return fn
 
 
