@@ -183,6 +183,7 @@ ENTRY_MODULES: tuple[str, ...] = (
     "layer_norm_last_dim",
     "layer_norm_last_dim_backward",
     "rms_norm_last_dim_backward",
+    "paged_attn",
     "flash_attn",
     "flash_attn_backward_q",
     "flash_attn_backward_k",

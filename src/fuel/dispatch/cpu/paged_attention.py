@@ -1,0 +1,368 @@
+"""PagedAttn (entry 13): causal attention over a block-paged KV cache in one Numba kernel.
+
+One task per (sequence b, kv head h, chunk of query positions): the task holds every query head that
+reads kv head h (the G = Hq/Hkv heads of a GQA group) for its query positions, so each cached K and V
+row is fetched once per task through the block table. For each row it computes the scores of its
+admissible keys into a row buffer (length <= the live length), the softmax in two passes (exact max,
+then exp and sum), and the probability-weighted sum of V rows in key order. Every output row is
+computed by one thread in a fixed order, so results are bit-stable at any thread count. Nothing of
+size [Sq, L] for all heads is ever built; the buffer per task is bounded by `SCORE_BUFFER`.
+
+Compute is f32 (f64 for f64). bf16 is read as uint16 bits and f16 as int16 bits, widened exactly in
+the kernel (so only the live cache rows are ever converted); bf16 is rounded once on store, f16 is
+stored through an f32 scratch and NumPy's exact rounding. Block ids and lengths are checked in NumPy
+before the kernel runs, so it never reads outside the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu.driver import row_kernel
+from fuel.dispatch.cpu.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16
+from fuel.dispatch.fused import (
+    CONTIGUOUS_ONLY,
+    BackendImpl,
+    CostEstimate,
+    FusedKernelRegistry,
+    PrecisionGuarantee,
+    revision_of,
+)
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.errors import IndexOutOfRange
+from fuel.graph.node import Shape
+from fuel.graph.registry import FusedOps
+from fuel.graph.registry.paged_attn import PagedAttnParams
+
+# Reassociation lets the dot products, maxima and sums vectorise (one fixed order per build, so still
+# bit-stable); no nnan/ninf, so NaN and inf keep IEEE behaviour.
+FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
+
+# Scores a task may buffer (rows × live length). Long prompts are split into query chunks under it;
+# a chunk re-reads K and V, so it is large enough to amortise that (64 Ki f32 = 256 KiB, L2-sized).
+SCORE_BUFFER = 1 << 16
+
+_I32 = ir.IntType(32)
+
+
+def _c(k: int) -> ir.Constant:
+    return ir.Constant(_I32, k)
+
+
+@intrinsic
+def _f16_to_f32_intrinsic(typingctx: Any, h: Any) -> Any:
+    """Widen f16 bits (int16) to float32, exactly, in integer and one multiply (vectorisable; no
+    half-precision support or libcall needed): exponent and mantissa shifted into place and rescaled by
+    2^112 (which also normalises subnormals), inf/NaN re-marked, sign restored."""
+    if h != types.int16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        x = builder.zext(args[0], _I32)
+        sign = builder.shl(builder.and_(x, _c(0x8000)), _c(16))
+        em = builder.shl(builder.and_(x, _c(0x7FFF)), _c(13))
+        scaled = builder.fmul(builder.bitcast(em, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0**112))
+        special = builder.icmp_unsigned("==", builder.and_(x, _c(0x7C00)), _c(0x7C00))
+        wide = builder.select(special, builder.or_(em, _c(0x7F800000)), builder.bitcast(scaled, _I32))
+        return builder.bitcast(builder.or_(wide, sign), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _prefetch_intrinsic(typingctx: Any, arr: Any, index: Any) -> Any:
+    """Hint the cache line holding `arr.flat[index]` into L1 (llvm.prefetch: read, high locality)."""
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, _I32, _I32, _I32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        address = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        builder.call(fn, [address, _c(0), _c(3), _c(1)])
+        return context.get_dummy_value()
+
+    return types.none(arr, index), codegen
+
+
+# Typed as Any, as vecmath's: Numba fills in the typing context when jitted code calls the intrinsic.
+_f16_to_f32: Any = _f16_to_f32_intrinsic
+_prefetch: Any = _prefetch_intrinsic
+
+# How many tokens ahead the K and V passes prefetch. A head's consecutive tokens are Hkv·D elements
+# apart (8 KiB for 32 heads of 64 f32), beyond what the hardware prefetchers follow; prefetching a few
+# rows ahead measured 1.7-2x faster on such a cache (one thread, 2048 tokens).
+PREFETCH_TOKENS = 8
+
+
+@njit(inline="always", cache=True)
+def _prefetch_token(cache: Any, bt: Any, b: Any, t: Any, h: Any) -> None:
+    """Prefetch the D values of token t of sequence b, kv head h (a live token: its block id is checked)."""
+    bs, hkv, dh = cache.shape[1], cache.shape[2], cache.shape[3]
+    base = ((np.int64(bt[b, t // bs]) * bs + t % bs) * hkv + h) * dh
+    for j in range(0, dh, 64 // cache.itemsize):
+        _prefetch(cache, base + j)
+
+
+# Per-storage-type scalar helpers: one kernel body, specialised by Numba for each dtype. Numba wants an
+# overload's implementation to have the stand-in's exact parameters, annotations included.
+def _widen(x: Any) -> Any:
+    """A stored element in the compute type (bf16 bits as uint16, f16 bits as int16)."""
+    raise NotImplementedError  # only called from jitted code
+
+
+@overload(_widen, inline="always")
+def _widen_impl(x: Any) -> Any:
+    def bf16(x: Any) -> Any:
+        return bf16_to_f32(x)
+
+    def f16(x: Any) -> Any:
+        return _f16_to_f32(x)
+
+    def same(x: Any) -> Any:
+        return x
+
+    return bf16 if x == types.uint16 else f16 if x == types.int16 else same
+
+
+def _narrow(out: Any, x: Any) -> Any:
+    """A computed value in the output array's storage type (bf16 rounded once, nearest-even)."""
+    raise NotImplementedError
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(out: Any, x: Any) -> Any:
+    def bf16(out: Any, x: Any) -> Any:
+        return f32_to_bf16(x)
+
+    def same(out: Any, x: Any) -> Any:
+        return x
+
+    return bf16 if out.dtype == types.uint16 else same
+
+
+def _exp(t: Any) -> Any:
+    """exp(t) for t <= 0: the vectorisable polynomial in f32, libm in f64."""
+    raise NotImplementedError
+
+
+@overload(_exp, inline="always")
+def _exp_impl(t: Any) -> Any:
+    def poly(t: Any) -> Any:
+        return expf_nonpositive(t)
+
+    def libm(t: Any) -> Any:
+        return math.exp(t)
+
+    return poly if t == types.float32 else libm
+
+
+def _acc(x: Any, like: Any) -> Any:
+    """x converted to the element type of `like` (keeps f32 math from widening to f64)."""
+    raise NotImplementedError
+
+
+@overload(_acc, inline="always")
+def _acc_impl(x: Any, like: Any) -> Any:
+    def f32(x: Any, like: Any) -> Any:
+        return np.float32(x)
+
+    def f64(x: Any, like: Any) -> Any:
+        return np.float64(x)
+
+    return f32 if like.dtype == types.float32 else f64
+
+
+def _cache_row(cache: Any, blk: Any, off: Any, h: Any, scratch: Any) -> Any:
+    """The D values of one cached token in the compute type: the cache's own row for f32/f64 (no copy),
+    the row widened into `scratch` for the half types."""
+    raise NotImplementedError
+
+
+@overload(_cache_row, inline="always")
+def _cache_row_impl(cache: Any, blk: Any, off: Any, h: Any, scratch: Any) -> Any:
+    def view(cache: Any, blk: Any, off: Any, h: Any, scratch: Any) -> Any:
+        return cache[blk, off, h]
+
+    def widened(cache: Any, blk: Any, off: Any, h: Any, scratch: Any) -> Any:
+        row = cache[blk, off, h]
+        for d in range(row.shape[0]):
+            scratch[d] = _widen(row[d])
+        return scratch
+
+    return view if cache.dtype in (types.float32, types.float64) else widened
+
+
+@row_kernel(fastmath=FASTMATH)
+def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, scale: Any, softcap: Any,
+           qc: int) -> None:
+    """q [B,Hq,Sq,D]; kc, vc [NB,bs,Hkv,D]; bt [B,M] u32; cl [B] u32 (checked); slopes [Hq] or [0] in the
+    compute type; out [B,Hq,Sq,D]; scale, softcap (0: none) in the compute type; qc queries per task."""
+    nb, hq, sq, dh = q.shape
+    bs = kc.shape[1]
+    hkv = kc.shape[2]
+    g = hq // hkv
+    nqc = (sq + qc - 1) // qc
+    per_b = hkv * nqc
+    has_alibi = slopes.shape[0] > 0
+    capped = softcap > 0
+    for task in prange(nb * per_b):
+        tk = np.int64(task)
+        b = tk // per_b
+        h = (tk % per_b) // nqc
+        i0 = (tk % nqc) * qc
+        i1 = min(sq, i0 + qc)
+        ln = np.int64(cl[b])
+        shift = ln - sq  # query i sits at absolute position i + shift
+        rows = (i1 - i0) * g  # row r: query i0 + r // g, head h·g + r % g
+        nmax = max(0, min(ln, i1 + shift))  # keys the last query of the chunk may read
+        qw = np.empty((rows, dh), slopes.dtype)
+        buf = np.empty((rows, max(nmax, 1)), slopes.dtype)
+        acc = np.zeros((rows, dh), slopes.dtype)
+        wide = np.empty(dh, slopes.dtype)
+        for r in range(rows):
+            src = q[b, h * g + r % g, i0 + r // g]
+            for d in range(dh):
+                qw[r, d] = _widen(src[d])
+        for t in range(nmax):
+            if t + PREFETCH_TOKENS < nmax:
+                _prefetch_token(kc, bt, b, t + PREFETCH_TOKENS, h)
+            krow = _cache_row(kc, bt[b, t // bs], t % bs, h, wide)
+            first = max(0, t - shift - i0) * g  # queries before i = t − shift may not see key t
+            for r in range(first, rows):
+                s = _acc(0, slopes)
+                for d in range(dh):
+                    s += qw[r, d] * krow[d]
+                s = s * scale
+                if capped:
+                    s = softcap * math.tanh(s / softcap)
+                if has_alibi:
+                    s -= slopes[h * g + r % g] * _acc(abs(i0 + r // g + shift - t), slopes)
+                buf[r, t] = s
+        inv = np.zeros(rows, slopes.dtype)  # 1/Σ exp per row; 0 for a row without keys
+        for r in range(rows):
+            n = min(ln, i0 + r // g + shift + 1)
+            if n <= 0:
+                continue
+            m = buf[r, 0]
+            for t in range(1, n):
+                x = buf[r, t]
+                m = x if x > m else m
+            total = _acc(0, slopes)
+            for t in range(n):
+                e = _exp(buf[r, t] - m)
+                buf[r, t] = e
+                total += e
+            inv[r] = _acc(1, slopes) / total
+        for t in range(nmax):
+            if t + PREFETCH_TOKENS < nmax:
+                _prefetch_token(vc, bt, b, t + PREFETCH_TOKENS, h)
+            vrow = _cache_row(vc, bt[b, t // bs], t % bs, h, wide)
+            for r in range(max(0, t - shift - i0) * g, rows):
+                p = buf[r, t]
+                for d in range(dh):
+                    acc[r, d] += p * vrow[d]
+        for r in range(rows):
+            o = out[b, h * g + r % g, i0 + r // g]
+            scale_r = inv[r]
+            for d in range(dh):
+                o[d] = _narrow(o, acc[r, d] * scale_r)
+
+
+def check_indices(bt: np.ndarray, cl: np.ndarray, num_blocks: int, block_size: int) -> int:
+    """Raise IndexOutOfRange for a length past the table's capacity or a live block id outside the cache
+    (entries past a sequence's live length are not read, so not checked). Returns the longest length."""
+    m = bt.shape[1]
+    lens = cl.astype(np.int64)
+    over = np.flatnonzero(lens > m * block_size)
+    if over.size:
+        b = int(over[0])
+        raise IndexOutOfRange(f"paged_attn: context_lens[{b}] = {lens[b]} exceeds the block table's capacity "
+                              f"of {m} blocks × block_size {block_size} = {m * block_size} tokens")
+    used = (lens + block_size - 1) // block_size
+    bad = np.argwhere((np.arange(m)[None, :] < used[:, None]) & (bt >= num_blocks))
+    if bad.size:
+        b, j = (int(x) for x in bad[0])
+        raise IndexOutOfRange(f"paged_attn: block_table[{b}, {j}] = {int(bt[b, j])} is not a block of the "
+                              f"cache (num_blocks = {num_blocks}); sequence {b} has context length {lens[b]}, "
+                              f"so its first {used[b]} blocks are read")
+    return int(lens.max()) if lens.size else 0
+
+
+def query_chunk(sq: int, g: int, longest: int) -> int:
+    """Query positions per task: all of them unless their score rows would pass SCORE_BUFFER. Each row
+    is computed on its own, so the split (which follows the longest live length) changes no output byte."""
+    return max(1, min(sq, SCORE_BUFFER // max(1, g * longest)))
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """What the kernel reads: bf16 as uint16 bits, f16 as int16 bits (so Numba tells them apart)."""
+    if a.dtype == DType.BF16.np:
+        return a.view(np.uint16)
+    if a.dtype == DType.F16.np:
+        return a.view(np.int16)
+    return a
+
+
+def paged_attention(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams) -> None:
+    q, kc, vc, bt, cl = inputs[:5]
+    longest = check_indices(bt, cl, kc.shape[0], params.block_size)
+    if out.size == 0:
+        return
+    acc = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
+    slopes = inputs[5] if len(inputs) == 6 else np.empty(0, acc)
+    g = q.shape[1] // kc.shape[2]
+    half16 = out.dtype == DType.F16.np
+    dst = POOL.empty(out.shape, acc) if half16 else _bits(out)
+    softcap = acc.type(0 if params.softcap is None else params.softcap)
+    _paged(_bits(q), _bits(kc), _bits(vc), bt, cl, slopes, dst, acc.type(params.softmax_scale), softcap,
+           query_chunk(q.shape[2], g, longest))
+    if half16:
+        np.copyto(out, dst, casting="unsafe")
+
+
+def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: PagedAttnParams) -> CostEstimate:
+    """Work for the table's full capacity (the live lengths are only known at run time): a dot and an
+    axpy of length D per (query row, key); K and V read once per kv head, q read and out written."""
+    q, kc, bt = shapes[0], shapes[1], shapes[3]
+    b, hq, sq, d = q
+    capacity = bt[1] * kc[1]
+    qbytes = b * hq * sq * d * dtypes[0].itemsize
+    return CostEstimate(flops=4 * b * hq * sq * capacity * d,
+                        bytes_moved=2 * b * kc[2] * capacity * d * dtypes[1].itemsize + 2 * qbytes)
+
+
+# |out - ref| <= max_relative·|ref| + max_absolute·S against float64, S = Σ_t p_t·|v_t| per element (what
+# the output averages). Twice the worst error `python -m fuel.testing.measure PagedAttn` found over seeds
+# 0-59 (both arities), rounded up. The f32 relative part (~25 ulp) is the score's own rounding, about
+# ε·scale·Σ|q·k|, carried through exp: it grows with |s|, as in any f32 attention. The half types compute
+# in f32 and round once, so their relative part is the output's rounding and their absolute part the
+# f32 impl's.
+PAGED_PRECISION = {
+    DType.F32: PrecisionGuarantee(True, None, 3.1e-6, 1.1e-6, "f32 dots, Cephes-style expf, f32 accumulation"),
+    DType.F64: PrecisionGuarantee(True, None, 9.3e-15, 5.4e-15, "f64 dots, libm exp, f64 accumulation"),
+    DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, 1.1e-6, "f32 compute, one RNE rounding on store"),
+    DType.F16: PrecisionGuarantee(True, None, 9.8e-4, 1.1e-6, "f32 compute, one rounding on store"),
+}
+
+
+def register(registry: FusedKernelRegistry) -> None:
+    rev = revision_of(_paged)
+    u32 = DType.U32
+    for dt in FLOAT_DTYPES:
+        plain = (dt, dt, dt, u32, u32)
+        slopes = DType.F64 if dt is DType.F64 else DType.F32
+        for dtypes in ((*plain, dt), (*plain, slopes, dt)):
+            registry.register(BackendImpl(FusedOps.PAGED_ATTN, "cpu", paged_attention, dtypes, cost,
+                                          PAGED_PRECISION[dt], CONTIGUOUS_ONLY, rev))
