@@ -46,6 +46,7 @@ from fuel.graph.registry import FusedOps
 
 BQ = 128  # queries per block, per head
 BK = 512  # keys per block
+DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
 
 # Reassociation lets row reductions vectorise (one fixed order per build); no nnan/ninf: -inf is
 # the mask value and NaN must propagate.
@@ -172,6 +173,48 @@ def _normalise(acc: Any, l: Any) -> None:
             a[k] = a[k] / total if total > 0 else total * 0
 
 
+@row_kernel(fastmath=FASTMATH)
+def _decode_rows(q: Any, k: Any, v: Any, out: Any, kl: int, sq: int, left: int, right: int, scale: Any,
+                 softcap: Any, slopes: Any, hkv: int) -> None:
+    """A few queries over a long cache: one task per (kv head group, query) does all G heads, so each
+    live K and V row is read once per query; scores in a [G, keys] scratch, exact max, then exp."""
+    n, g, nq, d = q.shape
+    for t in prange(n * nq):
+        grp, i = t // nq, t % nq
+        lo, hi = row_window(i, 0, kl, kl, sq, left, right)
+        o = out[grp, :, i]
+        o[:] = 0
+        if lo == hi:
+            continue
+        s = np.empty((g, hi - lo), q.dtype)
+        for j in range(hi - lo):
+            krow = k[grp, lo + j]
+            for h in range(g):
+                qr = q[grp, h, i]
+                dot = qr[0] * 0
+                for c in range(d):
+                    dot += qr[c] * krow[c]
+                s[h, j] = dot
+        inv = np.empty(g, q.dtype)
+        for h in range(g):
+            seg = s[h]
+            mx = transform_row(seg, i + kl - sq, lo, scale, softcap, slopes[(grp % hkv) * g + h])
+            inv[h] = 1 / exp_shifted(seg, mx) if mx > -np.inf else 0
+            if mx == -np.inf:
+                seg[:] = 0
+        for j in range(hi - lo):
+            vrow = v[grp, lo + j]
+            for h in range(g):
+                pr = s[h, j]
+                oh = o[h]
+                for c in range(d):
+                    oh[c] += pr * vrow[c]
+        for h in range(g):
+            oh = o[h]
+            for c in range(d):
+                oh[c] *= inv[h]
+
+
 def grouped(x: np.ndarray, hkv: int) -> np.ndarray:
     """[B, Hq, S, D] as [B·Hkv, G, S, D] (a view): the query heads that share each kv head."""
     b, hq, s, d = x.shape
@@ -199,9 +242,11 @@ class Problem:
 
 
 def problem(inputs: Sequence[np.ndarray], params: Any, acc: np.dtype[Any]) -> Problem:
-    q, k, v = (widened(a) if a.dtype != acc else a for a in inputs[:3])
+    """The call in the accumulation type; K and V are cut to their live rows before any widening."""
+    win = window_of(params, inputs[0].shape[2], inputs[1].shape[2])
+    q, k, v = (a if a.dtype == acc else widened(a) for a in (inputs[0], inputs[1][:, :, :win.kl],
+                                                               inputs[2][:, :, :win.kl]))
     b, hkv, sk, d = k.shape
-    win = window_of(params, q.shape[2], sk)
     # Without ALiBi every slope is 0, which the row pass skips.
     slopes = np.asarray(inputs[-1], acc) if inputs[-1].ndim == 1 else np.zeros(q.shape[1], acc)
     return Problem(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d), win,
@@ -230,6 +275,10 @@ def attention(p: Problem, out: np.ndarray) -> None:
     """out `[n, G, Sq, D]` (accumulation type) <- attention of every query block."""
     sq = p.q.shape[2]
     g = p.q.shape[1]
+    if sq <= DECODE_MAX_QUERIES:
+        w = p.win
+        _decode_rows(p.q, p.k, p.v, out, w.kl, w.sq, w.left, w.right, p.scale, p.softcap, p.slopes, p.hkv)
+        return
     for i0 in range(0, sq, BQ):
         i1 = min(sq, i0 + BQ)
         acc, _, l = forward_block(p, i0, i1, query_block(p.q, i0, i1))
