@@ -57,11 +57,15 @@ def _bench(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     root = Path(__file__).resolve().parents[2]
-    script = "bench_latency.py" if args.latency else "bench_ops.py"
+    script = "bench_attention.py" if args.attention else "bench_latency.py" if args.latency else "bench_ops.py"
     if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
     sys.path.insert(0, str(root))
+    if args.attention:
+        from benchmarks import bench_attention
+
+        return bench_attention.main(args.out, args.repeat, not args.no_compile)
     if args.latency:
         from benchmarks import bench_latency
 
@@ -115,9 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench-results", help="folder for JSON and PNG")
     p.add_argument("--repeat", type=_positive_int, default=10, help="timed runs per measurement (at least 1)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    p.add_argument("--latency", action="store_true",
-                   help="instead of the kernel cases: per-step latency of a SmolLM2-135M-shaped decode and prefill "
-                        "(fuel eager, fuel jit, NumPy, torch; names and --dtype do not apply)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--latency", action="store_true",
+                      help="instead of the kernel cases: per-step latency of a SmolLM2-135M-shaped decode and "
+                           "prefill (fuel eager, fuel jit, NumPy, torch; names and --dtype do not apply)")
+    mode.add_argument("--attention", action="store_true",
+                      help="instead of the kernel cases: attention forward, backward, decode, paged decode and "
+                           "long-sequence peak memory against torch SDPA (names and --dtype do not apply)")
     p.set_defaults(run=_bench)
     p = sub.add_parser("demo", help="a short tour on the embedded default model")
     p.set_defaults(run=_demo)

@@ -24,6 +24,7 @@ The policy, in order of what it saves:
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import os
@@ -225,3 +226,54 @@ def threading_layer() -> str:
     import numba
 
     return str(numba.threading_layer())
+
+
+_WORKERS: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _workers() -> concurrent.futures.ThreadPoolExecutor:
+    global _WORKERS
+    if _WORKERS is None:
+        with _STATE_LOCK:
+            if _WORKERS is None:
+                _WORKERS = concurrent.futures.ThreadPoolExecutor(max_workers=available_cores(),
+                                                                 thread_name_prefix="fuel")
+    return _WORKERS
+
+
+def split_work(fn: Callable[[int, int], None], total: int) -> None:
+    """Run `fn(lo, hi)` over [0, total) cut into fuel's thread count of contiguous parts, concurrently.
+
+    For kernels whose parts are independent and whose heavy work releases the GIL (NumPy's BLAS calls,
+    `nogil` Numba kernels), e.g. attention over (batch, kv head) groups: many small products, each
+    run serially, use the cores better than each product split over threads by the BLAS. Part 0 runs
+    in the calling thread, the others in fuel's worker threads; every part runs with one Numba thread
+    and a one-thread BLAS, so a part's bytes do not depend on how many parts there are. Inside a serial
+    step, or with one thread, `fn(0, total)` runs here.
+    """
+    n = min(_THREADS or 1, total)
+    if n <= 1 or MODE.serial:
+        fn(0, total)
+        return
+    bounds = [(k * total // n, (k + 1) * total // n) for k in range(n)]
+
+    def part(lo: int, hi: int) -> None:
+        use_serial(True)
+        fn(lo, hi)
+
+    setter = _blas().set
+    if setter is not None:
+        setter(1)
+    try:
+        futures = [_workers().submit(part, lo, hi) for lo, hi in bounds[1:]]
+        try:
+            part(*bounds[0])
+        finally:
+            use_serial(False)
+            errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
+    finally:
+        if setter is not None:
+            setter(_THREADS or 1)

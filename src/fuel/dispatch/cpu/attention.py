@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -30,7 +30,7 @@ from numba import njit, prange
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.vecmath import exp_nonpositive
+from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive, neg_inf_like
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -39,6 +39,7 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
+from fuel.dispatch.threads import split_work
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.errors import IndexOutOfRange
 from fuel.graph.node import Shape
@@ -94,13 +95,13 @@ def row_window(i: int, j0: int, cols: int, kl: int, sq: int, left: int, right: i
 def transform_row(seg: Any, aq: int, j0: int, scale: Any, softcap: Any, slope: Any) -> Any:
     """Scores of one row's admissible segment in place (seg starts at key j0): scale, softcap, ALiBi;
     returns their max."""
-    m = -np.inf * scale
+    m = neg_inf_like(scale)
     if softcap > 0 or slope != 0:
         for c in range(seg.shape[0]):
             x = seg[c] * scale
             if softcap > 0:
                 x = softcap * np.tanh(x / softcap)
-            x -= slope * abs(aq - (j0 + c))
+            x -= slope * cast_like(abs(aq - (j0 + c)), scale)
             seg[c] = x
             m = x if x > m else m
         return m
@@ -130,9 +131,9 @@ def zero_outside(row: Any, lo: int, hi: int) -> None:
         row[c] = 0
 
 
-@row_kernel(fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH, nogil=True)
 def _online_block(s: Any, m: Any, l: Any, acc: Any, i0: int, bq: int, j0: int, kl: int, sq: int, left: int,
-                  right: int, scale: Any, softcap: Any, slopes: Any, hkv: int) -> None:
+                  right: int, scale: Any, softcap: Any, slopes: Any) -> None:
     """One key block of the online softmax. s `[n, rows, cols]` holds raw q·k and leaves holding P;
     m, l `[n, rows]` are the running max and sum; acc `[n, rows, D]` is rescaled to the new max."""
     n, rows, cols = s.shape
@@ -145,7 +146,7 @@ def _online_block(s: Any, m: Any, l: Any, acc: Any, i0: int, bq: int, j0: int, k
         if lo == hi:
             continue
         seg = row[lo:hi]
-        mx = transform_row(seg, i + kl - sq, j0 + lo, scale, softcap, slopes[(g % hkv) * (rows // bq) + r // bq])
+        mx = transform_row(seg, i + kl - sq, j0 + lo, scale, softcap, slopes[g, r // bq])
         old = m[g, r]
         new = mx if mx > old else old
         if new == -np.inf:
@@ -161,7 +162,7 @@ def _online_block(s: Any, m: Any, l: Any, acc: Any, i0: int, bq: int, j0: int, k
         l[g, r] = l[g, r] * alpha + total
 
 
-@row_kernel(fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH, nogil=True)
 def _normalise(acc: Any, l: Any) -> None:
     """acc /= l per row; rows that saw no admissible key (l = 0) become 0."""
     n, rows, d = acc.shape
@@ -175,44 +176,44 @@ def _normalise(acc: Any, l: Any) -> None:
 
 @row_kernel(fastmath=FASTMATH)
 def _decode_rows(q: Any, k: Any, v: Any, out: Any, kl: int, sq: int, left: int, right: int, scale: Any,
-                 softcap: Any, slopes: Any, hkv: int) -> None:
+                 softcap: Any, slopes: Any) -> None:
     """A few queries over a long cache: one task per (kv head group, query) does all G heads, so each
     live K and V row is read once per query; scores in a [G, keys] scratch, exact max, then exp."""
     n, g, nq, d = q.shape
     for t in prange(n * nq):
         grp, i = t // nq, t % nq
         lo, hi = row_window(i, 0, kl, kl, sq, left, right)
-        o = out[grp, :, i]
-        o[:] = 0
-        if lo == hi:
-            continue
-        s = np.empty((g, hi - lo), q.dtype)
-        for j in range(hi - lo):
-            krow = k[grp, lo + j]
-            for h in range(g):
-                qr = q[grp, h, i]
-                dot = qr[0] * 0
-                for c in range(d):
-                    dot += qr[c] * krow[c]
-                s[h, j] = dot
-        inv = np.empty(g, q.dtype)
+        w = hi - lo
+        qw = np.empty((g, d), q.dtype)
+        acc = np.zeros((g, d), q.dtype)
+        s = np.empty((g, max(w, 1)), q.dtype)
         for h in range(g):
-            seg = s[h]
-            mx = transform_row(seg, i + kl - sq, lo, scale, softcap, slopes[(grp % hkv) * g + h])
-            inv[h] = 1 / exp_shifted(seg, mx) if mx > -np.inf else 0
-            if mx == -np.inf:
+            qw[h] = q[grp, h, i]
+        kk, vv = k[grp], v[grp]
+        for j in range(w):
+            krow = kk[lo + j]
+            for h in range(g):
+                dot = qw[h, 0] * 0
+                for c in range(d):
+                    dot += qw[h, c] * krow[c]
+                s[h, j] = dot
+        inv = np.zeros(g, q.dtype)
+        for h in range(g):
+            seg = s[h, :w]
+            mx = transform_row(seg, i + kl - sq, lo, scale, softcap, slopes[grp, h])
+            if mx > -np.inf:
+                inv[h] = 1 / exp_shifted(seg, mx)
+            else:
                 seg[:] = 0
-        for j in range(hi - lo):
-            vrow = v[grp, lo + j]
+        for j in range(w):
+            vrow = vv[lo + j]
             for h in range(g):
                 pr = s[h, j]
-                oh = o[h]
                 for c in range(d):
-                    oh[c] += pr * vrow[c]
+                    acc[h, c] += pr * vrow[c]
         for h in range(g):
-            oh = o[h]
             for c in range(d):
-                oh[c] *= inv[h]
+                out[grp, h, i, c] = acc[h, c] * inv[h]
 
 
 def grouped(x: np.ndarray, hkv: int) -> np.ndarray:
@@ -237,20 +238,28 @@ class Problem:
     win: Window
     scale: Any
     softcap: Any
-    slopes: np.ndarray
+    slopes: np.ndarray  # [n, G]: the ALiBi slope of each query head, per group (0 without ALiBi)
     hkv: int
+
+    def part(self, g0: int, g1: int) -> Problem:
+        """The groups [g0, g1): an independent problem (each group's arithmetic is its own)."""
+        return replace(self, q=self.q[g0:g1], k=self.k[g0:g1], v=self.v[g0:g1], slopes=self.slopes[g0:g1])
 
 
 def problem(inputs: Sequence[np.ndarray], params: Any, acc: np.dtype[Any]) -> Problem:
-    """The call in the accumulation type; K and V are cut to their live rows before any widening."""
+    """The call in the accumulation type. Half-type K and V are widened over their live rows only; K and
+    V stay C-contiguous (Numba vectorises only arrays it knows to be contiguous)."""
     win = window_of(params, inputs[0].shape[2], inputs[1].shape[2])
-    q, k, v = (a if a.dtype == acc else widened(a) for a in (inputs[0], inputs[1][:, :, :win.kl],
-                                                               inputs[2][:, :, :win.kl]))
+    q = inputs[0] if inputs[0].dtype == acc else widened(inputs[0])
+    k, v = (a if a.dtype == acc else widened(a[:, :, :win.kl]) for a in inputs[1:3])
     b, hkv, sk, d = k.shape
     # Without ALiBi every slope is 0, which the row pass skips.
-    slopes = np.asarray(inputs[-1], acc) if inputs[-1].ndim == 1 else np.zeros(q.shape[1], acc)
+    hq = q.shape[1]
+    slopes = np.asarray(inputs[-1], acc) if inputs[-1].ndim == 1 else np.zeros(hq, acc)
+    slopes = np.ascontiguousarray(np.broadcast_to(slopes.reshape(1, hkv, hq // hkv), (b, hkv, hq // hkv)))
     return Problem(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d), win,
-                   acc.type(params.softmax_scale), acc.type(params.softcap or 0), slopes, hkv)
+                   acc.type(params.softmax_scale), acc.type(params.softcap or 0),
+                   slopes.reshape(b * hkv, hq // hkv), hkv)
 
 
 def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -266,7 +275,7 @@ def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndar
         j1 = min(hi, j0 + BK)
         s = np.matmul(qb, p.k[:, j0:j1].transpose(0, 2, 1))
         _online_block(s, m, l, acc, i0, i1 - i0, j0, w.kl, w.sq, w.left, w.right, p.scale, p.softcap,
-                      p.slopes, p.hkv)
+                      p.slopes)
         acc += np.matmul(s, p.v[:, j0:j1])
     return acc, m, l
 
@@ -277,13 +286,18 @@ def attention(p: Problem, out: np.ndarray) -> None:
     g = p.q.shape[1]
     if sq <= DECODE_MAX_QUERIES:
         w = p.win
-        _decode_rows(p.q, p.k, p.v, out, w.kl, w.sq, w.left, w.right, p.scale, p.softcap, p.slopes, p.hkv)
+        _decode_rows(p.q, p.k, p.v, out, w.kl, w.sq, w.left, w.right, p.scale, p.softcap, p.slopes)
         return
-    for i0 in range(0, sq, BQ):
-        i1 = min(sq, i0 + BQ)
-        acc, _, l = forward_block(p, i0, i1, query_block(p.q, i0, i1))
-        _normalise(acc, l)
-        out[:, :, i0:i1] = acc.reshape(acc.shape[0], g, i1 - i0, -1)
+
+    def groups(g0: int, g1: int) -> None:
+        part = p.part(g0, g1)
+        for i0 in range(0, sq, BQ):
+            i1 = min(sq, i0 + BQ)
+            acc, _, l = forward_block(part, i0, i1, query_block(part.q, i0, i1))
+            _normalise(acc, l)
+            out[g0:g1, :, i0:i1] = acc.reshape(g1 - g0, g, i1 - i0, -1)
+
+    split_work(groups, p.q.shape[0])
 
 
 def flash_attn_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:

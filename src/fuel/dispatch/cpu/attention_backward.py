@@ -38,7 +38,7 @@ from fuel.dispatch.cpu.attention import (
 )
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.vecmath import exp_nonpositive
+from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -48,12 +48,13 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
+from fuel.dispatch.threads import split_work
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 
 
-@row_kernel(fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH, nogil=True)
 def _normalise_delta(acc: Any, l: Any, do: Any, delta: Any) -> None:
     """acc /= l per row (0 where no key was admissible), then delta = rowsum(do ∘ acc)."""
     n, rows, d = acc.shape
@@ -68,9 +69,9 @@ def _normalise_delta(acc: Any, l: Any, do: Any, delta: Any) -> None:
         delta[g, r] = dot
 
 
-@row_kernel(fastmath=FASTMATH)
+@row_kernel(fastmath=FASTMATH, nogil=True)
 def _grad_block(s: Any, dp: Any, m: Any, l: Any, delta: Any, i0: int, bq: int, j0: int, kl: int, sq: int,
-                left: int, right: int, scale: Any, softcap: Any, slopes: Any, hkv: int) -> None:
+                left: int, right: int, scale: Any, softcap: Any, slopes: Any) -> None:
     """s (raw q·k) <- P and dp (dO·vᵀ) <- dS for one key block, from the rows' final max m and sum l."""
     n, rows, cols = s.shape
     for t in prange(n * rows):
@@ -89,14 +90,14 @@ def _grad_block(s: Any, dp: Any, m: Any, l: Any, delta: Any, i0: int, bq: int, j
             continue
         seg, dseg = row[lo:hi], drow[lo:hi]
         aq = i + kl - sq
-        slope = slopes[(g % hkv) * (rows // bq) + r // bq]
+        slope = slopes[g, r // bq]
         transform_row(seg, aq, j0 + lo, scale, softcap, slope)
         shift, inv, dl = m[g, r], 1 / total, delta[g, r]
         for c in range(hi - lo):
             pr = exp_nonpositive(seg[c] - shift) * inv
             ds = pr * (dseg[c] - dl) * scale
             if softcap > 0:
-                capped = (seg[c] + slope * abs(aq - (j0 + lo + c))) / softcap
+                capped = (seg[c] + slope * cast_like(abs(aq - (j0 + lo + c)), scale)) / softcap
                 ds *= 1 - capped * capped
             seg[c] = pr
             dseg[c] = ds
@@ -106,7 +107,16 @@ GRADIENT_IDS = (FusedOps.FLASH_ATTN_BACKWARD_Q, FusedOps.FLASH_ATTN_BACKWARD_K, 
 
 
 def gradients(p: Problem, do: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray) -> None:
-    """dq `[n, G, Sq, D]`, dk and dv `[n, Sk, D]` (accumulation type, zeroed by the caller)."""
+    """dq `[n, G, Sq, D]`, dk and dv `[n, Sk, D]` (accumulation type, zeroed by the caller); the groups
+    are independent, so they are split over fuel's threads."""
+
+    def groups(g0: int, g1: int) -> None:
+        group_gradients(p.part(g0, g1), do[g0:g1], dq[g0:g1], dk[g0:g1], dv[g0:g1])
+
+    split_work(groups, p.q.shape[0])
+
+
+def group_gradients(p: Problem, do: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray) -> None:
     sq, g = p.q.shape[2], p.q.shape[1]
     w = p.win
     for i0 in range(0, sq, BQ):
@@ -123,7 +133,7 @@ def gradients(p: Problem, do: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np
             s = np.matmul(qb, kb.transpose(0, 2, 1))
             dp = np.matmul(dob, vb.transpose(0, 2, 1))
             _grad_block(s, dp, m, l, delta, i0, i1 - i0, j0, w.kl, w.sq, w.left, w.right, p.scale, p.softcap,
-                        p.slopes, p.hkv)
+                        p.slopes)
             dv[:, j0:j1] += np.matmul(s.transpose(0, 2, 1), dob)
             dk[:, j0:j1] += np.matmul(dp.transpose(0, 2, 1), qb)
             dqb += np.matmul(dp, kb)

@@ -98,7 +98,7 @@ def exp_nonpositive(t: Any) -> Any:
     raise NotImplementedError("exp_nonpositive is callable from jitted code only")
 
 
-@overload(exp_nonpositive, inline="always")
+@overload(exp_nonpositive)
 def _exp_nonpositive(t: Any) -> Any:
     def f32(t: Any) -> Any:
         return expf_nonpositive(t)
@@ -107,3 +107,36 @@ def _exp_nonpositive(t: Any) -> Any:
         return np.exp(t)
 
     return f32 if t == types.float32 else other
+
+
+def neg_inf_like(x: Any) -> Any:
+    """-inf in x's own float type (a plain -np.inf would widen float32 arithmetic to float64; jitted only)."""
+    raise NotImplementedError("neg_inf_like is callable from jitted code only")
+
+
+@overload(neg_inf_like, inline="always")
+def _neg_inf_like(x: Any) -> Any:
+    def f32(x: Any) -> Any:
+        return np.float32(-np.inf)
+
+    def f64(x: Any) -> Any:
+        return -np.inf
+
+    return f32 if x == types.float32 else f64
+
+
+def cast_like(x: Any, like: Any) -> Any:
+    """x (e.g. an integer distance) in the float type of `like`, so float32 math stays float32 (NumPy's
+    rules would widen float32·int64 to float64); jitted only."""
+    raise NotImplementedError("cast_like is callable from jitted code only")
+
+
+@overload(cast_like, inline="always")
+def _cast_like(x: Any, like: Any) -> Any:
+    def f32(x: Any, like: Any) -> Any:
+        return np.float32(x)
+
+    def f64(x: Any, like: Any) -> Any:
+        return np.float64(x)
+
+    return f32 if like == types.float32 else f64
