@@ -231,7 +231,7 @@ def test_decomposition_matches_kernel(dt: DType, opts: dict[str, Any]) -> None:
     y = fl.ops.flash_attn_backward_q(x["q"], x["k"], x["v"], x["do"], alibi=x["alibi"], softmax_scale=0.3, **opts)
     params = y.node.arg[1]
     inputs = [fl.tensor(a) for a in (x["q"], x["k"], x["v"], x["do"], x["alibi"]) if a is not None]
-    lowered = [m.decompose(inputs, params) for m in (flash_attn_backward_q, flash_attn_backward_k,
+    lowered = [m.ENTRY.decompose(inputs, params) for m in (flash_attn_backward_q, flash_attn_backward_k,
                                                       flash_attn_backward_v)]
     with fl.trace() as t:
         got = [a.numpy() for a in fl.realize(*lowered, fuse=False)]
@@ -245,7 +245,7 @@ def test_decomposition_matches_kernel(dt: DType, opts: dict[str, Any]) -> None:
     dyn = fl.ops.flash_attn_backward_k(x["q"], x["k"], x["v"], x["do"], k_len=fl.dyn("n")).node.arg[1]
     for m in (flash_attn_backward_q, flash_attn_backward_k, flash_attn_backward_v):
         with pytest.raises(fl.NoDecomposition, match="DynScalar k_len"):
-            m.decompose(inputs[:4], dyn)
+            m.ENTRY.decompose(inputs[:4], dyn)
 
 
 @pytest.mark.parametrize(("dt", "sq", "sk"), [(DType.F32, 300, 300), (DType.F16, 300, 300), (DType.F32, 140, 600)],

@@ -3,18 +3,35 @@ forward's FlashAttnParams, k_len and mask included (upstream's backward aligns t
 k_len; these follow the forward exactly). Each entry module holds one id; its gradient is the matching
 piece of `gradients`, the primitive form that re-materialises the score matrix.
 
-This module holds no entry. The CPU kernel computes dQ, dK and dV in one pass over the recomputed
-softmax; the executor runs it once for the three entries when they share their inputs.
+This module holds no entry itself: `entry(op_id)` and `builder(op_id)` make each entry module's.
+The CPU kernel computes dQ, dK and dV in one pass over the recomputed softmax; the executor runs it
+once for the three entries when they share their inputs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fuel.dtype import DType
 from fuel.errors import ShapeError
-from fuel.graph.node import Shape
-from fuel.graph.registry import FusedOpId, FusedOps, fused_node
-from fuel.graph.registry.flash_attn import FlashAttnParams, check_dtypes, check_shapes, materialise
-from fuel.graph.tensor import Tensor, matmul, pad
+from fuel.graph.node import DynScalar, Shape
+from fuel.graph.registry import (
+    NOT_DIFFERENTIABLE,
+    FusedOpEntry,
+    FusedOpFamily,
+    FusedOpId,
+    FusedOps,
+    fused_node,
+)
+from fuel.graph.registry.flash_attn import (
+    FlashAttnParams,
+    attention_inputs,
+    check_dtypes,
+    check_shapes,
+    make_params,
+    materialise,
+)
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, pad
 
 NAMES = {FusedOps.FLASH_ATTN_BACKWARD_Q: "flash_attn_backward_q",
          FusedOps.FLASH_ATTN_BACKWARD_K: "flash_attn_backward_k",
@@ -78,3 +95,44 @@ def flash_attn_backward_grads(inputs: list[Tensor], params: FlashAttnParams, gra
     args = [*inputs[:3], grad_out, *inputs[3:]]
     grads: list[Tensor | None] = [build(i, args, params) for i in NAMES]
     return grads + [None] * (len(inputs) - 3)
+
+
+def builder(op_id: FusedOpId) -> Callable[..., Tensor]:
+    """The `fuel.ops` builder of one gradient entry (the forward's options, plus the upstream gradient)."""
+    op = NAMES[op_id]
+
+    def build_gradient(q: TensorLike, k: TensorLike, v: TensorLike, do: TensorLike,
+                       softmax_scale: float | None = None, causal: bool = False,
+                       window_size: tuple[int | None, int | None] = (None, None), softcap: float | None = None,
+                       alibi: TensorLike | None = None, k_len: DynScalar | int | None = None) -> Tensor:
+        inputs = attention_inputs(q, k, v, alibi)
+        params = make_params(inputs[0], softmax_scale, causal, window_size, softcap, k_len, op)
+        return build(op_id, [*inputs[:3], as_tensor(do), *inputs[3:]], params)
+
+    build_gradient.__name__ = build_gradient.__qualname__ = op
+    build_gradient.__doc__ = (f"d{op[-1]} of flash_attn(q, k, v, ...) for the upstream gradient `do` "
+                              f"(the forward's options).")
+    return build_gradient
+
+
+def entry(op_id: FusedOpId, name: str) -> FusedOpEntry:
+    slot = list(NAMES).index(op_id)
+
+    def decompose(inputs: list[Tensor], params: FlashAttnParams) -> Tensor:
+        return gradients(inputs, params)[slot]
+
+    return FusedOpEntry(
+        id=op_id,
+        name=name,
+        family=FusedOpFamily.ATTENTION,
+        params=FlashAttnParams,
+        arity=(4, 5),
+        shape_rule=shape_rule_of(op_id),  # type: ignore[arg-type]
+        dtype_rule=dtype_rule_of(op_id),  # type: ignore[arg-type]
+        decompose=decompose,
+        backward=NOT_DIFFERENTIABLE,
+        vjp=None,
+        pattern=None,
+        output_views=None,
+        destructive_input=None,
+    )
