@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16
+from fuel.dispatch.cpu.vecmath import bf16_to_f32, cast_like, exp_nonpositive, f32_to_bf16
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -152,38 +152,6 @@ def _narrow_impl(out: Any, x: Any) -> Any:
     return bf16 if out.dtype == types.uint16 else same
 
 
-def _exp(t: Any) -> Any:
-    """exp(t) for t <= 0: the vectorisable polynomial in f32, libm in f64."""
-    raise NotImplementedError
-
-
-@overload(_exp, inline="always")
-def _exp_impl(t: Any) -> Any:
-    def poly(t: Any) -> Any:
-        return expf_nonpositive(t)
-
-    def libm(t: Any) -> Any:
-        return math.exp(t)
-
-    return poly if t == types.float32 else libm
-
-
-def _acc(x: Any, like: Any) -> Any:
-    """x converted to the element type of `like` (keeps f32 math from widening to f64)."""
-    raise NotImplementedError
-
-
-@overload(_acc, inline="always")
-def _acc_impl(x: Any, like: Any) -> Any:
-    def f32(x: Any, like: Any) -> Any:
-        return np.float32(x)
-
-    def f64(x: Any, like: Any) -> Any:
-        return np.float64(x)
-
-    return f32 if like.dtype == types.float32 else f64
-
-
 def _cache_row(cache: Any, blk: Any, off: Any, h: Any, scratch: Any) -> Any:
     """The D values of one cached token in the compute type: the cache's own row for f32/f64 (no copy),
     the row widened into `scratch` for the half types."""
@@ -241,14 +209,14 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
             krow = _cache_row(kc, bt[b, t // bs], t % bs, h, wide)
             first = max(0, t - shift - i0) * g  # queries before i = t − shift may not see key t
             for r in range(first, rows):
-                s = _acc(0, slopes)
+                s = cast_like(0, scale)
                 for d in range(dh):
                     s += qw[r, d] * krow[d]
                 s = s * scale
                 if capped:
                     s = softcap * math.tanh(s / softcap)
                 if has_alibi:
-                    s -= slopes[h * g + r % g] * _acc(abs(i0 + r // g + shift - t), slopes)
+                    s -= slopes[h * g + r % g] * cast_like(abs(i0 + r // g + shift - t), scale)
                 buf[r, t] = s
         inv = np.zeros(rows, slopes.dtype)  # 1/Σ exp per row; 0 for a row without keys
         for r in range(rows):
@@ -259,12 +227,12 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
             for t in range(1, n):
                 x = buf[r, t]
                 m = x if x > m else m
-            total = _acc(0, slopes)
+            total = cast_like(0, scale)
             for t in range(n):
-                e = _exp(buf[r, t] - m)
+                e = exp_nonpositive(buf[r, t] - m)
                 buf[r, t] = e
                 total += e
-            inv[r] = _acc(1, slopes) / total
+            inv[r] = cast_like(1, scale) / total
         for t in range(nmax):
             if t + PREFETCH_TOKENS < nmax:
                 _prefetch_token(vc, bt, b, t + PREFETCH_TOKENS, h)
