@@ -241,33 +241,34 @@ def _workers() -> concurrent.futures.ThreadPoolExecutor:
     return _WORKERS
 
 
-def split_work(fn: Callable[[int, int], None], total: int) -> None:
-    """Run `fn(lo, hi)` over [0, total) cut into fuel's thread count of contiguous parts, concurrently.
+def split_work(fn: Callable[[range], None], total: int, strided: bool = False) -> None:
+    """Run `fn(part)` over the task indices [0, total) cut into fuel's thread count of parts, concurrently:
+    contiguous ranges, or with `strided` every n-th task (which balances tasks of growing cost).
 
     For kernels whose parts are independent and whose heavy work releases the GIL (NumPy's BLAS calls,
     `nogil` Numba kernels), e.g. attention over (batch, kv head) groups: many small products, each
     run serially, use the cores better than each product split over threads by the BLAS. Part 0 runs
     in the calling thread, the others in fuel's worker threads; every part runs with one Numba thread
     and a one-thread BLAS, so a part's bytes do not depend on how many parts there are. Inside a serial
-    step, or with one thread, `fn(0, total)` runs here.
+    step, or with one thread, `fn(range(total))` runs here.
     """
     n = min(_THREADS or 1, total)
     if n <= 1 or MODE.serial:
-        fn(0, total)
+        fn(range(total))
         return
-    bounds = [(k * total // n, (k + 1) * total // n) for k in range(n)]
+    parts = [range(k, total, n) if strided else range(k * total // n, (k + 1) * total // n) for k in range(n)]
 
-    def part(lo: int, hi: int) -> None:
+    def part(tasks: range) -> None:
         use_serial(True)
-        fn(lo, hi)
+        fn(tasks)
 
     setter = _blas().set
     if setter is not None:
         setter(1)
     try:
-        futures = [_workers().submit(part, lo, hi) for lo, hi in bounds[1:]]
+        futures = [_workers().submit(part, tasks) for tasks in parts[1:]]
         try:
-            part(*bounds[0])
+            part(parts[0])
         finally:
             use_serial(False)
             errors = [f.exception() for f in futures]

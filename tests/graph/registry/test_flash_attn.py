@@ -316,3 +316,23 @@ def test_bit_stable_across_threads_and_runs(dt: DType, sq: int, sk: int) -> None
     assert len(set(results)) == 1
     ref, s = reference(x, 1 / math.sqrt(32), True, (450, None), 8.0, sk - 5)
     assert_close_rowwise(np.frombuffer(results[0], dt.np).reshape(x["q"].shape), ref, dt, scale=s)
+
+
+@pytest.mark.parametrize("hkv", [1, 2], ids=["one group: query blocks split", "two groups: groups split"])
+def test_same_bytes_at_any_fuel_thread_count(hkv: int) -> None:
+    """fuel's thread count decides how the work is split over threads (query blocks of one (batch, kv
+    head) group, or the groups); no split may change a byte, forward or backward."""
+    x = make_inputs(11, DType.F32, 1, 4, hkv, 300, 300, 32, alibi=False)
+    before = fl.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 1):
+            fl.set_num_threads(n)
+            q, k, v = (fl.tensor(x[c]) for c in "qkv")
+            out = fl.ops.flash_attn(q, k, v, causal=True)
+            grads = fl.grad(out, [q, k, v], grad_out=fl.tensor(x["q"][..., ::-1, :].copy()))
+            fl.realize(out, *grads)
+            results.append(b"".join(t.numpy().tobytes() for t in (out, *grads)))
+    finally:
+        fl.set_num_threads(before)
+    assert len(set(results)) == 1

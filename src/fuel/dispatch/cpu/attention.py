@@ -289,15 +289,26 @@ def attention(p: Problem, out: np.ndarray) -> None:
         _decode_rows(p.q, p.k, p.v, out, w.kl, w.sq, w.left, w.right, p.scale, p.softcap, p.slopes)
         return
 
-    def groups(g0: int, g1: int) -> None:
-        part = p.part(g0, g1)
-        for i0 in range(0, sq, BQ):
-            i1 = min(sq, i0 + BQ)
-            acc, _, l = forward_block(part, i0, i1, query_block(part.q, i0, i1))
-            _normalise(acc, l)
-            out[g0:g1, :, i0:i1] = acc.reshape(g1 - g0, g, i1 - i0, -1)
+    def block(part: Problem, g0: int, g1: int, i0: int) -> None:
+        i1 = min(sq, i0 + BQ)
+        acc, _, l = forward_block(part, i0, i1, query_block(part.q, i0, i1))
+        _normalise(acc, l)
+        out[g0:g1, :, i0:i1] = acc.reshape(g1 - g0, g, i1 - i0, -1)
 
-    split_work(groups, p.q.shape[0])
+    def groups(tasks: range) -> None:
+        part = p.part(tasks.start, tasks.stop)
+        for i0 in range(0, sq, BQ):
+            block(part, tasks.start, tasks.stop, i0)
+
+    def query_blocks(tasks: range) -> None:
+        for t in tasks:
+            block(p, 0, 1, t * BQ)
+
+    n = p.q.shape[0]
+    if n == 1:  # one (batch, kv head) group: its query blocks are the independent work
+        split_work(query_blocks, -(-sq // BQ), strided=True)
+    else:
+        split_work(groups, n)
 
 
 def flash_attn_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:

@@ -110,7 +110,8 @@ def gradients(p: Problem, do: np.ndarray, dq: np.ndarray, dk: np.ndarray, dv: np
     """dq `[n, G, Sq, D]`, dk and dv `[n, Sk, D]` (accumulation type, zeroed by the caller); the groups
     are independent, so they are split over fuel's threads."""
 
-    def groups(g0: int, g1: int) -> None:
+    def groups(tasks: range) -> None:
+        g0, g1 = tasks.start, tasks.stop
         group_gradients(p.part(g0, g1), do[g0:g1], dq[g0:g1], dk[g0:g1], dv[g0:g1])
 
     split_work(groups, p.q.shape[0])
