@@ -276,7 +276,10 @@ def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndar
         s = np.matmul(qb, p.k[:, j0:j1].transpose(0, 2, 1))
         _online_block(s, m, l, acc, i0, i1 - i0, j0, w.kl, w.sq, w.left, w.right, p.scale, p.softcap,
                       p.slopes)
-        acc += np.matmul(s, p.v[:, j0:j1])
+        if j0 == lo:  # the first block's product is the accumulator (it was all zeros)
+            np.matmul(s, p.v[:, j0:j1], out=acc)
+        else:
+            acc += np.matmul(s, p.v[:, j0:j1])
     return acc, m, l
 
 
