@@ -82,9 +82,12 @@ def test_gradient_matches_finite_differences(entry: FusedOpEntry) -> None:
         leaves = [fl.tensor(a) for a in case.inputs]
         out = fl.Tensor(fused_node(entry.id, [t.node for t in leaves], case.params))
         w = np.random.default_rng(3).standard_normal(out.shape)
-        grads = fl.grad(out, leaves, grad_out=fl.tensor(w))
-        for k, (a, g) in enumerate(zip(case.inputs, grads, strict=True)):
+        for k, a in enumerate(case.inputs):
             if a.dtype != np.float64:
+                continue
+            try:
+                (g,) = fl.grad(out, [leaves[k]], grad_out=fl.tensor(w))
+            except fl.NotDifferentiable:  # the entry serves no gradient for this input (e.g. ALiBi slopes)
                 continue
             direction = np.random.default_rng(k).standard_normal(a.shape)
             h = 1e-6

@@ -83,3 +83,15 @@ def test_grad_rejects_what_it_cannot_differentiate(call, error, message) -> None
     x = fl.tensor(np.ones((2, 3), np.float32))
     with pytest.raises(error, match=message):
         call(x, x * 2.0)
+
+
+def test_a_gradient_an_op_does_not_serve_is_an_error_not_zeros() -> None:
+    """FlashAttn serves no gradient for its ALiBi slopes: asking for one raises instead of giving zeros."""
+    rng = np.random.default_rng(0)
+    q, k, v = (fl.tensor(rng.standard_normal((1, 2, 3, 4)).astype(np.float32)) for _ in range(3))
+    slopes = fl.tensor(np.array([0.5, 0.25], np.float32))
+    out = fl.ops.flash_attn(q, k, v, alibi=slopes)
+    with pytest.raises(fl.NotDifferentiable, match="flash_attn gives no gradient for its input 3"):
+        fl.grad(out.sum(), [q, slopes])
+    (gq,) = fl.grad(out.sum(), [q])  # the inputs it serves are unaffected
+    assert np.isfinite(gq.numpy()).all()

@@ -10,7 +10,7 @@ from numpy.typing import ArrayLike
 from fuel.errors import DTypeError, NotDifferentiable, ShapeError
 from fuel.graph.node import Node, Op, topo_order
 from fuel.graph.prims import COMPARE, make
-from fuel.graph.registry import default_registry
+from fuel.graph.registry import default_registry, snake_name
 from fuel.graph.tensor import Tensor, full, tensor, where, zeros
 
 Grads = list[Tensor | None]
@@ -207,6 +207,12 @@ def _grad_out(out: Tensor, grad_out: Tensor | ArrayLike | None) -> Tensor:
     return g
 
 
+def _op_name(node: Node) -> str:
+    if node.op is Op.FUSED:
+        return snake_name(default_registry().entry(node.arg[0]).name)
+    return node.op.name.lower()
+
+
 def grad(out: Tensor, wrt: Tensor | Iterable[Tensor], grad_out: Tensor | ArrayLike | None = None,
          fuse: bool = True) -> list[Tensor]:
     """Gradients of `out` (weighted by `grad_out`, default ones for a one-element out) w.r.t. `wrt`.
@@ -240,8 +246,14 @@ def grad(out: Tensor, wrt: Tensor | Iterable[Tensor], grad_out: Tensor | ArrayLi
         g = grads.get(node)
         if g is None or node not in needed or node.op is Op.CONST or not node.inputs:
             continue
-        for inp, gi in zip(node.inputs, _vjp(node, g), strict=True):
-            if gi is None or inp not in needed:
+        for k, (inp, gi) in enumerate(zip(node.inputs, _vjp(node, g), strict=True)):
+            if inp not in needed:
+                continue
+            if gi is None:
+                if inp.dtype.is_float:  # a gradient asked for flows through an input the rule does not serve
+                    raise NotDifferentiable(f"grad: {_op_name(node)} gives no gradient for its input {k} "
+                                            f"({list(inp.shape)} {inp.dtype.value}), which a tensor in wrt "
+                                            f"depends on")
                 continue
             if gi.shape != inp.shape or gi.dtype != inp.dtype:
                 raise ShapeError(f"grad: rule for {node!r} gave {list(gi.shape)} {gi.dtype.value} "
