@@ -273,7 +273,7 @@ def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndar
     w = p.win
     for j0 in range(lo, hi, BK):
         j1 = min(hi, j0 + BK)
-        s = np.matmul(qb, p.k[:, j0:j1].transpose(0, 2, 1))
+        s = np.matmul(qb, p.k[:, j0:j1].transpose(0, 2, 1), out=POOL.empty((n, rows, j1 - j0), dt))
         _online_block(s, m, l, acc, i0, i1 - i0, j0, w.kl, w.sq, w.left, w.right, p.scale, p.softcap,
                       p.slopes)
         if j0 == lo:  # the first block's product is the accumulator (it was all zeros)

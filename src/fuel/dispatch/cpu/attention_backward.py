@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from numba import prange
 
+from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.attention import (
     BK,
     BQ,
@@ -131,8 +132,9 @@ def group_gradients(p: Problem, do: np.ndarray, dq: np.ndarray, dk: np.ndarray, 
         for j0 in range(lo, hi, BK):
             j1 = min(hi, j0 + BK)
             kb, vb = p.k[:, j0:j1], p.v[:, j0:j1]
-            s = np.matmul(qb, kb.transpose(0, 2, 1))
-            dp = np.matmul(dob, vb.transpose(0, 2, 1))
+            scores = (qb.shape[0], qb.shape[1], j1 - j0)  # reused buffers: a fresh 4 MB array costs page faults
+            s = np.matmul(qb, kb.transpose(0, 2, 1), out=POOL.empty(scores, qb.dtype))
+            dp = np.matmul(dob, vb.transpose(0, 2, 1), out=POOL.empty(scores, qb.dtype))
             _grad_block(s, dp, m, l, delta, i0, i1 - i0, j0, w.kl, w.sq, w.left, w.right, p.scale, p.softcap,
                         p.slopes)
             dv[:, j0:j1] += np.matmul(s.transpose(0, 2, 1), dob)
