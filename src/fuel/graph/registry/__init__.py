@@ -188,6 +188,7 @@ ENTRY_MODULES: tuple[str, ...] = (
     "flash_attn_backward_q",
     "flash_attn_backward_k",
     "flash_attn_backward_v",
+    "qmatmul",
     "nf4_matmul",
 )
 

@@ -1,0 +1,129 @@
+"""QMatMul (id 14): `C = A @ dequant(W)ᵀ` with W a GGUF/ggml block-quantized `[n, k]` weight.
+
+Inputs: a F32 `[..., M, k]` and w_q U32 1-D, the raw little-endian bytes of W carried as u32 words:
+n rows of k/block_elements blocks of the quant type's layout (`fuel.quant.QuantType`). The byte count
+n·(k/blk)·bytes_per_block need not be a multiple of 4: the stream is then padded to whole words (at
+most 3 bytes, ignored), as a loader must pad it. Output F32 `[..., M, n]`. Dequantisation is bit-exact
+with the `gguf` package; products and sums are f32. The weight is shared by every batch entry.
+
+`transpose=True` is the internal form the gradient uses: a is then `[..., M, n]` and the result
+`a @ dequant(W)`, `[..., M, k]`. Only activations are differentiable (the weight is frozen integer
+data): the VJP of either form is the other form, and w_q gets none (`fl.grad` refuses a U32 tensor).
+
+No decomposition: the primitive set has no bit operations on integers, every dtype tuple the rules
+admit has a CPU kernel, and a lowering would materialise the dequantised weight the kernel avoids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fuel.dtype import DType
+from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.node import Shape
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.quant import QuantType
+
+OP = "qmatmul"
+
+
+@dataclass(frozen=True)
+class QMatMulParams:
+    """The weight's quant type and logical shape `[n, k]`; `transpose` selects `a @ dequant(W)`."""
+
+    quant_type: QuantType
+    k: int
+    n: int
+    transpose: bool = False
+
+
+def weight_bytes(p: QMatMulParams) -> int:
+    """Bytes of the block stream of a `[n, k]` weight (without the padding to whole words)."""
+    return p.n * (p.k // p.quant_type.block_elements) * p.quant_type.block_bytes
+
+
+def weight_words(p: QMatMulParams) -> int:
+    """u32 words carrying the stream: its bytes rounded up to a multiple of 4."""
+    return -(-weight_bytes(p) // 4)
+
+
+def _check_params(p: QMatMulParams) -> None:
+    if not isinstance(p.quant_type, QuantType):
+        raise ParamError(f"{OP}: quant_type must be a QuantType, got {p.quant_type!r}")
+    for name in ("k", "n"):
+        v = getattr(p, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ParamError(f"{OP}: {name} must be a non-negative int, got {v!r}")
+    if not isinstance(p.transpose, bool):
+        raise ParamError(f"{OP}: transpose must be a bool, got {p.transpose!r}")
+    blk = p.quant_type.block_elements
+    if p.k % blk:
+        raise ShapeError(f"{OP}: k must be a multiple of {p.quant_type.ggml_name}'s {blk}-element block, "
+                         f"got k={p.k}")
+
+
+def shape_rule(shapes: tuple[Shape, ...], params: QMatMulParams) -> Shape:
+    """[..., M, n] (or [..., M, k] with transpose)"""
+    _check_params(params)
+    a, w = shapes
+    qt, k, n = params.quant_type, params.k, params.n
+    if len(a) < 2:
+        raise ShapeError(f"{OP}: a needs rank >= 2 ([..., M, K]), got {list(a)}")
+    inner, outer = (n, k) if params.transpose else (k, n)
+    if a[-1] != inner:
+        what = "n (transpose: a is [..., M, n])" if params.transpose else "k"
+        raise ShapeError(f"{OP}: a's last dim must be {what}={inner}, got a {list(a)}")
+    words = weight_words(params)
+    if len(w) != 1 or w[0] != words:
+        nbytes = weight_bytes(params)
+        pad = f", padded to {words * 4}" if nbytes % 4 else ""
+        raise ShapeError(f"{OP}: a {qt.ggml_name} weight [n={n}, k={k}] is {n} rows of {k // qt.block_elements} "
+                         f"blocks of {qt.block_bytes} bytes = {nbytes} bytes{pad}, so w_q must be 1-D u32 "
+                         f"[{words}], got {list(w)}")
+    return a[:-1] + (outer,)
+
+
+def dtype_rule(dtypes: tuple[DType, ...], params: QMatMulParams) -> DType:
+    """F32"""
+    a, w = dtypes
+    if a is not DType.F32:
+        raise DTypeError(f"{OP}: a must be f32, got {a.value}")
+    if w is not DType.U32:
+        raise DTypeError(f"{OP}: w_q must be u32 (the block bytes as little-endian words), got {w.value}")
+    return DType.F32
+
+
+def vjp(inputs: list[Tensor], params: QMatMulParams, out: Tensor, grad_out: Tensor) -> list[Tensor | None]:
+    """d a = g @ dequant(W) (or g @ dequant(W)ᵀ for the transposed form); the weight gets none."""
+    flipped = replace(params, transpose=not params.transpose)
+    return [Tensor(fused_node(FusedOps.QMATMUL, [grad_out.node, inputs[1].node], flipped)), None]
+
+
+def qmatmul(a: TensorLike, w_q: TensorLike, quant_type: QuantType | str, k: int, n: int,
+            transpose: bool = False) -> Tensor:
+    """`a @ dequant(W)ᵀ` for a GGUF block-quantized weight W `[n, k]` given as its raw bytes in u32 words.
+
+    `quant_type` is a QuantType or its name ("Q4_0", "Q4_K", "Q4K"). `transpose=True` computes
+    `a @ dequant(W)` instead (a `[..., M, n]`), the form the gradient uses.
+    """
+    params = QMatMulParams(QuantType.of(quant_type, OP), k, n, transpose)
+    return Tensor(fused_node(FusedOps.QMATMUL, [as_tensor(a).node, as_tensor(w_q).node], params))
+
+
+ENTRY = FusedOpEntry(
+    id=FusedOps.QMATMUL,
+    name="QMatMul",
+    family=FusedOpFamily.QUANTIZED,
+    params=QMatMulParams,
+    arity=(2,),
+    shape_rule=shape_rule,
+    dtype_rule=dtype_rule,
+    decompose=None,
+    # The inventory's metadata (frozen weights); `vjp` gives the activations' gradient exactly.
+    backward=NOT_DIFFERENTIABLE,
+    vjp=vjp,
+    pattern=None,
+    output_views=None,
+    destructive_input=None,
+)
