@@ -57,7 +57,8 @@ def _bench(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     root = Path(__file__).resolve().parents[2]
-    script = "bench_attention.py" if args.attention else "bench_latency.py" if args.latency else "bench_ops.py"
+    script = ("bench_attention.py" if args.attention else "bench_latency.py" if args.latency
+              else "bench_quant.py" if args.quant else "bench_ops.py")
     if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
@@ -66,6 +67,10 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import bench_attention
 
         return bench_attention.main(args.out, args.repeat, not args.no_compile)
+    if args.quant:
+        from benchmarks import bench_quant
+
+        return bench_quant.main(args.out, args.repeat)
     if args.latency:
         from benchmarks import bench_latency
 
@@ -126,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--attention", action="store_true",
                       help="instead of the kernel cases: attention forward, backward, decode, paged decode and "
                            "long-sequence peak memory against torch SDPA (names and --dtype do not apply)")
+    mode.add_argument("--quant", action="store_true",
+                      help="instead of the kernel cases: quantized matmuls (GGUF Q4_0, Q4_K, Q6_K, Q8_0 and NF4, "
+                           "4096x4096, M 1 and 64) against torch dequantise + matmul and bitsandbytes "
+                           "(names, --dtype and --no-compile do not apply)")
     p.set_defaults(run=_bench)
     p = sub.add_parser("demo", help="a short tour on the embedded default model")
     p.set_defaults(run=_demo)
