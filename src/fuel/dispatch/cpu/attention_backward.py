@@ -149,8 +149,16 @@ def flash_attn_backward_all(inputs: Sequence[np.ndarray], outs: dict[int, np.nda
     acc_t = np.dtype(np.float64) if any_out.dtype == np.float64 else np.dtype(np.float32)
     p = problem(inputs, params, acc_t)
     do = inputs[3] if inputs[3].dtype == acc_t else widened(inputs[3])
-    shapes: dict[int, tuple[int, ...]] = {i: a.shape for i, a in zip(GRADIENT_IDS, inputs[:3], strict=True)}
-    grads: dict[int, np.ndarray] = {i: np.zeros(shape, acc_t) for i, shape in shapes.items()}
+    # A gradient asked for in the accumulation type accumulates straight into its output; the others
+    # (a sibling not asked for, or a half-type output) get a scratch buffer.
+    grads: dict[int, np.ndarray] = {}
+    for op_id, like in zip(GRADIENT_IDS, inputs[:3], strict=True):
+        out = outs.get(op_id)
+        if out is not None and out.dtype == acc_t and out.flags.c_contiguous:
+            out.fill(0)
+            grads[op_id] = out
+        else:
+            grads[op_id] = np.zeros(like.shape, acc_t)
     if any(a.size for a in grads.values()) and p.q.size:
         hkv = p.hkv
         b, _, sk, d = inputs[1].shape
@@ -158,6 +166,8 @@ def flash_attn_backward_all(inputs: Sequence[np.ndarray], outs: dict[int, np.nda
                   grads[FusedOps.FLASH_ATTN_BACKWARD_K].reshape(b * hkv, sk, d),
                   grads[FusedOps.FLASH_ATTN_BACKWARD_V].reshape(b * hkv, sk, d))
     for op_id, out in outs.items():
+        if grads[op_id] is out:
+            continue
         if out.dtype == acc_t:
             np.copyto(out, grads[op_id])
         else:
