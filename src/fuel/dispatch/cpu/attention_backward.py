@@ -152,13 +152,13 @@ def flash_attn_backward_all(inputs: Sequence[np.ndarray], outs: dict[int, np.nda
     # A gradient asked for in the accumulation type accumulates straight into its output; the others
     # (a sibling not asked for, or a half-type output) get a scratch buffer.
     grads: dict[int, np.ndarray] = {}
-    for op_id, like in zip(GRADIENT_IDS, inputs[:3], strict=True):
-        out = outs.get(op_id)
-        if out is not None and out.dtype == acc_t and out.flags.c_contiguous:
-            out.fill(0)
-            grads[op_id] = out
+    for gid, like in zip(GRADIENT_IDS, inputs[:3], strict=True):
+        given = outs.get(gid)
+        if given is not None and given.dtype == acc_t and given.flags.c_contiguous:
+            given.fill(0)
+            grads[gid] = given
         else:
-            grads[op_id] = np.zeros(like.shape, acc_t)
+            grads[gid] = np.zeros(like.shape, acc_t)
     if any(a.size for a in grads.values()) and p.q.size:
         hkv = p.hkv
         b, _, sk, d = inputs[1].shape

@@ -22,22 +22,15 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from fuel.dispatch.cpu.vecmath import f16_bits_to_f32
+
 _I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
 
 
 def _f16_to_f32(builder: Any, lo: Any, hi: Any) -> Any:
-    """The float32 value of the little-endian f16 in bytes lo, hi (i8), exactly. Normal numbers, inf
-    and NaN (payload kept) by moving the bits into place, zeros and subnormals as mantissa * 2^-24 (a
-    normal float32): no half support, libcall, or subnormal float operand, so flush-to-zero or
-    denormals-are-zero modes cannot touch it."""
-    c = lambda k: ir.Constant(_I32, k)  # noqa: E731
-    x = builder.or_(builder.zext(lo, _I32), builder.shl(builder.zext(hi, _I32), c(8)))
-    exp, em = builder.and_(x, c(0x7C00)), builder.shl(builder.and_(x, c(0x7FFF)), c(13))
-    wide = builder.select(builder.icmp_unsigned("==", exp, c(0x7C00)), builder.or_(em, c(0x7F800000)),
-                          builder.add(em, c(112 << 23)))  # rebias the exponent: 127 - 15
-    tiny = builder.fmul(builder.sitofp(builder.and_(x, c(0x3FF)), _F32), ir.Constant(_F32, 2.0**-24))
-    wide = builder.select(builder.icmp_unsigned("==", exp, c(0)), builder.bitcast(tiny, _I32), wide)
-    return builder.bitcast(builder.or_(wide, builder.shl(builder.and_(x, c(0x8000)), c(16))), _F32)
+    """The float32 value of the little-endian f16 in bytes lo, hi (i8), exactly (`f16_bits_to_f32`)."""
+    x = builder.or_(builder.zext(lo, _I32), builder.shl(builder.zext(hi, _I32), ir.Constant(_I32, 8)))
+    return f16_bits_to_f32(builder, x)
 
 
 class Emit:

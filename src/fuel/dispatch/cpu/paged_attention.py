@@ -28,7 +28,7 @@ from numba.extending import intrinsic, overload
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, cast_like, exp_nonpositive, f32_to_bf16
+from fuel.dispatch.cpu.vecmath import bf16_to_f32, cast_like, exp_nonpositive, f16_bits_to_f32, f32_to_bf16
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -60,20 +60,12 @@ def _c(k: int) -> ir.Constant:
 
 @intrinsic
 def _f16_to_f32_intrinsic(typingctx: Any, h: Any) -> Any:
-    """Widen f16 bits (int16) to float32, exactly, in integer and one multiply (vectorisable; no
-    half-precision support or libcall needed): exponent and mantissa shifted into place and rescaled by
-    2^112 (which also normalises subnormals), inf/NaN re-marked, sign restored."""
+    """Widen f16 bits (int16) to float32, exactly (`vecmath.f16_bits_to_f32`; vectorisable)."""
     if h != types.int16:
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        x = builder.zext(args[0], _I32)
-        sign = builder.shl(builder.and_(x, _c(0x8000)), _c(16))
-        em = builder.shl(builder.and_(x, _c(0x7FFF)), _c(13))
-        scaled = builder.fmul(builder.bitcast(em, ir.FloatType()), ir.Constant(ir.FloatType(), 2.0**112))
-        special = builder.icmp_unsigned("==", builder.and_(x, _c(0x7C00)), _c(0x7C00))
-        wide = builder.select(special, builder.or_(em, _c(0x7F800000)), builder.bitcast(scaled, _I32))
-        return builder.bitcast(builder.or_(wide, sign), ir.FloatType())
+        return f16_bits_to_f32(builder, builder.zext(args[0], _I32))
 
     return types.float32(types.int16), codegen
 

@@ -17,6 +17,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from fuel.dispatch.cpu.vecmath import f16_bits_to_f32
+
 _W = 16  # lanes
 _F16C = bool(binding.get_host_cpu_features().get("f16c"))  # Numba compiles for the host CPU
 _I32, _F32 = ir.IntType(32), ir.FloatType()
@@ -90,13 +92,7 @@ def _f16_intrinsic(typingctx: Any, row: Any, off: Any) -> Any:
         h16 = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.IntType(16)), align=1)
         if _F16C:
             return builder.fpext(builder.bitcast(h16, ir.HalfType()), _F32)
-        x = builder.zext(h16, _I32)
-        c = lambda v: ir.Constant(_I32, v)  # noqa: E731
-        em = builder.shl(builder.and_(x, c(0x7FFF)), c(13))
-        scaled = builder.bitcast(builder.fmul(builder.bitcast(em, _F32), ir.Constant(_F32, 2.0**112)), _I32)
-        special = builder.icmp_unsigned("==", builder.and_(x, c(0x7C00)), c(0x7C00))
-        wide = builder.select(special, builder.or_(em, c(0x7F800000)), scaled)
-        return builder.bitcast(builder.or_(wide, builder.shl(builder.and_(x, c(0x8000)), c(16))), _F32)
+        return f16_bits_to_f32(builder, builder.zext(h16, _I32))
 
     return types.float32(row, off), codegen
 

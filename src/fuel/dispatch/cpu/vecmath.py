@@ -61,6 +61,20 @@ def _f32_to_bf16(typingctx: Any, x: Any) -> Any:
     return types.uint16(types.float32), codegen
 
 
+def f16_bits_to_f32(builder: Any, x: Any) -> Any:
+    """IR: the float32 value of the f16 whose bits are the low half of the i32 `x`, exactly. Normal
+    numbers, inf and NaN (payload kept) by moving the bits into place; zeros and subnormals as
+    mantissa · 2^-24 (a normal float32). No half support, libcall or subnormal float operand is used, so
+    flush-to-zero or denormals-are-zero modes cannot change it. Shared by the kernels that read f16."""
+    exp, em = builder.and_(x, _c(0x7C00)), builder.shl(builder.and_(x, _c(0x7FFF)), _c(13))
+    wide = builder.select(builder.icmp_unsigned("==", exp, _c(0x7C00)), builder.or_(em, _c(0x7F800000)),
+                          builder.add(em, _c(112 << 23)))  # rebias the exponent: 127 - 15
+    tiny = builder.fmul(builder.sitofp(builder.and_(x, _c(0x3FF)), ir.FloatType()),
+                        ir.Constant(ir.FloatType(), 2.0**-24))
+    wide = builder.select(builder.icmp_unsigned("==", exp, _c(0)), builder.bitcast(tiny, _I32), wide)
+    return builder.bitcast(builder.or_(wide, builder.shl(builder.and_(x, _c(0x8000)), _c(16))), ir.FloatType())
+
+
 # Typed as Any: Numba calls intrinsics from jitted code with the typing context filled in.
 pow2_f32: Any = _pow2_f32
 bf16_to_f32: Any = _bf16_to_f32
