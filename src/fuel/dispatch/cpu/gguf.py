@@ -22,13 +22,13 @@ check the two paths against gguf-py exactly.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from numba import carray, njit, prange
 
+from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into
 from fuel.dispatch.cpu.simd16 import dot256, f16_at, mac16, stack_f32, unpack16
@@ -298,15 +298,9 @@ GEMV: dict[QuantType, Any] = {
 
 # ---- the impl -----------------------------------------------------------------------------------------
 
-_LOCAL = threading.local()
-
-
 def _scratch(rows: int, k: int) -> np.ndarray:
-    """A float32 [rows, k] buffer of this thread's, reused from call to call (grown when too small)."""
-    buf: np.ndarray | None = getattr(_LOCAL, "buf", None)
-    if buf is None or buf.size < rows * k:
-        buf = _LOCAL.buf = np.empty(rows * k, np.float32)
-    return buf[:rows * k].reshape(rows, k)
+    """A float32 [rows, k] tile buffer (from the shared pool, which reuses large buffers once free)."""
+    return POOL.empty((rows, k), np.dtype(np.float32))
 
 
 def tile_rows(k: int) -> int:
