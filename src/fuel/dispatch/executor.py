@@ -280,20 +280,20 @@ def join_siblings(steps: list[Step], kernels: FusedKernelRegistry) -> list[Step]
     """Fused steps that one joint kernel serves, over the same input slots and params, run as one: the
     first computes every sibling's output and the others are dropped (their frees move to the step
     before them, which is then the last reader of what they read)."""
-    groups: dict[object, list[int]] = {}
+    groups: dict[object, tuple[JointKernel, list[int]]] = {}
     for k, st in enumerate(steps):
         joint = None if st.impl is None else kernels.joint_for(st.impl.op_id, BACKEND)
         if joint is not None and st.impl is not None:
             key = (id(joint), st.inputs, arg_key(st.params), st.impl.dtypes[:-1])
-            groups.setdefault(key, []).append(k)
+            groups.setdefault(key, (joint, []))[1].append(k)
     dropped: set[int] = set()
-    for members in groups.values():
+    for joint, members in groups.values():
         if len(members) < 2:
             continue
         first, rest = steps[members[0]], [steps[m] for m in members[1:]]
         siblings = tuple((s.impl.op_id, s.output, s.spec) for s in rest if s.impl is not None)
-        steps[members[0]] = replace(first, joint=kernels.joint_for(first.impl.op_id, BACKEND) if first.impl else None,
-                                    siblings=siblings, name=" + ".join([first.name, *(s.name for s in rest)]))
+        steps[members[0]] = replace(first, joint=joint, siblings=siblings,
+                                    name=" + ".join([first.name, *(s.name for s in rest)]))
         dropped.update(members[1:])
     if not dropped:
         return steps
