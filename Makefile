@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fuel-installed
 
-.PHONY: demo test bench lint verify inventory clean
+.PHONY: demo test bench bench-env lint verify inventory clean
 
 $(STAMP): pyproject.toml constraints.txt test-models.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ inventory: $(STAMP)
 # Benchmarks unset the OpenBLAS variables this machine sets (they slow current OpenBLAS); tests keep them.
 bench: $(STAMP)
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/fuel bench
+
+# llama.cpp (through llama-cpp-python) is a benchmark peer only: it compiles from source (5-10 minutes
+# on 2 cores), so it is built here, on request, and never by `make test`.
+bench-env: $(STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt llama-cpp-python==0.3.36
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

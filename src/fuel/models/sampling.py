@@ -1,0 +1,49 @@
+"""Choosing the next token from a row of logits: greedy, or sampled with temperature, top-k and top-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fuel.errors import ParamError
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """`temperature == 0` is greedy (the first of equal maxima). Otherwise the logits are divided by
+    the temperature, cut to the `top_k` largest (0: all), then to the smallest set whose probability
+    reaches `top_p` (1.0: all), and one token is drawn from what is left with a generator seeded by
+    `seed`, so a seeded run repeats exactly."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise ParamError(f"sampler: temperature must be finite and >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ParamError(f"sampler: top_k must be >= 0 (0 keeps every token), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ParamError(f"sampler: top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
+
+    def __call__(self, logits: np.ndarray) -> int:
+        row = np.asarray(logits, dtype=np.float64).reshape(-1)
+        if row.size == 0:
+            raise ParamError("sampler: empty logits")
+        if self.temperature == 0.0:
+            return int(np.argmax(row))
+        order = np.argsort(-row, kind="stable")  # most likely first; ties keep the lower id first
+        if self.top_k:
+            order = order[:self.top_k]
+        z = row[order] / self.temperature
+        p = np.exp(z - z[0])
+        p /= p.sum()
+        if self.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1  # the smallest prefix reaching top_p
+            order, p = order[:keep], p[:keep] / p[:keep].sum()
+        rng: np.random.Generator = self._rng  # type: ignore[attr-defined]
+        return int(order[rng.choice(order.size, p=p)])
