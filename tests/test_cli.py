@@ -45,6 +45,9 @@ def test_verify_passes_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "NoSuchOp"]) == 2
 
 
-def test_demo_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo"]) == 0
-    assert "SoftmaxLastDim[cpu:f32,f32]" in capsys.readouterr().out
+def test_demo_streams_an_answer(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make demo`: SmolLM2 answers the default question greedily; the speeds and peak RSS follow."""
+    assert main(["demo", "--max-tokens", "12", "--context", "128"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("> What is the capital of France") and "Paris" in out
+    assert "tokens/s" in err and "peak RSS" in err

@@ -1,4 +1,4 @@
-"""The `fuel` command: inventory, verify, bench, demo."""
+"""The `fuel` command: inventory, verify, bench, generate (and demo, its default run), embed."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _bench(args: argparse.Namespace) -> int:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     root = Path(__file__).resolve().parents[2]
     script = ("bench_attention.py" if args.attention else "bench_latency.py" if args.latency
-              else "bench_quant.py" if args.quant else "bench_ops.py")
+              else "bench_quant.py" if args.quant else "bench_models.py" if args.models else "bench_ops.py")
     if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
@@ -71,6 +71,10 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import bench_quant
 
         return bench_quant.main(args.out, args.repeat)
+    if args.models:
+        from benchmarks import bench_models
+
+        return bench_models.main(args.out)
     if args.latency:
         from benchmarks import bench_latency
 
@@ -102,10 +106,28 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from fuel.demo import main
+def _generate(args: argparse.Namespace) -> int:
+    from fuel.models.generate import run_generate
 
-    return main()
+    return run_generate(args)
+
+
+def _embed(args: argparse.Namespace) -> int:
+    from fuel.models.bert import run_embed
+
+    return run_embed(args)
+
+
+def _add_embed_arguments(p: argparse.ArgumentParser) -> None:
+    from fuel.models.bert import add_embed_arguments
+
+    add_embed_arguments(p)
+
+
+def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    from fuel.models.generate import add_generate_arguments
+
+    add_generate_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,9 +157,20 @@ def main(argv: list[str] | None = None) -> int:
                       help="instead of the kernel cases: quantized matmuls (GGUF Q4_0, Q4_K, Q6_K, Q8_0 and NF4, "
                            "4096x4096, M 1 and 64) against torch dequantise + matmul and bitsandbytes "
                            "(names, --dtype and --no-compile do not apply)")
+    mode.add_argument("--models", action="store_true",
+                      help="instead of the kernel cases: SmolLM2, Gemma-3 (prefill and decode tokens/s, peak RSS) and "
+                           "MiniLM (sentences/s) against transformers, llama.cpp (`make bench-env`) and "
+                           "sentence-transformers (names, --dtype, --repeat and --no-compile do not apply)")
     p.set_defaults(run=_bench)
-    p = sub.add_parser("demo", help="a short tour on the embedded default model")
-    p.set_defaults(run=_demo)
+    p = sub.add_parser("generate", help="stream text from a GGUF LLM (SmolLM2-135M-Instruct by default, or Gemma-3)")
+    _add_generate_arguments(p)
+    p.set_defaults(run=_generate)
+    p = sub.add_parser("demo", help="the main job: `fuel generate` on the embedded default model, same options")
+    _add_generate_arguments(p)
+    p.set_defaults(run=_generate)
+    p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2")
+    _add_embed_arguments(p)
+    p.set_defaults(run=_embed)
     args = parser.parse_args(argv)
     code: int = args.run(args)
     return code

@@ -1,0 +1,322 @@
+"""Real models end to end: Fuel against transformers (float32 eager) and llama.cpp, in one run.
+
+- SmolLM2-135M-Instruct (Q4_1/Q8_0) and Gemma-3-270M (Q4_K_M): prefill tokens/s over a 128-token
+  prompt, decode tokens/s over 128 greedy tokens, and the peak RSS. All three engines get the same
+  token ids. Fuel and transformers run the same GGUF file (transformers dequantises it to float32);
+  llama.cpp (llama-cpp-python, built by `make bench-env`) runs it quantized, as Fuel does.
+- all-MiniLM-L6-v2: sentences/s at batch 32 and batch 1, Fuel against sentence-transformers.
+
+Each (engine, model) runs in its own child process, one after another, so each peak RSS is that
+engine's alone (interpreter and imports included: NumPy and Numba for Fuel, torch for transformers).
+Every engine gets 2 threads. Fuel's rows also give the executor's own cost per decoded token: the
+step's wall time minus the kernel times `fl.trace()` records, over the replayed steps.
+
+Targets printed beside the numbers (issue "real models"): SmolLM2 and Gemma-3 decode ≥ 0.6× llama.cpp;
+prefill ≥ 2× llama.cpp and ≥ transformers; peak RSS ≤ 2× llama.cpp; MiniLM ≥ 1.2× sentence-transformers.
+Run it through `fuel bench --models` or `python -m benchmarks.bench_models`; JSON and PNG go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+THREADS = 2
+LLMS = ("smollm2", "gemma3")
+LLM_ENGINES = ("fuel", "transformers", "llama_cpp")
+EMBED_ENGINES = ("fuel", "sentence_transformers")
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type made "
+        "books cheap enough for ordinary readers. Within fifty years presses ran in hundreds of towns, and "
+        "the spread of pamphlets, maps and scientific tables changed how ideas travelled across Europe. ")
+SENTENCES = ("A man is eating food.", "The new movie is awesome, I would see it again tomorrow night.",
+             "Two dogs play in the snow.", "Quantized matrix multiplication reads four bits per weight, "
+             "so decoding a small language model is bound by memory bandwidth on most CPUs.", "Hello!",
+             "It rained all day and the river rose above its banks by the evening.")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    prompt: int = 128
+    decode: int = 128
+    sentences: int = 64
+
+    @classmethod
+    def tiny(cls) -> Sizes:
+        return cls(prompt=12, decode=4, sentences=4)
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prompt_ids(model: str, n: int) -> list[int]:
+    """n token ids of TEXT (repeated as needed) after the model's BOS, from the file's own tokenizer."""
+    from fuel.io.gguf import bundled_gguf, open_gguf
+    from fuel.models.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_metadata(open_gguf(bundled_gguf(model)).metadata)
+    body = tok.encode(TEXT * (1 + n // 40), add_bos=False)
+    head = [] if tok.bos_id is None else [tok.bos_id]
+    return (head + body)[:n]
+
+
+# ---- one engine, one model: run in a child process ----------------------------------------------------
+
+
+def _fuel_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
+    import fuel as fl
+    from fuel.io.gguf import bundled_gguf
+    from fuel.models.llama import LlamaModel
+
+    m = LlamaModel.load(bundled_gguf(model), capacity=len(ids) + n_decode + 8)
+    m.prefill(ids)  # capture the steps this prompt uses (and load Numba's kernels)
+    m.reset()
+    start = time.perf_counter()
+    logits = m.prefill(ids)
+    prefill_s = time.perf_counter() - start
+    tokens, start = [], time.perf_counter()
+    for _ in range(n_decode):
+        tokens.append(int(np.argmax(logits)))
+        logits = m.decode(tokens[-1])
+    decode_s = time.perf_counter() - start
+    # the executor's own cost: a few more traced steps, wall time minus the kernels' time
+    traced = min(8, max(1, m.capacity - m.pos))
+    kernel_s, steps, start = 0.0, 0, time.perf_counter()
+    for _ in range(traced):
+        with fl.trace() as t:
+            logits = m.decode(int(np.argmax(logits)))
+        kernel_s += sum(r.seconds for r in t.records)
+        steps = len(t.records)
+    wall = (time.perf_counter() - start) / traced
+    overhead = wall - kernel_s / traced
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens,
+            "overhead_ms_per_token": overhead * 1e3, "steps_per_token": steps,
+            "overhead_us_per_step": overhead * 1e6 / max(steps, 1)}
+
+
+def _transformers_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fuel.io.gguf import bundled_gguf
+
+    torch.set_num_threads(THREADS)
+    path = bundled_gguf(model)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        hf(x)  # warm-up
+        start = time.perf_counter()
+        out = hf(x, use_cache=True)
+        prefill_s = time.perf_counter() - start
+        tokens, start = [], time.perf_counter()
+        for _ in range(n_decode):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        decode_s = time.perf_counter() - start
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
+
+
+def _llama_cpp_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
+    from llama_cpp import Llama
+
+    from fuel.io.gguf import bundled_gguf
+
+    llm = Llama(model_path=str(bundled_gguf(model)), n_ctx=len(ids) + n_decode + 8, n_batch=512,
+                n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
+    llm.eval(ids)  # warm-up
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(ids)
+    prefill_s = time.perf_counter() - start
+    tokens, start = [], time.perf_counter()
+    for _ in range(n_decode):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([tokens[-1]])
+    decode_s = time.perf_counter() - start
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
+
+
+def _embed(engine: str, n: int) -> dict[str, Any]:
+    sentences = [SENTENCES[i % len(SENTENCES)] + f" ({i})" for i in range(n)]
+    if engine == "fuel":
+        from fuel.models import bert
+
+        def run(batch: int) -> Any:
+            return bert.embed(sentences, batch_size=batch)
+    else:
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        from fuel.models.bert import model_dir
+
+        torch.set_num_threads(THREADS)
+        st = SentenceTransformer(str(model_dir()), device="cpu")
+
+        def run(batch: int) -> Any:
+            return st.encode(sentences, batch_size=batch, normalize_embeddings=True)
+    result: dict[str, Any] = {}
+    for batch in (32, 1):
+        run(batch)  # warm-up (and Fuel's captures of these shapes)
+        start = time.perf_counter()
+        run(batch)
+        result[f"sentences_per_s_batch{batch}"] = n / (time.perf_counter() - start)
+    return result
+
+
+def worker(engine: str, model: str, sizes: Sizes) -> dict[str, Any]:
+    if model == "minilm":
+        result = _embed(engine, sizes.sentences)
+    else:
+        ids = prompt_ids(model, sizes.prompt)
+        run = {"fuel": _fuel_llm, "transformers": _transformers_llm, "llama_cpp": _llama_cpp_llm}[engine]
+        result = run(model, ids, sizes.decode)
+        result["prefill_tok_s"] = len(ids) / result["prefill_s"]
+        result["decode_tok_s"] = sizes.decode / result["decode_s"] if result["decode_s"] else None
+    result["peak_rss_mib"] = _rss_mib()
+    return result
+
+
+def run_child(engine: str, model: str, sizes: Sizes) -> dict[str, Any]:
+    """`worker` in a fresh interpreter; an engine that is not installed or fails gives its error."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_models", "--worker", engine, model, json.dumps(asdict(sizes))]
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(THREADS))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env)
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        hint = " (build it with `make bench-env`)" if engine == "llama_cpp" and "llama_cpp" in proc.stderr else ""
+        return {"error": tail[0] + hint}
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if not a or not b else a / b
+
+
+def summarise(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Fuel's ratios to the others and whether each target holds (None where a peer is missing)."""
+    out: dict[str, Any] = {}
+    for model in LLMS:
+        r = results.get(model)
+        if not r:
+            continue
+        f, lc, hf = r.get("fuel", {}), r.get("llama_cpp", {}), r.get("transformers", {})
+        dec = _ratio(f.get("decode_tok_s"), lc.get("decode_tok_s"))
+        pre_lc = _ratio(f.get("prefill_tok_s"), lc.get("prefill_tok_s"))
+        pre_hf = _ratio(f.get("prefill_tok_s"), hf.get("prefill_tok_s"))
+        rss = _ratio(f.get("peak_rss_mib"), lc.get("peak_rss_mib"))
+        out[model] = {
+            "decode_over_llama_cpp": dec, "prefill_over_llama_cpp": pre_lc, "prefill_over_transformers": pre_hf,
+            "rss_over_llama_cpp": rss, "greedy_tokens_equal_transformers": f.get("tokens") == hf.get("tokens")
+            if "tokens" in hf else None,
+            "targets": {"decode>=0.6x llama.cpp": None if dec is None else dec >= 0.6,
+                        "prefill>=2x llama.cpp": None if pre_lc is None else pre_lc >= 2.0,
+                        "prefill>=1x transformers": None if pre_hf is None else pre_hf >= 1.0,
+                        "rss<=2x llama.cpp": None if rss is None else rss <= 2.0}}
+    e = results.get("minilm")
+    if e:
+        ratio = _ratio(e.get("fuel", {}).get("sentences_per_s_batch32"),
+                       e.get("sentence_transformers", {}).get("sentences_per_s_batch32"))
+        out["minilm"] = {"batch32_over_sentence_transformers": ratio,
+                         "targets": {"batch32>=1.2x sentence-transformers": None if ratio is None else ratio >= 1.2}}
+    return out
+
+
+def _fmt(v: Any, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def print_table(results: dict[str, dict[str, dict[str, Any]]], summary: dict[str, Any]) -> None:
+    print(f"{'model':9s} {'engine':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'peak RSS MiB':>13s}")
+    for model in LLMS:
+        for engine, r in results.get(model, {}).items():
+            if "error" in r:
+                print(f"{model:9s} {engine:22s} unavailable: {r['error']}")
+                continue
+            print(f"{model:9s} {engine:22s} {_fmt(r.get('prefill_tok_s')):>14s} {_fmt(r.get('decode_tok_s')):>13s} "
+                  f"{_fmt(r.get('peak_rss_mib'), '.0f'):>13s}")
+        f = results.get(model, {}).get("fuel", {})
+        if "overhead_ms_per_token" in f:
+            print(f"{'':9s} fuel executor overhead: {f['overhead_ms_per_token']:.2f} ms per token "
+                  f"({f['overhead_us_per_step']:.2f} us per step, {f['steps_per_token']} steps)")
+    for engine, r in results.get("minilm", {}).items():
+        if "error" in r:
+            print(f"{'minilm':9s} {engine:22s} unavailable: {r['error']}")
+        else:
+            print(f"{'minilm':9s} {engine:22s} batch 32: {_fmt(r['sentences_per_s_batch32'])} sentences/s, "
+                  f"batch 1: {_fmt(r['sentences_per_s_batch1'])}; peak RSS {_fmt(r['peak_rss_mib'], '.0f')} MiB")
+    for model, s in summary.items():
+        marks = ", ".join(f"{k}: {'-' if v is None else 'met' if v else 'MISSED'}" for k, v in s["targets"].items())
+        print(f"{model}: {marks}")
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    panels = [("prefill_tok_s", "prefill tokens/s", LLMS), ("decode_tok_s", "decode tokens/s", LLMS),
+              ("sentences_per_s_batch32", "MiniLM sentences/s (batch 32)", ("minilm",))]
+    for ax, (key, title, models) in zip(axes, panels, strict=True):
+        labels, values = [], []
+        for model in models:
+            for engine, r in results.get(model, {}).items():
+                if r.get(key):
+                    labels.append(f"{model}\n{engine}")
+                    values.append(r[key])
+        ax.bar(range(len(values)), values, color=["C0" if "fuel" in lb else "C7" for lb in labels])
+        ax.set_xticks(range(len(values)), labels, fontsize=7)
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(out_dir: str, sizes: Sizes | None = None, models: tuple[str, ...] = (*LLMS, "minilm"),
+         engines: tuple[str, ...] | None = None) -> int:
+    sizes = sizes or Sizes()
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for model in models:
+        for engine in (EMBED_ENGINES if model == "minilm" else LLM_ENGINES):
+            if engines is not None and engine not in engines:
+                continue
+            print(f"running {engine} on {model} ...", flush=True)
+            results.setdefault(model, {})[engine] = run_child(engine, model, sizes)
+    summary = summarise(results)
+    print_table(results, summary)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "threads": THREADS, "sizes": asdict(sizes)}
+    (out / "models.json").write_text(json.dumps({"meta": meta, "results": results, "summary": summary}, indent=1))
+    plot(results, out / "models.png")
+    print(f"wrote {out / 'models.json'} and {out / 'models.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _, _, eng, mdl, size_json = sys.argv
+        print(json.dumps(worker(eng, mdl, Sizes(**json.loads(size_json)))))
+        raise SystemExit(0)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--models", nargs="*", default=[*LLMS, "minilm"])
+    a = ap.parse_args()
+    raise SystemExit(main(a.out, models=tuple(a.models)))
