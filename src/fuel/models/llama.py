@@ -118,11 +118,22 @@ def _halves_order(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, d // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+def _as_words(rows: np.ndarray) -> np.ndarray:
+    """uint8 rows of whole blocks as the u32 words QMatMul reads (zero-padded to a whole word at the end)."""
+    flat = rows.reshape(-1)
+    if flat.size % 4 == 0 and flat.flags.c_contiguous:
+        return flat.view(np.uint32)
+    padded = np.zeros(-(-flat.size // 4) * 4, np.uint8)
+    padded[:flat.size] = flat
+    return padded.view(np.uint32)
+
+
 @dataclass
 class _Linear:
-    """A projection `x @ Wᵀ`: a quantized weight's words, or a float weight transposed once."""
+    """A projection `x @ Wᵀ`: a quantized weight's block bytes `[n, row bytes]`, or a float weight
+    transposed once (`dense`, `[k, n]`)."""
 
-    words: np.ndarray | None
+    rows: np.ndarray | None
     quant: str
     k: int
     n: int
@@ -135,16 +146,56 @@ class _Linear:
             raise ModelError(f"model: tensor {t.name!r} has shape {list(t.shape)}, expected a matrix")
         order = None if heads is None else _halves_order(t.n, heads)
         if t.is_quantized:
-            words = t.words if order is None else np.ascontiguousarray(t.words.reshape(t.n, -1)[order]).reshape(-1)
-            return cls(words, t.type_name, t.k, t.n)
+            t.words  # noqa: B018  (raises UnsupportedTensorType, naming the tensor, for a type QMatMul lacks)
+            rows = t.raw().reshape(t.n, -1)
+            return cls(rows if order is None else rows[order], t.type_name, t.k, t.n)
         w = t.array().astype(np.float32)
         return cls(None, t.type_name, t.k, t.n, np.ascontiguousarray((w if order is None else w[order]).T))
 
+    def joins(self, other: _Linear) -> bool:
+        return self.rows is not None and other.rows is not None and (self.quant, self.k) == (other.quant, other.k)
+
     def __call__(self, x: Tensor) -> Tensor:
-        if self.words is not None:
-            return fl.ops.qmatmul(x, fl.tensor(self.words), self.quant, self.k, self.n)
+        if self.rows is not None:
+            return fl.ops.qmatmul(x, fl.tensor(_as_words(self.rows)), self.quant, self.k, self.n)
         assert self.dense is not None
         return x @ fl.tensor(self.dense)
+
+
+class _Projections:
+    """Projections of one input (Q, K, V; gate, up). Consecutive quantized ones of the same type run as
+    one QMatMul over their stacked rows, whose output columns are then sliced: fewer, larger kernel
+    calls in a decode step (one weight pass per group instead of one per projection)."""
+
+    def __init__(self, parts: dict[str, _Linear]) -> None:
+        self.groups: list[tuple[_Linear, list[tuple[str, int, int]]]] = []
+        pending: list[tuple[str, _Linear]] = []
+        for name, lin in [*parts.items(), ("", None)]:
+            if pending and (lin is None or not pending[0][1].joins(lin)):
+                self.groups.append(self._stack(pending))
+                pending = []
+            if lin is not None:
+                pending.append((name, lin))
+
+    @staticmethod
+    def _stack(group: list[tuple[str, _Linear]]) -> tuple[_Linear, list[tuple[str, int, int]]]:
+        spans, start = [], 0
+        for name, lin in group:
+            spans.append((name, start, start + lin.n))
+            start += lin.n
+        first = group[0][1]
+        if len(group) == 1:
+            return first, spans
+        stacked = np.concatenate([lin.rows for _, lin in group if lin.rows is not None])
+        return _Linear(stacked, first.quant, first.k, start), spans
+
+    def __call__(self, x: Tensor) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for lin, spans in self.groups:
+            y = lin(x)
+            for name, a, b in spans:
+                out[name] = y if len(spans) == 1 else y[:, a:b]
+        return out
 
 
 def _gelu_tanh(x: Tensor) -> Tensor:
@@ -195,13 +246,13 @@ class LlamaModel:
         permuted = not cfg.gemma  # llama.cpp permutes Q/K rows for its pair-rotating rope
         lw: dict[str, Any] = {
             "attn_norm": f[p + "attn_norm.weight"].array(),
-            "q": _Linear.of(f[p + "attn_q.weight"], cfg.heads if permuted else None),
-            "k": _Linear.of(f[p + "attn_k.weight"], cfg.kv_heads if permuted else None),
-            "v": _Linear.of(f[p + "attn_v.weight"]),
+            "qkv": _Projections({"q": _Linear.of(f[p + "attn_q.weight"], cfg.heads if permuted else None),
+                                 "k": _Linear.of(f[p + "attn_k.weight"], cfg.kv_heads if permuted else None),
+                                 "v": _Linear.of(f[p + "attn_v.weight"])}),
             "o": _Linear.of(f[p + "attn_output.weight"]),
             "ffn_norm": f[p + "ffn_norm.weight"].array(),
-            "gate": _Linear.of(f[p + "ffn_gate.weight"]),
-            "up": _Linear.of(f[p + "ffn_up.weight"]),
+            "gate_up": _Projections({"gate": _Linear.of(f[p + "ffn_gate.weight"]),
+                                     "up": _Linear.of(f[p + "ffn_up.weight"])}),
             "down": _Linear.of(f[p + "ffn_down.weight"]),
         }
         if cfg.gemma:
@@ -221,7 +272,8 @@ class LlamaModel:
 
     def _attention(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
         cfg = self.cfg
-        q, k, v = (self._heads(lw[n](h), hs) for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
+        p = lw["qkv"](h)
+        q, k, v = (self._heads(p[n], hs) for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
         if cfg.gemma:
             q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
         local = cfg.is_local(i)
@@ -246,9 +298,9 @@ class LlamaModel:
             a = self._attention(i, lw, self._norm(x, lw["attn_norm"]), tables)
             x = x + (self._norm(a, lw["post_attention_norm"]) if cfg.gemma else a)
             h = self._norm(x, lw["ffn_norm"])
-            gate = lw["gate"](h)
-            act = _gelu_tanh(gate) if cfg.gemma else gate.silu()
-            d = lw["down"](act * lw["up"](h))
+            p = lw["gate_up"](h)
+            act = _gelu_tanh(p["gate"]) if cfg.gemma else p["gate"].silu()
+            d = lw["down"](act * p["up"])
             x = x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
         if not logits:
             return x
