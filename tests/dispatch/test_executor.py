@@ -244,3 +244,26 @@ def test_small_work_runs_serially_and_large_work_in_parallel() -> None:
     fl.realize(large)
     steps = [p.steps[0] for p in executor._PLANS.values()]
     assert [s.serial for s in steps] == [True, False]
+
+
+def test_a_step_with_a_dyn_k_len_is_sized_with_the_bound_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode attention over a big cache: serial while few rows are live, parallel once many are, same
+    bytes either way (the serial path is the parallel kernel on one thread)."""
+    from fuel.dispatch import threads
+
+    rng = np.random.default_rng(0)
+    cap = 4096
+    q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 8, cap, 64)).astype(np.float32) for _ in range(2))
+    step = fl.jit(lambda q, k, v: fl.ops.flash_attn(q, k, v, k_len=fl.dyn("n")))
+    seen: list[bool] = []
+    use_serial = threads.use_serial
+    monkeypatch.setattr(threads, "use_serial", lambda s: (seen.append(s), use_serial(s))[1])
+    few = step(q, k, v, n=4).numpy()
+    assert seen[0] is True
+    seen.clear()
+    many = step(q, k, v, n=cap).numpy()
+    assert seen[0] is False
+    with threads.serial():
+        assert np.array_equal(step(q, k, v, n=cap).numpy(), many)
+    assert np.array_equal(step(q, k, v, n=4).numpy(), few)

@@ -236,6 +236,16 @@ def _runs_serially(n: Node, impl: BackendImpl) -> bool:
     return threads.runs_serially(cost.flops, cost.bytes_moved)
 
 
+def _serial_now(step: Step, params: Any) -> bool:
+    """Serial or parallel for a step with DynScalar parameters, sized with their values for this run: at
+    plan time its cost had to assume the largest (a decode step's attention over a 2048-row cache reads
+    only the live rows, which for a short conversation is work too small to wake the pool for)."""
+    assert step.impl is not None
+    spec = step.spec
+    cost = step.impl.cost([*spec.in_shapes, spec.shape], [*spec.in_dtypes, spec.dtype], params)
+    return threads.runs_serially(cost.flops, cost.bytes_moved)
+
+
 def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
                registry: FusedOpRegistry, kernels: FusedKernelRegistry) -> Plan:
     for tr in _TRACE:
@@ -389,7 +399,7 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
             raise KernelError(f"{impl.name}: input {step.destructive} is destroyed in place but is read-only")
     elif out is None:
         out = POOL.empty(spec.shape, spec.dtype.np)
-    threads.use_serial(step.serial)
+    threads.use_serial(_serial_now(step, params) if step.dyn_fields else step.serial)
     if step.joint is not None and slots is not None:
         outs: dict[int, np.ndarray] = {impl.op_id: out}
         for op_id, slot, sib in step.siblings:

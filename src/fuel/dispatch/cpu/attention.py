@@ -328,15 +328,18 @@ def flash_attn_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) ->
 
 
 def attention_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:
-    """Two products over the live keys (a causal mask halves them), plus reading q, k, v and writing out."""
+    """Two products over the live keys (a causal mask halves them), plus reading q, the live rows of k
+    and v, and writing out. A DynScalar k_len (unknown at plan time) counts the whole cache; the
+    executor sizes such a step again with the bound value at each run."""
     q, k = shapes[0], shapes[1]
     b, hq, sq, d = q
     sk = k[2]
-    kl = sk if params.k_len is None or not isinstance(params.k_len, int) else params.k_len
+    kl = sk if params.k_len is None or not isinstance(params.k_len, int) else min(params.k_len, sk)
     pairs = b * hq * sq * kl
     if params.causal and sq > 1:
         pairs = pairs // 2
-    moved = sum(math.prod(s) * t.itemsize for s, t in zip(shapes, dtypes, strict=True))
+    live = [kl / sk if i in (1, 2) and sk else 1.0 for i in range(len(shapes))]
+    moved = sum(int(math.prod(s) * t.itemsize * f) for s, t, f in zip(shapes, dtypes, live, strict=True))
     return CostEstimate(flops=4 * pairs * d, bytes_moved=moved)
 
 
