@@ -270,7 +270,9 @@ class LlamaModel:
         s = x.shape[0]
         return x.reshape(1, s, heads, self.cfg.head_dim).permute(0, 2, 1, 3)
 
-    def _attention(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+    def _write_kv(self, i: int, lw: dict[str, Any], h: Tensor,
+                  tables: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer i's queries, and its K/V caches with this step's rows written at `pos`."""
         cfg = self.cfg
         p = lw["qkv"](h)
         q, k, v = (self._heads(p[n], hs) for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
@@ -282,6 +284,12 @@ class LlamaModel:
         pos = fl.dyn("pos")
         kc = fl.cache_write(fl.tensor(self.k_cache[i]), k, pos)
         vc = fl.cache_write(fl.tensor(self.v_cache[i]), v, pos)
+        return q, kc, vc
+
+    def _attention(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]]) -> Tensor:
+        cfg = self.cfg
+        q, kc, vc = self._write_kv(i, lw, h, tables)
+        local = cfg.is_local(i)
         window = (cfg.sliding_window - 1 if local and cfg.sliding_window else None, None)
         a = fl.ops.flash_attn(q, kc, vc, softmax_scale=cfg.attn_scale, causal=True, window_size=window,
                               k_len=fl.dyn("k_len"))
@@ -295,6 +303,11 @@ class LlamaModel:
         if cfg.gemma:
             x = x * float(np.float32(math.sqrt(cfg.hidden)))
         for i, lw in enumerate(self.layers):
+            if not logits and i == cfg.layers - 1:
+                # prefill needs only the last layer's cache rows: a one-element read of each cache keeps
+                # the writes in the graph without copying a cache out or running the layer's rest
+                _, kc, vc = self._write_kv(i, lw, self._norm(x, lw["attn_norm"]), tables)
+                return kc[:, :, :1, :1] + vc[:, :, :1, :1]
             a = self._attention(i, lw, self._norm(x, lw["attn_norm"]), tables)
             x = x + (self._norm(a, lw["post_attention_norm"]) if cfg.gemma else a)
             h = self._norm(x, lw["ffn_norm"])
@@ -302,8 +315,6 @@ class LlamaModel:
             act = _gelu_tanh(p["gate"]) if cfg.gemma else p["gate"].silu()
             d = lw["down"](act * p["up"])
             x = x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
-        if not logits:
-            return x
         return self.head(self._norm(x, self.out_norm))
 
     # -- running ---------------------------------------------------------------------------------
@@ -350,7 +361,8 @@ class LlamaModel:
                 continue
             x = np.zeros((bucket, self.cfg.hidden), np.float32)
             x[:len(chunk)] = self.embed(chunk)
-            self._prefill(x, *self._tables(self.pos, bucket), pos=self.pos, k_len=self.pos + bucket)
+            env = {"pos": self.pos} | ({"k_len": self.pos + bucket} if self.cfg.layers > 1 else {})  # see _forward
+            self._prefill(x, *self._tables(self.pos, bucket), **env)
             self.pos += len(chunk)
         return self.decode(ids[-1])
 
