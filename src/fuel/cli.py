@@ -58,7 +58,8 @@ def _bench(args: argparse.Namespace) -> int:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     root = Path(__file__).resolve().parents[2]
     script = ("bench_attention.py" if args.attention else "bench_latency.py" if args.latency
-              else "bench_quant.py" if args.quant else "bench_models.py" if args.models else "bench_ops.py")
+              else "bench_quant.py" if args.quant else "bench_models.py" if args.models
+              else "bench_conv.py" if args.conv else "bench_ops.py")
     if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
@@ -71,6 +72,10 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import bench_quant
 
         return bench_quant.main(args.out, args.repeat)
+    if args.conv:
+        from benchmarks import bench_conv
+
+        return bench_conv.main(args.out, args.repeat)
     if args.models:
         from benchmarks import bench_models
 
@@ -156,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--quant", action="store_true",
                       help="instead of the kernel cases: quantized matmuls (GGUF Q4_0, Q4_K, Q6_K, Q8_0 and NF4, "
                            "4096x4096, M 1 and 64) against torch dequantise + matmul and bitsandbytes "
+                           "(names, --dtype and --no-compile do not apply)")
+    mode.add_argument("--conv", action="store_true",
+                      help="instead of the kernel cases: conv2d and conv_transpose2d (N8 C64 56x56 3x3) and "
+                           "causal_conv1d (B2 C1536 L1024 K4, with and without SiLU) against torch eager "
                            "(names, --dtype and --no-compile do not apply)")
     mode.add_argument("--models", action="store_true",
                       help="instead of the kernel cases: SmolLM2, Gemma-3 (prefill and decode tokens/s, peak RSS) and "

@@ -190,6 +190,9 @@ ENTRY_MODULES: tuple[str, ...] = (
     "flash_attn_backward_v",
     "qmatmul",
     "nf4_matmul",
+    "conv2d",
+    "conv_transpose2d",
+    "causal_conv1d",
 )
 
 
