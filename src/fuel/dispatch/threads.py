@@ -99,7 +99,11 @@ class _Blas:
         import numpy as np  # loads NumPy's BLAS
 
         np.dot(np.ones(2), np.ones(2))
-        for path in _loaded_libraries():
+        # NumPy's own OpenBLAS first: SciPy (which sentence-transformers brings) loads a second one
+        numpy_dir = os.path.dirname(os.path.dirname(np.__file__))
+        ours = [p for p in _loaded_libraries() if os.path.basename(os.path.dirname(p)) == "numpy.libs"
+                or p.startswith(os.path.join(numpy_dir, "numpy") + os.sep)]
+        for path in ours + [p for p in _loaded_libraries() if p not in ours]:
             if "openblas" not in os.path.basename(path).lower():
                 continue
             try:
@@ -136,6 +140,21 @@ def _blas() -> _Blas:
     if _BLAS is None:
         _BLAS = _Blas()
     return _BLAS
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """BLAS calls inside the block run on one thread, the calling one; the count is restored after. For a
+    kernel whose bytes must not depend on how OpenBLAS would split a product over its threads."""
+    blas = _blas()
+    prev = blas.get() if blas.get is not None and blas.set is not None else 1
+    if prev != 1 and blas.set is not None:
+        blas.set(1)
+    try:
+        yield
+    finally:
+        if prev != 1 and blas.set is not None:
+            blas.set(prev)
 
 
 def blas_num_threads() -> int | None:
