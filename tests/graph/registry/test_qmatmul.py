@@ -12,7 +12,7 @@ from fuel.dispatch.cpu import gguf as kernel_module
 from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
-from fuel.testing.contract import numba_threads
+from fuel.testing.contract import numba_threads, thread_counts
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
 
@@ -77,13 +77,28 @@ def test_model_sized_weight(qt: QuantType, m: int) -> None:
 @TYPES
 def test_dequantisation_is_bit_exact(qt: QuantType) -> None:
     """Identity activations give the dequantised weight itself (one nonzero product per sum), exactly
-    gguf-py's values: decoding (4 rows) and tiled (all k rows)."""
+    gguf-py's values: decoding one row (block scales and offsets factored out), 4 rows, and tiled (all k
+    rows)."""
     k, n = 2 * qt.block_elements, 19
     _, w, deq = weight(5, qt, n, k)
     eye = np.eye(k, dtype=np.float32)
     for rows in (eye[:4], eye):
         got = qmm(rows, w, qt, k, n).numpy()
         np.testing.assert_array_equal(got, deq.T[:rows.shape[0]])
+    step = fl.jit(lambda x: qmm(x, w, qt, k, n))
+    for i in (0, 17, 31, k - 1):
+        np.testing.assert_array_equal(step(eye[i:i + 1]).numpy()[0], deq[:, i])
+
+
+@TYPES
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_decode_sized_model_shapes(qt: QuantType, m: int) -> None:
+    """Decode-path shapes as models have them: K = 576 (18 blocks: an odd count) or three K-quant
+    super-blocks, an odd number of W rows (row pairs and a lone row), one to DECODE_ROWS activation rows."""
+    k, n = (576, 37) if qt.block_elements == 32 else (768, 37)
+    _, w, deq = weight(19, qt, n, k)
+    a = np.random.default_rng(20).standard_normal((m, k)).astype(np.float32)
+    check(qmm(a, w, qt, k, n).numpy(), a, deq)
 
 
 def test_batched_broadcast_and_non_contiguous_activations() -> None:
@@ -191,9 +206,10 @@ def test_second_order_gradient_and_frozen_weight() -> None:
         fl.grad(qmm(a, w, qt, k, n), [a, w], grad_out=g)
 
 
-@pytest.mark.parametrize("m", [1, 5, 64])
-def test_same_bytes_at_any_thread_count(m: int) -> None:
-    qt, k, n = QuantType.Q5K, 512, 700
+@pytest.mark.parametrize(("qt", "m"), [(QuantType.Q5K, 1), (QuantType.Q5K, 5), (QuantType.Q5K, 64),
+                                         (QuantType.Q4_1, 1), (QuantType.Q6K, 1)], ids=str)
+def test_same_bytes_at_any_thread_count(qt: QuantType, m: int) -> None:
+    k, n = 512, 701
     _, w, _ = weight(15, qt, n, k)
     a = np.random.default_rng(16).standard_normal((m, k)).astype(np.float32)
     before = fl.get_num_threads()
@@ -205,6 +221,23 @@ def test_same_bytes_at_any_thread_count(m: int) -> None:
                 results.append(qmm(a, w, qt, k, n).numpy().tobytes())
     finally:
         fl.set_num_threads(before)
+    assert len(set(results)) == 1
+
+
+@pytest.mark.parametrize("qt", [QuantType.Q4_1, QuantType.Q8_0, QuantType.Q4K], ids=lambda q: q.ggml_name)
+@pytest.mark.parametrize("m", [1, 3])
+def test_decode_kernel_same_bytes_on_any_threads(qt: QuantType, m: int) -> None:
+    """The decode kernel itself, called directly (no serial decision by the executor), on 1 and 2 Numba
+    threads: each row is one fixed sequence of operations, whichever chunk and pair it falls in."""
+    k, n = 512, 1001
+    raw, _, _ = weight(21, qt, n, k)
+    a = np.random.default_rng(22).standard_normal((m, k)).astype(np.float32)
+    results = []
+    for threads in thread_counts():
+        with numba_threads(threads):
+            out = np.zeros((m, n), np.float32)
+            kernel_module.GEMV[qt](a, raw, out)
+            results.append(out.tobytes())
     assert len(set(results)) == 1
 
 
@@ -221,10 +254,10 @@ def test_jit_replay_of_a_decode_step_equals_realize() -> None:
 
 
 def test_paths_and_cost() -> None:
-    """The cost counts the weight's real bytes, and its dequantisation besides the products."""
+    """The cost counts the weight's real bytes and the products (decoding rides along with them)."""
     assert kernel_module.tile_rows(4096) == 64 and kernel_module.tile_rows(32) == 256
     impl = fl.kernels().lookup(14, "cpu", (DType.F32, DType.U32, DType.F32))
     assert impl is not None and impl.precision.bit_stable_on_same_hardware
     p = QMatMulParams(QuantType.Q4_0, 4096, 4096)
     cost = impl.cost([(1, 4096), (4096 * 128 * 18 // 4,), (1, 4096)], [DType.F32, DType.U32, DType.F32], p)
-    assert cost.flops == 2 * 2 * 4096 * 4096 and cost.bytes_moved == 4096 * 128 * 18 + 8 * 4096
+    assert cost.flops == 2 * 4096 * 4096 and cost.bytes_moved == 4096 * 128 * 18 + 8 * 4096

@@ -1,11 +1,16 @@
-"""16-lane LLVM vector operations for Numba kernels, as intrinsics: code a loop would leave to the vectoriser.
+"""16-lane float vectors as Numba values (`f32x16`), for kernels that need code the vectoriser will not write.
 
-A Numba loop over a 16- or 32-element block is either unrolled to scalar code (its stores may alias
-its loads, which the SLP vectoriser does not check at run time) or vectorised behind alias checks run
-for every block; for GGUF decoding that was 2.7x slower than these straight-line vector operations.
+A Numba loop over a 16- or 32-element block is either unrolled to scalar code (its stores may alias its
+loads, which the SLP vectoriser does not check at run time) or vectorised behind alias checks run for every
+block; for GGUF decoding that was 2.7x slower than straight-line vector code. Here a vector is a value of
+its own Numba type, an LLVM `<16 x float>`: a kernel keeps its accumulators in local variables (registers:
+no store and reload between blocks) and builds each block's codes straight from the packed bytes. LLVM
+lowers the 16 lanes to one zmm or two ymm registers, whichever the host has.
+
 Arrays are addressed by element offset, unchecked: the caller keeps every lane inside the array.
-Floating-point operations are plain IEEE ones (no fast-math, no fused multiply-add) in the order each
-docstring gives, so no compiler choice changes a result.
+Arithmetic is plain IEEE f32, each operation rounded once in the order its docstring gives (`fma` and
+`fmas` are fused multiply-adds: one rounding, by `llvm.fma`); no fast-math flags, so no compiler choice
+changes a result.
 """
 
 from __future__ import annotations
@@ -15,21 +20,37 @@ from typing import Any
 from llvmlite import binding, ir
 from numba import types
 from numba.core import cgutils
+from numba.core.datamodel import models, register_default
 from numba.extending import intrinsic
 
 from fuel.dispatch.cpu.vecmath import f16_bits_to_f32
 
 _W = 16  # lanes
 _F16C = bool(binding.get_host_cpu_features().get("f16c"))  # Numba compiles for the host CPU
-_I32, _F32 = ir.IntType(32), ir.FloatType()
-_V8, _V32, _VF = ir.VectorType(ir.IntType(8), _W), ir.VectorType(_I32, _W), ir.VectorType(_F32, _W)
+_I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+_V8, _VF = ir.VectorType(_I8, _W), ir.VectorType(_F32, _W)
 
 
-def _ptr(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, vty: Any, offset: int = 0) -> Any:
-    """A vty* at element off + offset of the array."""
+class F32x16(types.Type):
+    """Numba's type of a 16-lane float32 vector value."""
+
+    def __init__(self) -> None:
+        super().__init__(name="f32x16")
+
+
+VEC = F32x16()
+
+
+@register_default(F32x16)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _VF)
+
+
+def _ptr(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, ty: Any) -> Any:
+    """A ty* at element `off` of the array."""
     data = context.make_array(aryty)(context, builder, ary).data
-    ptr = builder.gep(builder.gep(data, [off]), [ir.Constant(ir.IntType(64), offset)])
-    return builder.bitcast(ptr, vty.as_pointer())
+    return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
 
 
 def _splat(builder: Any, v: Any, vty: Any) -> Any:
@@ -38,47 +59,76 @@ def _splat(builder: Any, v: Any, vty: Any) -> Any:
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, _W), [0] * _W))
 
 
-@intrinsic(prefer_literal=True)
-def _unpack16_intrinsic(typingctx: Any, dst: Any, doff: Any, src: Any, off: Any, sh: Any, mask: Any, hi: Any,
-                        hsh: Any, hmask: Any, hshl: Any, sub: Any, scale: Any, bias: Any, mode: Any) -> Any:
-    """Packed integer codes to floats: dst[doff + t] = scale * (code_t - sub) (+ bias) for t < 16, in
-    f32 (the integer difference is exact, then one multiply and one add, each rounded).
+def _s8(context: Any, builder: Any, v: Any, ty: Any) -> Any:
+    return _splat(builder, context.cast(builder, v, ty, types.int8), _V8)
 
-    code_t = src[off + t] >> sh & mask (uint8 src), or the signed byte src[off + t] (mode & 1); OR'd
-    with a high part shifted left by hshl: src[hi + t] >> hsh & hmask (mode & 2), or bit hsh + t of the
-    32-bit word `hi` (mode & 4). mode & 8 adds the bias (else it is ignored). mode must be a literal."""
+
+def _sf(context: Any, builder: Any, v: Any, ty: Any) -> Any:
+    return _splat(builder, context.cast(builder, v, ty, types.float32), _VF)
+
+
+def _fma(builder: Any, a: Any, b: Any, c: Any) -> Any:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _xload(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:
+    return builder.load(_ptr(context, builder, aryty, ary, off, _VF), align=4)
+
+
+@intrinsic(prefer_literal=True)
+def _codes(typingctx: Any, src: Any, off: Any, sh: Any, mask: Any, hi: Any, hsh: Any, hmask: Any, hshl: Any,
+           sub: Any, mode: Any) -> Any:
+    """16 packed integer codes as exact floats: (src[off + t] >> sh & mask | high_t << hshl) - sub, t < 16,
+    worked in 8-bit lanes (every code of every GGUF type fits one). mode & 1: the signed byte src[off + t]
+    itself; mode & 2: high_t = src[hi + t] >> hsh & hmask; mode & 4: high_t = bit hsh + t of the 32-bit
+    word `hi`. Shifts are below 8. mode must be a literal."""
     if not isinstance(mode, types.IntegerLiteral):
         return None
     flags = int(mode.literal_value)
-    sig = types.void(dst, doff, src, off, sh, mask, hi, hsh, hmask, hshl, sub, scale, bias, mode)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         at = signature.args
 
-        def vec(i: int) -> Any:
-            return _splat(builder, context.cast(builder, args[i], at[i], types.int32), _V32)
+        def s8(i: int) -> Any:
+            return _s8(context, builder, args[i], at[i])
 
         def load8(i: int) -> Any:
-            return builder.load(_ptr(context, builder, at[2], args[2], args[i], _V8), align=1)
+            return builder.load(_ptr(context, builder, at[0], args[0], args[i], _V8), align=1)
 
-        if flags & 1:
-            x = builder.sext(load8(3), _V32)
-        else:
-            x = builder.and_(builder.lshr(builder.zext(load8(3), _V32), vec(4)), vec(5))
+        x = load8(1)
+        if not flags & 1:
+            x = builder.and_(builder.lshr(x, s8(2)), s8(3))
         if flags & 2:
-            h = builder.and_(builder.lshr(builder.zext(load8(6), _V32), vec(7)), vec(8))
-            x = builder.or_(x, builder.shl(h, vec(9)))
-        if flags & 4:
-            bits = builder.lshr(vec(6), builder.add(vec(7), ir.Constant(_V32, list(range(_W)))))
-            x = builder.or_(x, builder.shl(builder.and_(bits, ir.Constant(_V32, [1] * _W)), vec(9)))
-        f = builder.sitofp(builder.sub(x, vec(10)), _VF)
-        f = builder.fmul(f, _splat(builder, context.cast(builder, args[11], at[11], types.float32), _VF))
-        if flags & 8:
-            f = builder.fadd(f, _splat(builder, context.cast(builder, args[12], at[12], types.float32), _VF))
-        builder.store(f, _ptr(context, builder, at[0], args[0], args[1], _VF), align=4)
-        return context.get_dummy_value()
+            h = builder.and_(builder.lshr(load8(4), s8(5)), s8(6))
+            x = builder.or_(x, builder.shl(h, s8(7)))
+        if flags & 4:  # lane t tests bit t of (word >> hsh): byte t >> 3 of it, bit t & 7
+            word = builder.lshr(context.cast(builder, args[4], at[4], types.uint32),
+                                context.cast(builder, args[5], at[5], types.uint32))
+            by = builder.bitcast(word, ir.VectorType(_I8, 4))
+            lanes = builder.shuffle_vector(by, ir.Constant(ir.VectorType(_I8, 4), ir.Undefined),
+                                           ir.Constant(ir.VectorType(_I32, _W), [t >> 3 for t in range(_W)]))
+            bit = builder.and_(lanes, ir.Constant(_V8, [1 << (t & 7) for t in range(_W)]))
+            on = builder.icmp_unsigned("!=", bit, ir.Constant(_V8, [0] * _W))
+            x = builder.or_(x, builder.shl(builder.zext(on, _V8), s8(7)))
+        return builder.sitofp(builder.sub(x, s8(8)), _VF)
 
-    return sig, codegen
+    return VEC(src, off, sh, mask, hi, hsh, hmask, hshl, sub, mode), codegen
+
+
+@intrinsic
+def _bytes16(typingctx: Any, w0: Any, w1: Any, w2: Any, w3: Any, sub: Any) -> Any:
+    """The 16 bytes of four little-endian 32-bit words, each less sub, as exact floats (8-bit lanes)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        words = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
+        for i in range(4):
+            words = builder.insert_element(words, context.cast(builder, args[i], signature.args[i], types.uint32),
+                                           ir.Constant(_I32, i))
+        x = builder.sub(builder.bitcast(words, _V8), _s8(context, builder, args[4], signature.args[4]))
+        return builder.sitofp(x, _VF)
+
+    return VEC(w0, w1, w2, w3, sub), codegen
 
 
 @intrinsic
@@ -98,37 +148,134 @@ def _f16_intrinsic(typingctx: Any, row: Any, off: Any) -> Any:
 
 
 @intrinsic
-def _mac16_intrinsic(typingctx: Any, acc: Any, aoff: Any, w: Any, woff: Any, x: Any, xoff: Any) -> Any:
-    """acc[aoff + t] += w[woff + t] * x[xoff + t], t < 16 (a multiply, then an add)."""
+def _muls(typingctx: Any, v: Any, s: Any) -> Any:
+    """v * s (a scalar)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        p = [_ptr(context, builder, signature.args[i], args[i], args[i + 1], _VF) for i in (0, 2, 4)]
-        prod = builder.fmul(builder.load(p[1], align=4), builder.load(p[2], align=4))
-        builder.store(builder.fadd(builder.load(p[0], align=4), prod), p[0], align=4)
-        return context.get_dummy_value()
+        return builder.fmul(args[0], _sf(context, builder, args[1], signature.args[1]))
 
-    return types.void(acc, aoff, w, woff, x, xoff), codegen
+    return VEC(v, s), codegen
 
 
 @intrinsic
-def _dot256_intrinsic(typingctx: Any, acc: Any, aoff: Any, w: Any, woff: Any, x: Any, xoff: Any) -> Any:
-    """acc[aoff + t] += Σ_c w[woff + 16c + t] * x[xoff + 16c + t] over c < 16, for t < 16: the 16
-    products of each lane summed pairwise (a fixed tree), then added to the lane."""
+def _muls2(typingctx: Any, v: Any, s0: Any, s1: Any) -> Any:
+    """v * s0 in lanes 0-7, v * s1 in lanes 8-15."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         at = signature.args
+        a, b = (context.cast(builder, args[i], at[i], types.float32) for i in (1, 2))
+        s = ir.Constant(_VF, ir.Undefined)
+        for t in range(_W):
+            s = builder.insert_element(s, a if t < 8 else b, ir.Constant(_I32, t))
+        return builder.fmul(args[0], s)
 
-        def chunk(i: int, c: int) -> Any:
-            return builder.load(_ptr(context, builder, at[i], args[i], args[i + 1], _VF, 16 * c), align=4)
+    return VEC(v, s0, s1), codegen
 
-        terms = [builder.fmul(chunk(2, c), chunk(4, c)) for c in range(16)]
-        while len(terms) > 1:
-            terms = [builder.fadd(terms[i], terms[i + 1]) for i in range(0, len(terms), 2)]
-        pa = _ptr(context, builder, at[0], args[0], args[1], _VF)
-        builder.store(builder.fadd(builder.load(pa, align=4), terms[0]), pa, align=4)
+
+@intrinsic
+def _adds(typingctx: Any, v: Any, s: Any) -> Any:
+    """v + s (a scalar)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fadd(args[0], _sf(context, builder, args[1], signature.args[1]))
+
+    return VEC(v, s), codegen
+
+
+@intrinsic
+def _fmas(typingctx: Any, s: Any, v: Any, acc: Any) -> Any:
+    """acc + s * v (s a scalar), fused."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _fma(builder, _sf(context, builder, args[0], signature.args[0]), args[1], args[2])
+
+    return VEC(s, v, acc), codegen
+
+
+@intrinsic
+def _fma_intrinsic(typingctx: Any, a: Any, b: Any, acc: Any) -> Any:
+    """acc + a * b, fused."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _fma(builder, args[0], args[1], args[2])
+
+    return VEC(a, b, acc), codegen
+
+
+@intrinsic
+def _fmax(typingctx: Any, w: Any, x: Any, xoff: Any, acc: Any) -> Any:
+    """acc + w * x[xoff:xoff + 16], fused."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _fma(builder, args[0], _xload(context, builder, signature.args[1], args[1], args[2]), args[3])
+
+    return VEC(w, x, xoff, acc), codegen
+
+
+@intrinsic
+def _mul(typingctx: Any, a: Any, b: Any) -> Any:
+    """a * b."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fmul(args[0], args[1])
+
+    return VEC(a, b), codegen
+
+
+@intrinsic
+def _add(typingctx: Any, a: Any, b: Any) -> Any:
+    """a + b."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fadd(args[0], args[1])
+
+    return VEC(a, b), codegen
+
+
+@intrinsic
+def _zero(typingctx: Any) -> Any:
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return ir.Constant(_VF, [0.0] * _W)
+
+    return VEC(), codegen
+
+
+@intrinsic
+def _load(typingctx: Any, a: Any, off: Any) -> Any:
+    """a[off:off + 16] (float32 a)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _xload(context, builder, signature.args[0], args[0], args[1])
+
+    return VEC(a, off), codegen
+
+
+@intrinsic
+def _store(typingctx: Any, a: Any, off: Any, v: Any) -> Any:
+    """a[off:off + 16] = v (float32 a)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.store(args[2], _ptr(context, builder, signature.args[0], args[0], args[1], _VF), align=4)
         return context.get_dummy_value()
 
-    return types.void(acc, aoff, w, woff, x, xoff), codegen
+    return types.void(a, off, v), codegen
+
+
+@intrinsic
+def _hsum(typingctx: Any, v: Any) -> Any:
+    """Σ of the lanes, a fixed tree: lanes t and t + 8 added, then t and t + 4, t + 2, t + 1."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        x, n = args[0], _W
+        while n > 1:
+            n //= 2
+            ty = ir.VectorType(_I32, n)
+            lo = builder.shuffle_vector(x, x, ir.Constant(ty, list(range(n))))
+            hi = builder.shuffle_vector(x, x, ir.Constant(ty, list(range(n, 2 * n))))
+            x = builder.fadd(lo, hi)
+        return builder.extract_element(x, ir.Constant(_I32, 0))
+
+    return types.float32(v), codegen
 
 
 @intrinsic
@@ -145,8 +292,19 @@ def _stack_f32_intrinsic(typingctx: Any, size: Any) -> Any:
 
 
 # Typed as Any: Numba fills in the typing context when jitted code calls an intrinsic.
-unpack16: Any = _unpack16_intrinsic
+codes: Any = _codes
+bytes16: Any = _bytes16
 f16_at: Any = _f16_intrinsic
-mac16: Any = _mac16_intrinsic
-dot256: Any = _dot256_intrinsic
+muls: Any = _muls
+muls2: Any = _muls2
+adds: Any = _adds
+fmas: Any = _fmas
+fma: Any = _fma_intrinsic
+fmax: Any = _fmax
+vmul: Any = _mul
+vadd: Any = _add
+vzero: Any = _zero
+vload: Any = _load
+vstore: Any = _store
+hsum: Any = _hsum
 stack_f32: Any = _stack_f32_intrinsic
