@@ -19,7 +19,6 @@ f64 throughout.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -255,11 +254,13 @@ def problem(inputs: Sequence[np.ndarray], params: Any, acc: np.dtype[Any]) -> Pr
     b, hkv, sk, d = k.shape
     # Without ALiBi every slope is 0, which the row pass skips.
     hq = q.shape[1]
-    slopes = np.asarray(inputs[-1], acc) if inputs[-1].ndim == 1 else np.zeros(hq, acc)
-    slopes = np.ascontiguousarray(np.broadcast_to(slopes.reshape(1, hkv, hq // hkv), (b, hkv, hq // hkv)))
+    if inputs[-1].ndim == 1:
+        per_head = np.asarray(inputs[-1], acc).reshape(1, hkv, hq // hkv)
+        slopes = np.ascontiguousarray(np.broadcast_to(per_head, (b, hkv, hq // hkv))).reshape(b * hkv, hq // hkv)
+    else:
+        slopes = np.zeros((b * hkv, hq // hkv), acc)
     return Problem(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d), win,
-                   acc.type(params.softmax_scale), acc.type(params.softcap or 0),
-                   slopes.reshape(b * hkv, hq // hkv), hkv)
+                   acc.type(params.softmax_scale), acc.type(params.softcap or 0), slopes, hkv)
 
 
 def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -331,16 +332,16 @@ def attention_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any
     """Two products over the live keys (a causal mask halves them), plus reading q, the live rows of k
     and v, and writing out. A DynScalar k_len (unknown at plan time) counts the whole cache; the
     executor sizes such a step again with the bound value at each run."""
-    q, k = shapes[0], shapes[1]
-    b, hq, sq, d = q
-    sk = k[2]
+    b, hq, sq, d = shapes[0]
+    hkv, sk = shapes[1][1], shapes[1][2]
     kl = sk if params.k_len is None or not isinstance(params.k_len, int) else min(params.k_len, sk)
     pairs = b * hq * sq * kl
     if params.causal and sq > 1:
         pairs = pairs // 2
-    live = [kl / sk if i in (1, 2) and sk else 1.0 for i in range(len(shapes))]
-    moved = sum(int(math.prod(s) * t.itemsize * f) for s, t, f in zip(shapes, dtypes, live, strict=True))
-    return CostEstimate(flops=4 * pairs * d, bytes_moved=moved)
+    q_out = b * hq * sq * d * (dtypes[0].itemsize + dtypes[-1].itemsize)
+    kv = b * hkv * kl * d * (dtypes[1].itemsize + dtypes[2].itemsize)
+    alibi = hq * dtypes[3].itemsize if len(shapes) == 5 else 0
+    return CostEstimate(flops=4 * pairs * d, bytes_moved=q_out + kv + alibi)
 
 
 # |out - ref| <= max_relative·|ref| + max_absolute·S against float64, S = Σ_j p_ij·|v_j| per element
