@@ -140,9 +140,14 @@ def _llama_cpp_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
     start = time.perf_counter()
     llm.eval(ids)
     prefill_s = time.perf_counter() - start
+    n_vocab = llm.n_vocab()
+
+    def last_logits() -> np.ndarray:  # the last evaluated token's row (Llama.scores is filled only with logits_all)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))
+
     tokens, start = [], time.perf_counter()
     for _ in range(n_decode):
-        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        tokens.append(int(np.argmax(last_logits())))
         llm.eval([tokens[-1]])
     decode_s = time.perf_counter() - start
     return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
