@@ -196,7 +196,10 @@ def worker(engine: str, model: str, sizes: Sizes) -> dict[str, Any]:
 def run_child(engine: str, model: str, sizes: Sizes) -> dict[str, Any]:
     """`worker` in a fresh interpreter; an engine that is not installed or fails gives its error."""
     cmd = [sys.executable, "-m", "benchmarks.bench_models", "--worker", engine, model, json.dumps(asdict(sizes))]
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(THREADS))
+    # Each engine runs with its own defaults and gets its thread count through its API: a passive OpenMP
+    # wait (which `fuel bench` sets for the benchmarks that share one process with torch) cut llama.cpp's
+    # decode from 98 to 34 tokens/s, its threads sleeping at every barrier.
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], env=env)
     if proc.returncode != 0:
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
