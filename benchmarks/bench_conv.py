@@ -43,7 +43,8 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 THREADS = 2
 WAYS = ("fuel", "fuel_jit", "torch_eager")
 FUEL_WAYS = ("fuel", "fuel_jit")
-TARGETS = {"conv2d": 1.5, "conv_transpose2d": 1.5, "causal_conv1d": 1.0, "causal_conv1d_silu": 1.0}
+TARGETS = {"conv2d": 1.5, "conv_transpose2d": 1.5, "causal_conv1d": 1.0, "causal_conv1d_silu": 1.0,
+           "conv2d_batch1": 1.5, "causal_conv1d_one_step": 1.0}
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,15 @@ def cases(sz: Sizes) -> list[tuple[str, str, Callable[[np.random.Generator], lis
          lambda x, w, bias: F.conv1d(x, w, bias, groups=ch), seq_tol),
         ("causal_conv1d_silu", f"x[{b},{ch},{seq}+{taps - 1}] w[{ch},1,{taps}] +bias, SiLU",
          lambda rng: [_randn(rng, (b, ch, seq + taps - 1)), _randn(rng, (ch, 1, taps), 0.5), _randn(rng, (ch,))],
+         lambda x, w, bias: fl.ops.causal_conv1d(x, w, bias, use_silu=True),
+         lambda x, w, bias: F.silu(F.conv1d(x, w, bias, groups=ch)), seq_tol),
+        # decode sizes: one small image, and one new column of a causal conv (what a Mamba decode step runs)
+        ("conv2d_batch1", f"x[1,{c},8,8] w[{c},{c},{k},{k}] +bias pad {pad}",
+         lambda rng: [_randn(rng, (1, c, 8, 8)), _randn(rng, (c, c, k, k), 0.1), _randn(rng, (c,))],
+         lambda x, w, bias: fl.ops.conv2d(x, w, bias, padding=pad),
+         lambda x, w, bias: F.conv2d(x, w, bias, padding=pad), conv_tol),
+        ("causal_conv1d_one_step", f"x[1,{ch},1+{taps - 1}] w[{ch},1,{taps}] +bias, SiLU",
+         lambda rng: [_randn(rng, (1, ch, taps)), _randn(rng, (ch, 1, taps), 0.5), _randn(rng, (ch,))],
          lambda x, w, bias: fl.ops.causal_conv1d(x, w, bias, use_silu=True),
          lambda x, w, bias: F.silu(F.conv1d(x, w, bias, groups=ch)), seq_tol),
     ]

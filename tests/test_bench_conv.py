@@ -26,9 +26,11 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "conv.json").read_text())
     assert data["meta"]["threads"] == 2 and data["meta"]["sizes"]["hw"] == bc.Sizes.tiny().hw
     results = {r["case"]: r for r in data["results"]}
-    assert set(results) == {"conv2d", "conv_transpose2d", "causal_conv1d", "causal_conv1d_silu"}
+    assert set(results) == {"conv2d", "conv_transpose2d", "causal_conv1d", "causal_conv1d_silu", "conv2d_batch1",
+                            "causal_conv1d_one_step"}
     impls = {"conv2d": "Conv2D[", "conv_transpose2d": "ConvTranspose2D[", "causal_conv1d": "CausalConv1d[",
-             "causal_conv1d_silu": "CausalConv1d["}
+             "causal_conv1d_silu": "CausalConv1d[", "conv2d_batch1": "Conv2D[",
+             "causal_conv1d_one_step": "CausalConv1d["}
     for name, r in results.items():
         assert all(r["ms"][w] > 0 for w in bc.WAYS)
         assert r["fuel_ms"] == r["ms"][r["fuel_best_way"]] and r["torch_ms"] == r["ms"]["torch_eager"]
