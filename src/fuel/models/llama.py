@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,7 +75,7 @@ class LlamaConfig:
     gemma: bool = False
     sliding_window: int | None = None
     local_rope_base: float | None = None
-    attn_scale: float = field(default=0.0)
+    attn_scale: float = 0.0
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> LlamaConfig:
@@ -222,8 +222,10 @@ class LlamaModel:
         self.out_norm = f["output_norm.weight"].array()
         embd = f["token_embd.weight"]
         self.head = _Linear.of(f["output.weight" if "output.weight" in f else "token_embd.weight"])  # tied if absent
-        self._embd = embd
-        self._embd_rows = weight_rows(embd.words, _quant(embd), embd.n, embd.k) if embd.is_quantized else None
+        # what `embed` reads per token, made once: the quantized table's rows, or the float table
+        self._embd_qt = embd.quant_type
+        self._embd_rows = None if embd.quant_type is None else weight_rows(embd.words, embd.quant_type, embd.n, embd.k)
+        self._embd_table = embd.array() if embd.quant_type is None else None
         shape = (1, cfg.kv_heads, capacity, cfg.head_dim)
         self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
         self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
@@ -325,10 +327,11 @@ class LlamaModel:
         for r, t in enumerate(ids):
             if not 0 <= int(t) < self.cfg.vocab:
                 raise ModelError(f"model: token id {t} is outside the vocabulary [0, {self.cfg.vocab})")
-            if self._embd_rows is not None:
-                dequantize_rows_into(self._embd_rows, _quant(self._embd), int(t), int(t) + 1, out[r:r + 1])
+            if self._embd_rows is not None and self._embd_qt is not None:
+                dequantize_rows_into(self._embd_rows, self._embd_qt, int(t), int(t) + 1, out[r:r + 1])
             else:
-                out[r] = self._embd.array()[int(t)]
+                assert self._embd_table is not None
+                out[r] = self._embd_table[int(t)]
         return out
 
     def _tables(self, start: int, rows: int) -> list[np.ndarray]:
@@ -381,8 +384,3 @@ def load(name_or_path: str = "smollm2", context: int = 2048) -> Any:
 
     return load_llm(name_or_path, context)
 
-
-def _quant(t: GGUFTensor) -> Any:
-    from fuel.quant import QuantType
-
-    return QuantType.of(t.type_name, "model")
