@@ -307,3 +307,28 @@ def test_a_copying_reshape_of_a_destroyed_capture_is_not_folded() -> None:
         before = state.copy()
         flat, _ = f(np.zeros(6, np.float32))
         np.testing.assert_array_equal(flat.numpy(), before.T.reshape(6))
+
+
+def test_max_arena_bytes_drops_the_least_recently_used_capture() -> None:
+    def fn(x: fl.Tensor) -> fl.Tensor:
+        return (x * 2.0).exp() * 3.0 + 1.0
+
+    a, b, c = (np.ones((n,), np.float32) for n in (1000, 2000, 3000))
+    probe = fl.jit(fn)
+    sizes = []
+    for x in (a, b, c):
+        probe(x)
+        cap = probe.capture_for(x)
+        assert cap is not None
+        sizes.append(cap.arena_bytes)
+    assert min(sizes) > 0
+    step = fl.jit(fn, max_arena_bytes=sizes[1] + sizes[2])  # room for the two largest, not all three
+    step(a)
+    step(b)
+    step(a)  # a is now the most recently used
+    step(c)  # over budget: b (least recently used) goes, then a if still over
+    assert step.capture_for(b) is None and step.capture_for(c) is not None
+    assert step.captures < 3
+    np.testing.assert_allclose(step(b).numpy(), 3.0 * np.exp(2.0) + 1.0, rtol=1e-6)  # traced again when needed
+    with pytest.raises(fl.ParamError, match="max_arena_bytes"):
+        fl.jit(fn, max_arena_bytes=-1)

@@ -11,6 +11,8 @@ The contract:
   steps: no graph is built, nothing is keyed, no intermediate is allocated.
 - Outputs are fresh arrays each call, so a result already handed out is never overwritten; with
   `reuse_outputs=True` they live in the arena too, and the next call overwrites them.
+- Each signature keeps its capture (and arena) for the life of `f`; `fl.jit(fn, max_arena_bytes=n)`
+  drops the least recently used ones once their arenas pass n bytes, for callers that see many shapes.
 - Leaves `fn` captures from outside (weights) are held by the capture and read on every call. A
   destructive op writes into its input as in `realize`, be it an argument or a captured array.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -229,13 +232,18 @@ def _arena(steps: list[Step], outputs: Sequence[int], reuse_outputs: bool) -> tu
 class Jit:
     """A function traced once per input signature and replayed; see the module docstring."""
 
-    def __init__(self, fn: Callable[..., Any], *, reuse_outputs: bool = False, fuse: bool = True) -> None:
+    def __init__(self, fn: Callable[..., Any], *, reuse_outputs: bool = False, fuse: bool = True,
+                 max_arena_bytes: int | None = None) -> None:
         if not callable(fn):
             raise ParamError(f"jit: expects a callable, got {type(fn).__name__}")
+        if max_arena_bytes is not None and (isinstance(max_arena_bytes, bool) or not isinstance(max_arena_bytes, int)
+                                            or max_arena_bytes < 0):
+            raise ParamError(f"jit: max_arena_bytes must be a non-negative integer or None, got {max_arena_bytes!r}")
         self.fn = fn
         self.reuse_outputs = reuse_outputs
         self.fuse = fuse
-        self._captures: dict[Signature, Capture] = {}
+        self.max_arena_bytes = max_arena_bytes
+        self._captures: OrderedDict[Signature, Capture] = OrderedDict()
         self._lock = threading.Lock()
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
@@ -253,11 +261,26 @@ class Jit:
                 if capture is None:
                     capture = Capture(self.fn, arrays, self.fuse, self.reuse_outputs)
                     self._captures[sig] = capture
+                    self._evict()
+        elif self.max_arena_bytes is not None:
+            with self._lock:
+                if sig in self._captures:
+                    self._captures.move_to_end(sig)  # most recently used last
         threads.apply()
         with capture._lock:  # one capture's arena serves one call at a time
             values = capture.run(arrays, env)
         outs = [_leaf(v) for v in values]
         return outs[0] if capture.single else tuple(outs)
+
+    def _evict(self) -> None:
+        """Drop the least recently used captures while their arenas pass `max_arena_bytes` (the newest
+        always stays): each signature's arena holds all its intermediates for as long as it is kept."""
+        if self.max_arena_bytes is None:
+            return
+        total = sum(c.arena_bytes for c in self._captures.values())
+        while total > self.max_arena_bytes and len(self._captures) > 1:
+            _, dropped = self._captures.popitem(last=False)
+            total -= dropped.arena_bytes
 
     def capture_for(self, *args: Any) -> Capture | None:
         """The capture that serves these arguments' signature, once traced (for inspection)."""
@@ -291,8 +314,9 @@ def _array(a: Any) -> np.ndarray:
 
 
 def jit(fn: Callable[..., Any] | None = None, *, reuse_outputs: bool = False,
-        fuse: bool = True) -> Any:
-    """`f = fl.jit(fn)` (or `@fl.jit`, `@fl.jit(reuse_outputs=True)`): capture once, replay after."""
+        fuse: bool = True, max_arena_bytes: int | None = None) -> Any:
+    """`f = fl.jit(fn)` (or `@fl.jit`, `@fl.jit(reuse_outputs=True)`): capture once, replay after.
+    `max_arena_bytes` bounds the arenas kept across signatures (least recently used dropped first)."""
     if fn is None:
-        return lambda f: Jit(f, reuse_outputs=reuse_outputs, fuse=fuse)
-    return Jit(fn, reuse_outputs=reuse_outputs, fuse=fuse)
+        return lambda f: Jit(f, reuse_outputs=reuse_outputs, fuse=fuse, max_arena_bytes=max_arena_bytes)
+    return Jit(fn, reuse_outputs=reuse_outputs, fuse=fuse, max_arena_bytes=max_arena_bytes)

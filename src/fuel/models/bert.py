@@ -29,8 +29,8 @@ Why not group by length with no padding? That was the first version, exact too, 
 64 sentences made 41 batches of one or two sentences (small, slow GEMMs) and 41 captures to trace.
 Here sentences are sorted by length and batched `batch_size` at a time, each batch padded to a
 multiple of 8 tokens, so a few (batch, length) signatures serve most calls: each is one `fl.jit`
-capture, replayed when the shape repeats. Captures hold arenas sized by their shape, so they are
-kept in an LRU bounded by total arena bytes (`ARENA_BUDGET`) rather than forever.
+capture, replayed when the shape repeats. Captures hold arenas sized by their shape, so the jit keeps
+them within `ARENA_BUDGET` bytes (`fl.jit(..., max_arena_bytes=)`, least recently used dropped first).
 """
 
 from __future__ import annotations
@@ -40,8 +40,6 @@ import importlib.util
 import json
 import math
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -51,7 +49,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 import fuel as fl
-from fuel.dispatch.jit import Jit
 from fuel.errors import FuelError, ParamError
 
 if TYPE_CHECKING:
@@ -136,8 +133,9 @@ class MiniLM:
         # tokenizer.json ships with fixed padding to 128 and truncation at 128: neither is the model's.
         self.tokenizer.no_padding()
         self.tokenizer.enable_truncation(self.config.max_seq_length)
-        self._captures: OrderedDict[tuple[int, int], tuple[Jit, int]] = OrderedDict()
-        self._lock = threading.Lock()
+        # one capture per (batch, length); each arena holds all its intermediates (370 MiB at 32 x 256
+        # tokens), so the least recently used go once they pass ARENA_BUDGET
+        self._step = fl.jit(self.encode, max_arena_bytes=ARENA_BUDGET)
 
     def _linear(self, x: fl.Tensor, name: str) -> fl.Tensor:
         # Plain primitives: the executor's pattern pass makes this a FusedLinear node.
@@ -180,28 +178,8 @@ class MiniLM:
         return pooled, pooled / norm
 
     def _run(self, ids: np.ndarray, mask: np.ndarray) -> tuple[fl.Tensor, fl.Tensor]:
-        """`encode` of one batch through the capture of its (batch, length), traced on first use.
-
-        Captures live in an LRU bounded by their arena bytes: an arena holds every intermediate of
-        its shape (370 MiB at 32 x 256 tokens; the newest capture is always kept).
-        """
-        key = (int(ids.shape[0]), int(ids.shape[1]))
-        with self._lock:
-            hit = self._captures.get(key)
-            if hit is not None:
-                self._captures.move_to_end(key)
-        if hit is not None:
-            return hit[0](ids, mask)
-        step = fl.jit(self.encode)
-        result = step(ids, mask)
-        cap = step.capture_for(ids, mask)
-        size = cap.arena_bytes if cap is not None else 0
-        with self._lock:
-            self._captures[key] = (step, size)
-            total = sum(sz for _, sz in self._captures.values())
-            while total > ARENA_BUDGET and len(self._captures) > 1:
-                _, (_, sz) = self._captures.popitem(last=False)
-                total -= sz
+        """`encode` of one batch through the capture of its (batch, length), traced on first use."""
+        result: tuple[fl.Tensor, fl.Tensor] = self._step(ids, mask)
         return result
 
     def token_ids(self, sentences: Sequence[str]) -> list[list[int]]:
