@@ -11,8 +11,9 @@ from fuel.dispatch.fused import BackendImpl
 from fuel.dtype import DType
 from fuel.graph.node import Op
 from fuel.graph.passes.fuse import fuse
+from fuel.graph.prims import slots_of, views
 from fuel.graph.registry import FusedOpEntry, default_registry, fused_node
-from fuel.testing.contract import output_for, verify_impl
+from fuel.testing.contract import output_bytes, output_for, verify_impl
 from fuel.testing.reference import Case, cases, has_reference, reference
 
 ENTRIES = list(default_registry())
@@ -41,9 +42,9 @@ def test_impl_gives_the_same_bytes_with_one_and_two_blas_threads(entry: FusedOpE
     # verify_impl varies Numba's threads; the GEMM-shaped impls run on OpenBLAS's own pool.
     for case in cases(entry.name, impl.dtypes, np.random.default_rng(1)):
         with threadpool_limits(1, "blas"):
-            one = output_for(entry, impl, case.inputs, case.params).tobytes()
+            one = output_bytes(output_for(entry, impl, case.inputs, case.params))
         with threadpool_limits(2, "blas"):
-            two = output_for(entry, impl, case.inputs, case.params).tobytes()
+            two = output_bytes(output_for(entry, impl, case.inputs, case.params))
         assert one == two, case.label
 
 
@@ -61,12 +62,13 @@ def test_rules_agree_with_decomposition_and_reference(entry: FusedOpEntry) -> No
     for case in _cases64(entry):
         node = fused_node(entry.id, [fl.tensor(a).node for a in case.inputs], case.params)
         lowered = entry.decompose([fl.tensor(a) for a in case.inputs], case.params)
-        assert (lowered.shape, lowered.dtype) == (node.shape, node.dtype), case.label
-        got = fl.realize(lowered, fuse=False)[0].numpy()
+        outs = lowered if isinstance(lowered, tuple) else (lowered,)
+        assert [(t.shape, t.dtype) for t in outs] == (slots_of(node) or [(node.shape, node.dtype)]), case.label
         want = reference(entry.name, case.inputs, case.params)
-        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12 * max(1.0, float(np.nanmax(np.abs(want),
-                                                                                            initial=0))),
-                                   err_msg=case.label)
+        for got, ref in zip(fl.realize(*outs, fuse=False), want if isinstance(want, tuple) else (want,), strict=True):
+            np.testing.assert_allclose(got.numpy(), ref, rtol=1e-9,
+                                       atol=1e-12 * max(1.0, float(np.nanmax(np.abs(ref), initial=0))),
+                                       err_msg=case.label)
 
 
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if e.pattern and e.decompose], ids=lambda e: e.name)
@@ -87,20 +89,29 @@ def test_gradient_matches_finite_differences(entry: FusedOpEntry) -> None:
         if any(a.size == 0 for a in case.inputs):
             continue
         leaves = [fl.tensor(a) for a in case.inputs]
-        out = fl.Tensor(fused_node(entry.id, [t.node for t in leaves], case.params))
-        w = np.random.default_rng(3).standard_normal(out.shape)
+        node = fused_node(entry.id, [t.node for t in leaves], case.params)
+        outs = [fl.Tensor(v) for v in views(node)] if entry.output_views else [fl.Tensor(node)]
+        ws = [np.random.default_rng(3 + j).standard_normal(o.shape) for j, o in enumerate(outs)]
+        loss = outs[0].mul(fl.tensor(ws[0]).cast(outs[0].dtype)).sum()  # every slot weighted, so each slot's cotangent is tested
+        for o, w in zip(outs[1:], ws[1:], strict=True):
+            loss = loss + o.mul(fl.tensor(w).cast(o.dtype)).sum()
+
+        def weighted(values: object, ws: list[np.ndarray] = ws) -> float:
+            slots = values if isinstance(values, tuple) else (values,)
+            return float(sum(np.sum(w * v) for w, v in zip(ws, slots, strict=True)))
+
         for k, a in enumerate(case.inputs):
             if a.dtype != np.float64:
                 continue
             try:
-                (g,) = fl.grad(out, [leaves[k]], grad_out=fl.tensor(w))
+                (g,) = fl.grad(loss, [leaves[k]])
             except fl.NotDifferentiable:  # the entry serves no gradient for this input (e.g. ALiBi slopes)
                 continue
             direction = np.random.default_rng(k).standard_normal(a.shape)
             h = 1e-6
             plus = [x + h * direction if j == k else x for j, x in enumerate(case.inputs)]
             minus = [x - h * direction if j == k else x for j, x in enumerate(case.inputs)]
-            numeric = float(np.sum(w * (reference(entry.name, plus, case.params)
-                                        - reference(entry.name, minus, case.params))) / (2 * h))
+            numeric = (weighted(reference(entry.name, plus, case.params))
+                       - weighted(reference(entry.name, minus, case.params))) / (2 * h)
             analytic = float(np.sum(g.numpy() * direction))
             assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(numeric)), (case.label, k, numeric, analytic)

@@ -65,7 +65,8 @@ def _decomposition(entry: FusedOpEntry, sample: tuple[tuple[np.ndarray, ...], An
         out = entry.decompose(leaves, params)
     except FuelError:
         return "none"
-    nodes: list[Node] = [n for n in topo_order([out.node]) if n.value is None]
+    roots = [t.node for t in out] if isinstance(out, tuple) else [out.node]
+    nodes: list[Node] = [n for n in topo_order(roots) if n.value is None]
     return f"{len(nodes)} nodes"
 
 

@@ -28,7 +28,7 @@ from fuel.graph.passes.cse import cse
 from fuel.graph.passes.fuse import fuse
 from fuel.graph.passes.lower import lower
 from fuel.graph.passes.order import schedule
-from fuel.graph.prims import DESTRUCTIVE_PRIMS
+from fuel.graph.prims import DESTRUCTIVE_PRIMS, slots_of
 from fuel.graph.registry import FusedOpRegistry, default_registry
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class Step:
     output: int
     free_after: tuple[int, ...]
     name: str  # the impl (or primitive) that runs it, as a trace shows it
+    slots: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] | None = None  # a multi-output step's outputs
     joint: JointKernel | None = None  # runs this step's siblings too (same inputs and params)
     siblings: tuple[tuple[int, int, OpSpec], ...] = ()  # (entry id, slot, spec) of each sibling's output
 
@@ -277,12 +278,14 @@ def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
         fused = n.op is Op.FUSED
         impl = _impl_for(n, kernels) if fused else None
         params = n.arg[1] if fused else n.arg
+        slots = slots_of(n)
         steps.append(Step(
             spec=n.spec(), prim=None if fused else PRIM_KERNELS[n.op], impl=impl, params=params,
             dyn_fields=dyn_names(params), destructive=destructive(n),
             serial=impl is not None and _runs_serially(n, impl),
             inputs=tuple(slot[i] for i in n.inputs), output=slot[n], free_after=tuple(frees.get(step_index, ())),
-            name=impl.name if impl is not None else f"prim:{n.op.name.lower()}"))
+            name=impl.name if impl is not None else f"prim:{n.op.name.lower()}",
+            slots=None if slots is None else tuple((shape, dtype.np) for shape, dtype in slots)))
     return Plan(len(order), leaf_slots, baked, join_siblings(steps, kernels), tuple(slot[r] for r in graph))
 
 
@@ -365,8 +368,14 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
     return [slots[s] for s in plan.outputs]
 
 
-def checked(step: Step, out: Any) -> np.ndarray:
-    """A primitive's result as an array, checked against the node's rules."""
+def checked(step: Step, out: Any) -> Any:
+    """A primitive's result as an array (a tuple of them for a multi-output one), checked against the
+    node's rules."""
+    if step.slots is not None:
+        if not isinstance(out, tuple) or [(o.shape, o.dtype) for o in out] != list(step.slots):
+            raise KernelError(f"{step.name}: produced {_describe(out)}, rules say "
+                              f"{[(list(s), str(d)) for s, d in step.slots]}")
+        return out
     if type(out) is not np.ndarray:  # NumPy full reductions return scalars
         out = np.asarray(out)
     spec = step.spec
@@ -376,8 +385,14 @@ def checked(step: Step, out: Any) -> np.ndarray:
     return out
 
 
+def _describe(out: Any) -> str:
+    if isinstance(out, tuple):
+        return str([(list(o.shape), str(o.dtype)) for o in out])
+    return type(out).__name__
+
+
 def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: dict[str, int] | None,
-              check: Sequence[int] | None = None, slots: list[Any] | None = None) -> tuple[np.ndarray, int]:
+              check: Sequence[int] | None = None, slots: list[Any] | None = None) -> tuple[Any, int]:
     """Run a fused step's kernel into `out` (allocated here when None), serially if the step is small.
 
     Inputs at positions `check` (all when None) are made contiguous for an impl that needs it. A joint
@@ -393,21 +408,24 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
                 args[k] = np.ascontiguousarray(args[k])
                 copies += 1
     params = resolve(step.params, step.dyn_fields, env)
+    result: Any
     if step.destructive is not None:
-        out = args[step.destructive]
-        if not out.flags.writeable:
+        result = args[step.destructive]
+        if not result.flags.writeable:
             raise KernelError(f"{impl.name}: input {step.destructive} is destroyed in place but is read-only")
-    elif out is None:
-        out = POOL.empty(spec.shape, spec.dtype.np)
+    elif step.slots is not None:
+        result = tuple(POOL.empty(shape, dtype) for shape, dtype in step.slots)
+    else:
+        result = POOL.empty(spec.shape, spec.dtype.np) if out is None else out
     threads.use_serial(_serial_now(step, params) if step.dyn_fields else step.serial)
     if step.joint is not None and slots is not None:
-        outs: dict[int, np.ndarray] = {impl.op_id: out}
+        outs: dict[int, np.ndarray] = {impl.op_id: result}
         for op_id, slot, sib in step.siblings:
             outs[op_id] = slots[slot] = POOL.empty(sib.shape, sib.dtype.np)
         step.joint.kernel(args, outs, params)
     else:
-        impl.kernel(args, out, params)
-    return out, copies
+        impl.kernel(args, result, params)
+    return result, copies
 
 
 def record(step: Step, start: float, copies: int) -> None:

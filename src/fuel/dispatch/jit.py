@@ -193,6 +193,8 @@ def _arena(steps: list[Step], outputs: Sequence[int], reuse_outputs: bool) -> tu
     base: dict[int, int] = {}  # slot -> the step index whose buffer holds its memory
     owner: set[int] = set()
     for k, step in enumerate(steps):
+        if step.slots is not None:
+            continue  # a multi-output step's buffers are allocated per call (its views alias them)
         alias = 0 if step.prim is not None and step.spec.op in _VIEWS else step.destructive
         if alias is None:
             base[step.output] = k

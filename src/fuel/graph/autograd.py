@@ -9,7 +9,7 @@ from numpy.typing import ArrayLike
 
 from fuel.errors import DTypeError, NotDifferentiable, ShapeError
 from fuel.graph.node import Node, Op, topo_order
-from fuel.graph.prims import COMPARE, make
+from fuel.graph.prims import COMPARE, make, views
 from fuel.graph.registry import default_registry, snake_name
 from fuel.graph.tensor import Tensor, full, tensor, where, zeros
 
@@ -181,6 +181,19 @@ def _vjp(node: Node, g: Tensor) -> Grads:
     return rule(xs, node, y, g)
 
 
+def _multi_vjp(node: Node, per_slot: dict[int, Tensor]) -> Grads:
+    """A multi-output node's VJP: its VIEWs as the outputs, one cotangent per slot (zeros where no
+    gradient reached the slot)."""
+    if node.op is not Op.FUSED:
+        raise NotDifferentiable(f"grad: primitive {node.op.name.lower()} has no gradient rule")
+    entry = default_registry().entry(node.arg[0])
+    if entry.vjp is None:
+        raise NotDifferentiable(f"grad: {entry.name} is not differentiable ({entry.backward})")
+    outs = tuple(Tensor(v) for v in views(node))
+    cotangents = tuple(per_slot.get(k, zeros(o.shape, o.dtype)) for k, o in enumerate(outs))
+    return entry.vjp([Tensor(i) for i in node.inputs], node.arg[1], outs, cotangents)
+
+
 def _wrt_list(wrt: Tensor | Iterable[Tensor]) -> list[Tensor]:
     """`wrt` as a list of graph tensors; arrays are refused, since no gradient could reach a new leaf."""
     items = [wrt] if isinstance(wrt, Tensor) else list(wrt)
@@ -242,11 +255,22 @@ def grad(out: Tensor, wrt: Tensor | Iterable[Tensor], grad_out: Tensor | ArrayLi
         if n in targets or any(i in needed for i in n.inputs):
             needed.add(n)
     grads: dict[Node, Tensor] = {out_node: cotangent}
+    slot_grads: dict[Node, dict[int, Tensor]] = {}  # per multi-output node, the cotangents of its VIEWs
     for node in reversed(order):
         g = grads.get(node)
-        if g is None or node not in needed or node.op is Op.CONST or not node.inputs:
+        if node.op is Op.VIEW:
+            if g is not None and node in needed:
+                per = slot_grads.setdefault(node.inputs[0], {})
+                slot = node.arg[0]
+                per[slot] = g if slot not in per else per[slot] + g
             continue
-        for k, (inp, gi) in enumerate(zip(node.inputs, _vjp(node, g), strict=True)):
+        if node in slot_grads:
+            rule_grads = _multi_vjp(node, slot_grads.pop(node))
+        elif g is None or node not in needed or node.op is Op.CONST or not node.inputs:
+            continue
+        else:
+            rule_grads = _vjp(node, g)
+        for k, (inp, gi) in enumerate(zip(node.inputs, rule_grads, strict=True)):
             if inp not in needed:
                 continue
             if gi is None:

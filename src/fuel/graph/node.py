@@ -82,7 +82,12 @@ class Op(enum.Enum):
     INDEX_ADD = enum.auto()
     # destructive: writes rows into input 0 at a runtime offset and returns it (a KV-cache append)
     CACHE_WRITE = enum.auto()
-    # multi-output projection and fused ops
+    # Gradient kernels of fused ops whose backward has no inventory entry. Each reads the forward's
+    # inputs and the output cotangent(s); the scan ones are multi-output (one slot per input gradient).
+    CROSS_ENTROPY_GRAD = enum.auto()
+    SELECTIVE_SCAN_GRAD = enum.auto()
+    SSD_CHUNK_SCAN_GRAD = enum.auto()
+    # multi-output projection (arg: slot, shape, dtype) and fused ops
     VIEW = enum.auto()
     FUSED = enum.auto()
 

@@ -347,8 +347,60 @@ def _cache_write(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
 
 def _view(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     _arity(Op.VIEW, inputs, 1)
-    _slot, shape, dtype = arg
+    slot, shape, dtype = arg
+    slots = slots_of(inputs[0])
+    if slots is None:
+        raise ShapeError(f"view: {inputs[0]!r} has a single output; only multi-output nodes are projected")
+    if not 0 <= slot < len(slots) or slots[slot] != (tuple(shape), dtype):
+        raise ShapeError(f"view: slot {slot} {list(shape)} {dtype.value} is not one of the node's "
+                         f"{[(list(s), d.value) for s, d in slots]}")
     return tuple(shape), dtype
+
+
+Slots = list[tuple[Shape, DType]]
+
+
+def _input_grads(op: Op, n_wrt: int) -> Callable[[tuple[Node, ...], Any], Slots]:
+    """Slots of a gradient kernel whose inputs are the forward's `n_wrt` inputs then its cotangents:
+    one gradient per forward input, with that input's shape and dtype."""
+    def slots(inputs: tuple[Node, ...], arg: Any) -> Slots:
+        if len(inputs) < n_wrt:
+            raise ShapeError(f"{_name(op)}: takes the forward's {n_wrt} inputs and its cotangents, got "
+                             f"{len(inputs)} inputs")
+        return [(i.shape, i.dtype) for i in inputs[:n_wrt]]
+    return slots
+
+
+# Multi-output primitives: the node's own shape and dtype are slot 0's; VIEW nodes project the slots.
+PRIM_SLOTS: dict[Op, Callable[[tuple[Node, ...], Any], Slots]] = {
+    Op.SELECTIVE_SCAN_GRAD: _input_grads(Op.SELECTIVE_SCAN_GRAD, 5),
+    Op.SSD_CHUNK_SCAN_GRAD: _input_grads(Op.SSD_CHUNK_SCAN_GRAD, 5),
+}
+
+
+def _multi(op: Op) -> Rule:
+    def rule(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
+        return PRIM_SLOTS[op](inputs, arg)[0]
+    return rule
+
+
+def _cross_entropy_grad(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
+    _arity(Op.CROSS_ENTROPY_GRAD, inputs, 3)  # logits, targets, the loss's cotangent
+    return inputs[0].shape, inputs[0].dtype
+
+
+def slots_of(node: Node) -> Slots | None:
+    """The (shape, dtype) of each output of a multi-output node, or None for a single-output one."""
+    if node.op is Op.FUSED:
+        from fuel.graph.registry import default_registry
+
+        entry = default_registry().get(node.arg[0])
+        if entry is None or entry.output_views is None:
+            return None
+        return entry.output_views(tuple(i.shape for i in node.inputs), tuple(i.dtype for i in node.inputs),
+                                  node.arg[1])
+    rule = PRIM_SLOTS.get(node.op)
+    return None if rule is None else rule(node.inputs, node.arg)
 
 
 def _no_rule(op: Op) -> Rule:
@@ -387,6 +439,9 @@ RULES: dict[Op, Rule] = {
     Op.INDEX_ADD: _index_add,
     Op.CACHE_WRITE: _cache_write,
     Op.VIEW: _view,
+    Op.CROSS_ENTROPY_GRAD: _cross_entropy_grad,
+    Op.SELECTIVE_SCAN_GRAD: _multi(Op.SELECTIVE_SCAN_GRAD),
+    Op.SSD_CHUNK_SCAN_GRAD: _multi(Op.SSD_CHUNK_SCAN_GRAD),
     Op.CONST: _no_rule(Op.CONST),
     Op.FUSED: _no_rule(Op.FUSED),
 }
@@ -397,3 +452,11 @@ def make(op: Op, inputs: tuple[Node, ...], arg: Any = None) -> Node:
     """Build a primitive node, checking its shape and dtype rule first."""
     shape, dtype = RULES[op](inputs, arg)
     return Node(op, inputs, check_dims(_name(op), tuple(int(d) for d in shape)), dtype, arg)
+
+
+def views(node: Node) -> tuple[Node, ...]:
+    """One VIEW node per output slot of a multi-output node."""
+    slots = slots_of(node)
+    if slots is None:
+        raise ShapeError(f"view: {node!r} has a single output")
+    return tuple(make(Op.VIEW, (node,), (k, shape, dtype)) for k, (shape, dtype) in enumerate(slots))

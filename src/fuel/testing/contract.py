@@ -17,9 +17,15 @@ from fuel.testing.check import excess, floor_of, nonfinite_mismatch, row_max_sca
 from fuel.testing.reference import cases, has_reference, reference, scale
 
 
-def output_for(entry: FusedOpEntry, impl: BackendImpl, inputs: Sequence[np.ndarray], params: Any) -> np.ndarray:
-    """Allocate the output the executor would (from the entry's rules) and run the kernel on it."""
+def output_for(entry: FusedOpEntry, impl: BackendImpl, inputs: Sequence[np.ndarray], params: Any) -> Any:
+    """Allocate the output the executor would (from the entry's rules) and run the kernel on it: an
+    array, or a tuple of them (one per slot) for a multi-output entry."""
     shape = entry.shape_rule(tuple(a.shape for a in inputs), params)
+    if entry.output_views is not None:
+        slots = entry.output_views(tuple(a.shape for a in inputs), tuple(impl.dtypes[:-1]), params)
+        outs = tuple(np.full(s, np.nan, d.np) for s, d in slots)
+        impl.kernel([np.ascontiguousarray(a) for a in inputs], outs, params)
+        return outs
     if entry.destructive_input is not None:
         out = np.array(inputs[entry.destructive_input], copy=True)
         args = [out if i == entry.destructive_input else np.ascontiguousarray(a) for i, a in enumerate(inputs)]
@@ -31,19 +37,28 @@ def output_for(entry: FusedOpEntry, impl: BackendImpl, inputs: Sequence[np.ndarr
     return out
 
 
-def precision_excess(out: np.ndarray, ref: np.ndarray, p: PrecisionGuarantee,
-                     local_scale: np.ndarray | None = None) -> float:
+def precision_excess(out: Any, ref: Any, p: PrecisionGuarantee, local_scale: Any = None) -> float:
     """max over elements of |out - ref| / allowed; <= 1 passes, inf when NaN/±inf disagree.
 
     allowed = max_relative·|ref| + max_absolute·S + (the output format's smallest subnormal), with S
     the element's local scale (default: max|ref| over its last-axis row); see PrecisionGuarantee.
+    Tuples (a multi-output entry's slots) are checked slot by slot.
     """
+    if isinstance(ref, tuple):
+        if not isinstance(out, tuple) or len(out) != len(ref):
+            return float("inf")
+        scales = local_scale if local_scale is not None else (None,) * len(ref)
+        return max((precision_excess(o, r, p, s) for o, r, s in zip(out, ref, scales, strict=True)), default=0.0)
     o = np.asarray(out)
     if o.shape != ref.shape or nonfinite_mismatch(o, ref) is not None:
         return float("inf")
     s = row_max_scale(ref) if local_scale is None else local_scale
     ratio = excess(o, ref, s, p.max_relative or 0.0, p.max_absolute or 0.0, floor_of(o.dtype))
     return float(np.max(ratio)) if ratio.size else 0.0
+
+
+def output_bytes(out: Any) -> bytes:
+    return b"".join(o.tobytes() for o in out) if isinstance(out, tuple) else bytes(out.tobytes())
 
 
 @contextmanager
@@ -94,19 +109,19 @@ def verify_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0, repeats: 
             s = scale(entry.name, case.inputs, case.params, ref)
             worst = max(worst, precision_excess(out, ref, impl.precision, s))
             n += 1
-            first = out.tobytes()
-            if not unstable and any(output_for(entry, impl, case.inputs, case.params).tobytes() != first
+            first = output_bytes(out)
+            if not unstable and any(output_bytes(output_for(entry, impl, case.inputs, case.params)) != first
                                     for _ in range(repeats - 1)):
                 unstable = f"{case.label}: differs between calls"
             for threads in thread_counts():
                 if unstable:
                     break
                 with numba_threads(threads):
-                    if output_for(entry, impl, case.inputs, case.params).tobytes() != first:
+                    if output_bytes(output_for(entry, impl, case.inputs, case.params)) != first:
                         unstable = f"{case.label}: differs with {threads} Numba thread(s)"
             if not unstable:
                 with serial():
-                    if output_for(entry, impl, case.inputs, case.params).tobytes() != first:
+                    if output_bytes(output_for(entry, impl, case.inputs, case.params)) != first:
                         unstable = f"{case.label}: the serial path differs from the parallel one"
     except Exception as e:  # a crash is a failed verification, reported with its message
         return VerifyResult(entry.name, impl.name, n, worst, not unstable, f"{type(e).__name__}: {e}", unstable)

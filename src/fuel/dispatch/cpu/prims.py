@@ -273,6 +273,18 @@ def _cache_write(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.
     return cache
 
 
+def _grad_kernel(module: str, name: str) -> PrimKernel:
+    """A fused op's gradient kernel, `kernel(inputs, arg) -> array or tuple of arrays`, living beside the
+    op's forward kernels in `fuel.dispatch.cpu.<module>` (imported on first use: it compiles Numba code).
+    Inputs the autograd built as broadcast zeros arrive contiguous."""
+    def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
+        import importlib
+
+        kernel = getattr(importlib.import_module(f"fuel.dispatch.cpu.{module}"), name)
+        return kernel([np.ascontiguousarray(x) for x in xs], n.arg)
+    return run
+
+
 def _no_kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
     raise KernelError(f"{n.op.name.lower()}: has no primitive kernel; the executor handles it")
 
@@ -314,7 +326,10 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.SCATTER_ADD: _into(_scatter_add),
     Op.INDEX_ADD: _into(_index_add),
     Op.CACHE_WRITE: _cache_write,
-    Op.VIEW: _no_kernel,
+    Op.VIEW: lambda xs, n, out: xs[0][n.arg[0]],
+    Op.CROSS_ENTROPY_GRAD: _grad_kernel("cross_entropy", "cross_entropy_grad"),
+    Op.SELECTIVE_SCAN_GRAD: _grad_kernel("selective_scan", "selective_scan_grad"),
+    Op.SSD_CHUNK_SCAN_GRAD: _grad_kernel("ssd_chunk_scan", "ssd_chunk_scan_grad"),
     Op.CONST: _no_kernel,
     Op.FUSED: _no_kernel,
 }

@@ -98,9 +98,11 @@ class Match:
 
 ShapeRule = Callable[[tuple[Shape, ...], Any], Shape]
 DTypeRule = Callable[[tuple[DType, ...], Any], DType]
-Decompose = Callable[[list["Tensor"], Any], "Tensor"]
+# A multi-output entry's decompose returns one Tensor per slot, and its vjp takes them (and one
+# cotangent per slot) as tuples.
+Decompose = Callable[[list["Tensor"], Any], "Tensor | tuple[Tensor, ...]"]
 Pattern = Callable[[Node, Mapping[Node, int]], Match | None]
-Vjp = Callable[[list["Tensor"], Any, "Tensor", "Tensor"], list["Tensor | None"]]
+Vjp = Callable[[list["Tensor"], Any, Any, Any], list["Tensor | None"]]
 OutputViews = Callable[[tuple[Shape, ...], tuple[DType, ...], Any], list[tuple[Shape, DType]]]
 
 
@@ -217,6 +219,19 @@ def fused_node(op_id: FusedOpId, inputs: Sequence[Node], params: Any) -> Node:
     return Node(Op.FUSED, tuple(inputs), tuple(shape), dtype, (entry.id, params))
 
 
+def fused_views(op_id: FusedOpId, inputs: Sequence[Node], params: Any) -> tuple[Tensor, ...]:
+    """Build a multi-output FUSED node (the entry declares `output_views`) and return one Tensor per
+    output slot, each a VIEW of the node: the bundle itself never reaches the user."""
+    from fuel.graph.prims import views
+    from fuel.graph.tensor import Tensor
+
+    node = fused_node(op_id, inputs, params)
+    entry = default_registry().entry(op_id)
+    if entry.output_views is None:
+        raise RegistryError(f"registry: {entry.name} has a single output; build it with fused_node")
+    return tuple(Tensor(v) for v in views(node))
+
+
 _SNAKE_OVERRIDES = {"QMatMul": "qmatmul", "PowIBackward": "powi_backward"}
 
 
@@ -250,6 +265,7 @@ def vjp_by_decomposition(decompose: Decompose) -> Vjp:
         stand_ins = [Tensor(Node(Op.CONST, (), t.shape, t.dtype, None,
                                  np.broadcast_to(np.zeros((), t.dtype.np), t.shape))) for t in inputs]
         lowered = decompose(stand_ins, params)
+        assert isinstance(lowered, Tensor), "multi-output entries write their own vjp"
         wrt = [s for s in stand_ins if s.dtype.is_float]
         grads = iter(grad(lowered, wrt, grad_out, fuse=False))
         mapping = {s.node: t.node for s, t in zip(stand_ins, inputs, strict=True)}

@@ -29,14 +29,16 @@ class Case:
     params: Any
 
 
-RefFn = Callable[[list[np.ndarray], Any], np.ndarray]
+RefFn = Callable[[list[np.ndarray], Any], Any]  # an array, or one per slot of a multi-output entry
 CaseFn = Callable[[tuple[DType, ...], np.random.Generator], list[Case]]
-ScaleFn = Callable[[list[np.ndarray], Any, np.ndarray], np.ndarray]
+ScaleFn = Callable[[list[np.ndarray], Any, Any], Any]
 """(float64 inputs, params, float64 reference output) -> per-element scale, broadcastable to the output."""
 
 
-def row_max(inputs: list[np.ndarray], params: Any, ref: np.ndarray) -> np.ndarray:
-    """The default scale: max|ref| over each element's last-axis row."""
+def row_max(inputs: list[np.ndarray], params: Any, ref: Any) -> Any:
+    """The default scale: max|ref| over each element's last-axis row (per slot for a multi-output entry)."""
+    if isinstance(ref, tuple):
+        return tuple(row_max_scale(r, -1) for r in ref)
     return row_max_scale(ref, -1)
 
 
@@ -66,16 +68,21 @@ def has_reference(name: str) -> bool:
     return name in _REFS
 
 
-def reference(name: str, inputs: Sequence[np.ndarray], params: Any) -> np.ndarray:
-    """The float64 reference output of entry `name` on `inputs` (float inputs are widened exactly)."""
+def reference(name: str, inputs: Sequence[np.ndarray], params: Any) -> Any:
+    """The float64 reference output of entry `name` on `inputs` (float inputs are widened exactly): an
+    array, or a tuple of them (one per slot) for a multi-output entry."""
     _load()
     return _REFS[name](_widen(inputs), params)
 
 
-def scale(name: str, inputs: Sequence[np.ndarray], params: Any, ref: np.ndarray) -> np.ndarray:
-    """The local scale of each element of `ref` (entry `name`'s reference output on `inputs`)."""
+def scale(name: str, inputs: Sequence[np.ndarray], params: Any, ref: Any) -> Any:
+    """The local scale of each element of `ref` (entry `name`'s reference output on `inputs`); for a
+    multi-output entry, `ref` and the result are tuples with one array per slot."""
     _load()
-    return np.broadcast_to(np.asarray(_SCALES[name](_widen(inputs), params, ref), np.float64), ref.shape)
+    s = _SCALES[name](_widen(inputs), params, ref)
+    if isinstance(ref, tuple):
+        return tuple(np.broadcast_to(np.asarray(si, np.float64), r.shape) for si, r in zip(s, ref, strict=True))
+    return np.broadcast_to(np.asarray(s, np.float64), ref.shape)
 
 
 def cases(name: str, dtypes: tuple[DType, ...], rng: np.random.Generator) -> list[Case]:
