@@ -92,7 +92,8 @@ def test_gradient_matches_finite_differences(entry: FusedOpEntry) -> None:
         node = fused_node(entry.id, [t.node for t in leaves], case.params)
         outs = [fl.Tensor(v) for v in views(node)] if entry.output_views else [fl.Tensor(node)]
         ws = [np.random.default_rng(3 + j).standard_normal(o.shape) for j, o in enumerate(outs)]
-        loss = outs[0].mul(fl.tensor(ws[0]).cast(outs[0].dtype)).sum()  # every slot weighted, so each slot's cotangent is tested
+        # every slot weighted, so each slot's cotangent is tested
+        loss = outs[0].mul(fl.tensor(ws[0]).cast(outs[0].dtype)).sum()
         for o, w in zip(outs[1:], ws[1:], strict=True):
             loss = loss + o.mul(fl.tensor(w).cast(o.dtype)).sum()
 
