@@ -17,6 +17,7 @@ from fuel.errors import (
     ParamError,
     RankZeroError,
     ShapeError,
+    StaleInput,
 )
 from fuel.graph.autograd import grad
 from fuel.graph.node import DynScalar, dyn
@@ -37,6 +38,7 @@ __all__ = [
     "ParamError",
     "RankZeroError",
     "ShapeError",
+    "StaleInput",
     "Tensor",
     "bf16",
     "cache_write",

@@ -37,6 +37,11 @@ class KernelError(FuelError, RuntimeError):
     """No kernel can run a node, or a kernel broke its contract."""
 
 
+class StaleInput(FuelError, RuntimeError):
+    """A graph would read a buffer that a destructive op (inplace_affine, cache_write) overwrote after
+    the graph was built, or would need a value after the op in the same graph destroys it."""
+
+
 class NoDecomposition(FuelError):
     """A fused op has no lowering to primitives."""
 

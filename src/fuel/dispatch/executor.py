@@ -21,13 +21,13 @@ from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.prims import PRIM_KERNELS, PrimKernel
 from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, JointKernel, default_kernel_registry
-from fuel.errors import KernelError, ShapeError
+from fuel.errors import KernelError, ShapeError, StaleInput
 from fuel.graph.node import DynScalar, Node, Op, OpSpec, topo_order
 from fuel.graph.passes import arg_key
 from fuel.graph.passes.cse import cse
 from fuel.graph.passes.fuse import fuse
 from fuel.graph.passes.lower import lower
-from fuel.graph.passes.order import schedule
+from fuel.graph.passes.order import alias_root, schedule
 from fuel.graph.prims import DESTRUCTIVE_PRIMS, slots_of
 from fuel.graph.registry import FusedOpRegistry, default_registry
 
@@ -63,6 +63,7 @@ class Plan:
     baked: dict[int, np.ndarray]  # constants the passes made (never the user's arrays)
     steps: list[Step]
     outputs: tuple[int, ...]
+    destroys: bool = False  # some step writes an input in place
 
 
 @dataclass
@@ -132,15 +133,42 @@ def realize(*tensors: Tensor, env: dict[str, int] | None = None, fuse: bool = Tr
         return tensors
     order = topo_order(roots)
     leaves = [n for n in order if n.value is not None]
+    _check_not_stale(order, leaves)
     registry, kernels = default_registry(), default_kernel_registry()
     plan = cached_plan(order, roots, leaves, fuse, registry, kernels)
     threads.apply()
     values = run(plan, [n.value for n in leaves], env)  # type: ignore[misc]
+    if plan.destroys:
+        _mark_overwritten(order, _destructive(registry))
     bound = _bindings(order, env)
     for node, value in zip(roots, values, strict=True):
         node.value = value
         node.bound = bound.get(node)
     return tensors
+
+
+def _check_not_stale(order: list[Node], leaves: list[Node]) -> None:
+    """Refuse a graph built on a buffer that a destructive op rewrote after the graph was built: it
+    would compute from the new contents, not from what its builder saw."""
+    if all(leaf.written < 0 for leaf in leaves):
+        return
+    for n in order:
+        if n.value is None:
+            for i in n.inputs:
+                if i.written > n.serial:
+                    raise StaleInput(f"realize: {n!r} was built on {i!r}, whose buffer a destructive op "
+                                     f"(inplace_affine, cache_write) has overwritten since; build it again "
+                                     f"from the op's result")
+
+
+def _mark_overwritten(order: list[Node], destructive: Any) -> None:
+    """Stamp each realised buffer a destructive node of this graph wrote in place."""
+    for n in order:
+        k = destructive(n) if n.value is None else None
+        if k is not None:
+            root = alias_root(n.inputs[k])
+            if root.value is not None:
+                root.overwritten()
 
 
 def cached_plan(order: list[Node], roots: list[Node], leaves: list[Node], fuse_on: bool,
@@ -286,7 +314,8 @@ def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
             inputs=tuple(slot[i] for i in n.inputs), output=slot[n], free_after=tuple(frees.get(step_index, ())),
             name=impl.name if impl is not None else f"prim:{n.op.name.lower()}",
             slots=None if slots is None else tuple((shape, dtype.np) for shape, dtype in slots)))
-    return Plan(len(order), leaf_slots, baked, join_siblings(steps, kernels), tuple(slot[r] for r in graph))
+    return Plan(len(order), leaf_slots, baked, join_siblings(steps, kernels), tuple(slot[r] for r in graph),
+                destroys=any(st.destructive is not None for st in steps))
 
 
 def join_siblings(steps: list[Step], kernels: FusedKernelRegistry) -> list[Step]:

@@ -132,7 +132,7 @@ class OpSpec:
 class Node:
     """One value in the graph. Structure is immutable; `value` caches a realised array."""
 
-    __slots__ = ("__weakref__", "arg", "bound", "dtype", "inputs", "op", "serial", "shape", "value")
+    __slots__ = ("__weakref__", "arg", "bound", "dtype", "inputs", "op", "serial", "shape", "value", "written")
 
     def __init__(
         self,
@@ -153,6 +153,14 @@ class Node:
         # depends on none: realising it again under other bindings recomputes it.
         self.bound: dict[str, int] | None = None
         self.serial = next(_serial)
+        # For a realised value: the serial stamp of the last time a destructive op overwrote its buffer
+        # (-1: never). A node built before that stamp would read the new contents, not what its builder
+        # saw, so realising it is refused (see `overwritten`).
+        self.written = -1
+
+    def overwritten(self) -> None:
+        """Record that a destructive op has just rewritten this node's buffer."""
+        self.written = next(_serial)
 
     @property
     def is_leaf(self) -> bool:

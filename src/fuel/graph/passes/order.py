@@ -5,11 +5,30 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from fuel.errors import KernelError
+from fuel.errors import KernelError, StaleInput
 from fuel.graph.node import Node, Op, topo_order
 from fuel.graph.prims import VIEW_OPS
 
 _ALIASING = VIEW_OPS | {Op.RESHAPE, Op.CONTIGUIZE}
+
+
+def alias_root(n: Node) -> Node:
+    """The node whose buffer `n` views (itself when it is no view)."""
+    while n.value is None and n.op in _ALIASING:
+        n = n.inputs[0]
+    return n
+
+
+def _users_of(d: Node, users: dict[Node, list[Node]]) -> set[Node]:
+    """Every node that depends on `d` (transitively)."""
+    seen: set[Node] = set()
+    stack = list(users[d])
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(users[n])
+    return seen
 
 
 def schedule(roots: Sequence[Node], destructive: Callable[[Node], int | None]) -> list[Node]:
@@ -25,14 +44,21 @@ def schedule(roots: Sequence[Node], destructive: Callable[[Node], int | None]) -
         k = destructive(d) if d.value is None else None
         if k is None:
             continue
-        aliases = {d.inputs[k]}
-        for n in order[position[d.inputs[k]]:]:
+        root = alias_root(d.inputs[k])
+        aliases = {root}
+        for n in order[position[root]:]:
             if n.value is None and n is not d and n.op in _ALIASING and n.inputs[0] in aliases:
                 aliases.add(n)
+        downstream = _users_of(d, users)
         for a in aliases:
             for reader in users[a]:
-                if reader is not d and reader not in aliases:
-                    after[d].add(reader)
+                if reader is d or reader in aliases:
+                    continue
+                if reader in downstream:
+                    raise StaleInput(f"schedule: {reader!r} reads {a!r}, which {d!r} overwrites in place, and "
+                                     f"also depends on that op's result, so it would need the value after it "
+                                     f"is destroyed; copy the input first (e.g. x * 1.0) or use only the result")
+                after[d].add(reader)
     indegree = {n: 0 for n in order}
     succ: dict[Node, list[Node]] = {n: [] for n in order}
     for n in order:
