@@ -324,7 +324,8 @@ def _dims(op: str, shape: Sequence[Any], what: str = "a dimension") -> tuple[int
 
 
 def tensor(data: Any, dtype: DType | str | None = None) -> Tensor:
-    """A leaf over an array (shared, never written); `dtype` converts it once."""
+    """A leaf over an array (shared, not copied: only the in-place ops, `fl.ops.inplace_affine` and
+    `fl.cache_write`, ever write it); `dtype` converts it once (a copy unless already that dtype)."""
     if isinstance(data, Tensor):
         return data if dtype is None else data.cast(dtype)
     arr = np.asarray(data)

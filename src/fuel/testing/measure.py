@@ -54,9 +54,13 @@ def measure_impl(entry: FusedOpEntry, impl: BackendImpl, seeds: Sequence[int]) -
     floor = floor_of(impl.dtypes[-1].np)
     for seed in seeds:
         for case in cases(entry.name, impl.dtypes, np.random.default_rng(seed)):
-            out = as64(output_for(entry, impl, case.inputs, case.params))
+            out = output_for(entry, impl, case.inputs, case.params)
             ref = reference(entry.name, case.inputs, case.params)
             s = scale(entry.name, case.inputs, case.params, ref)
+            if isinstance(ref, tuple):  # a multi-output entry: its slots, one after another
+                out, ref, s = (np.concatenate([np.ravel(as64(x)) for x in v]) for v in (out, ref, s))
+            else:
+                out = as64(out)
             keep = np.isfinite(ref)
             errs.append(np.abs(out[keep] - ref[keep]) - floor)
             refs.append(np.abs(ref[keep]))

@@ -280,7 +280,10 @@ def _grad_kernel(module: str, name: str) -> PrimKernel:
     def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
         import importlib
 
+        from fuel.dispatch import threads
+
         kernel = getattr(importlib.import_module(f"fuel.dispatch.cpu.{module}"), name)
+        threads.use_serial(False)  # a whole backward pass: fuel's thread count, whatever ran before
         return kernel([np.ascontiguousarray(x) for x in xs], n.arg)
     return run
 
