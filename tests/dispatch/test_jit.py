@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
 
 import fuel as fl
-from fuel.dispatch import jit as jit_module
-from fuel.dispatch.fused import (
-    CONTIGUOUS_ONLY,
-    BackendImpl,
-    CostEstimate,
-    FusedKernelRegistry,
-    PrecisionGuarantee,
-    default_kernel_registry,
-)
 from fuel.graph.node import Node, Op
 from fuel.graph.registry import (
-    BackwardKind,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOpRegistry,
     FusedOps,
-    default_registry,
 )
 
 
@@ -194,44 +177,12 @@ def test_decorator_form_with_options(rng: np.random.Generator) -> None:
 
 
 # ---- destructive ops under replay -----------------------------------------------------------------
-# No shipped entry destroys its input yet, so the test registers one: InplaceAffine's id with a
-# stand-in "x <- 2·x + 1" kernel, in registries the executor is pointed at for the test.
-
-
-@dataclass(frozen=True)
-class _AffineParams:
-    pass
-
-
-def _affine_kernel(inputs: list[np.ndarray], out: np.ndarray, params: object) -> None:
-    assert out is inputs[0]
-    np.multiply(out, 2.0, out=out)
-    np.add(out, 1.0, out=out)
-
-
-@pytest.fixture
-def destructive_op(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    entry = FusedOpEntry(
-        id=FusedOps.INPLACE_AFFINE, name="InplaceAffine", family=FusedOpFamily.FORWARD, params=_AffineParams,
-        arity=(1,), shape_rule=lambda shapes, p: shapes[0], dtype_rule=lambda dts, p: dts[0], decompose=None,
-        backward=BackwardKind("NotDifferentiable"), vjp=None, pattern=None, output_views=None, destructive_input=0)
-    registry = FusedOpRegistry([*default_registry(), entry])
-    kernels = FusedKernelRegistry()
-    for impl in default_kernel_registry():
-        kernels.register(impl)
-    kernels.register(BackendImpl(FusedOps.INPLACE_AFFINE, "cpu", _affine_kernel, (fl.f32, fl.f32),
-                                 lambda s, d, p: CostEstimate(0, 0), PrecisionGuarantee(True, None, 0, 0, ""),
-                                 CONTIGUOUS_ONLY, "test"))
-    monkeypatch.setattr(jit_module, "default_registry", lambda: registry)
-    monkeypatch.setattr(jit_module, "default_kernel_registry", lambda: kernels)
-    yield
 
 
 def _affine(x: fl.Tensor) -> fl.Tensor:
-    return fl.Tensor(Node(Op.FUSED, (x.node,), x.shape, x.dtype, (FusedOps.INPLACE_AFFINE, _AffineParams())))
+    return fl.ops.inplace_affine(x, 2.0, 1.0)  # x <- 2·x + 1 in x's buffer
 
 
-@pytest.mark.usefixtures("destructive_op")
 def test_destructive_op_runs_after_every_reader_of_its_input_under_replay() -> None:
     def fn(state: fl.Tensor, x: fl.Tensor) -> tuple[fl.Tensor, fl.Tensor]:
         before = state * x           # reads the old state
@@ -247,7 +198,6 @@ def test_destructive_op_runs_after_every_reader_of_its_input_under_replay() -> N
         assert np.shares_memory(new.numpy(), state), step
 
 
-@pytest.mark.usefixtures("destructive_op")
 def test_destructive_op_on_an_intermediate_reuses_its_arena_buffer() -> None:
     f = fl.jit(lambda x: _affine(x * 3.0) + 0.0)
     for v in (1.0, 2.0):
@@ -269,7 +219,6 @@ def test_primitives_of_captured_weights_are_folded_at_capture(rng: np.random.Gen
     assert capture is not None and capture.n_folded >= 3
 
 
-@pytest.mark.usefixtures("destructive_op")
 def test_captured_arrays_a_step_destroys_are_not_folded() -> None:
     state = np.ones(4, np.float32)
     held = fl.tensor(state)
@@ -298,7 +247,6 @@ def test_views_of_arena_buffers_are_folded_and_copying_reshapes_are_not(rng: np.
     assert capture is not None and capture.n_folded == 2  # the reshape and the transpose
 
 
-@pytest.mark.usefixtures("destructive_op")
 def test_a_copying_reshape_of_a_destroyed_capture_is_not_folded() -> None:
     state = np.arange(6, dtype=np.float32).reshape(2, 3)
     held = fl.tensor(state)

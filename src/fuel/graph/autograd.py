@@ -21,11 +21,12 @@ def _t(op: Op, inputs: Sequence[Tensor], arg: object = None) -> Tensor:
     return Tensor(make(op, tuple(i.node for i in inputs), arg))
 
 
-def _max_share(x: Tensor, y: Tensor, g: Tensor) -> Tensor:
-    """Gradient of a max: tied maxima share the upstream gradient equally (like torch.amax)."""
-    mask = (x == y.broadcast_to(x.shape)).cast(x.dtype)
-    counts = _t(Op.REDUCE_SUM_TO, [mask], y.shape)
-    return mask * (g / counts).broadcast_to(x.shape)
+def _max_share(x: Tensor, g: Tensor) -> Tensor:
+    """Gradient of a max over the axes where g (the max's keepdim shape) has 1 or lacks on the left:
+    tied maxima share the upstream gradient equally (like torch.amax), through ReduceMaxToBackward."""
+    from fuel.graph.registry.reduce_max_to_backward import reduce_max_to_backward
+
+    return reduce_max_to_backward(x, g)
 
 
 def _slice_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
@@ -67,10 +68,10 @@ def _pad_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
 
 
 def _powi_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
-    k = int(n.arg)
-    if k == 0:
-        return [zeros(xs[0].shape, xs[0].dtype)]
-    return [g * (_t(Op.POWI, xs, k - 1) * float(k))]
+    """k·x^(k−1)·g through PowIBackward (0 everywhere for k = 0)."""
+    from fuel.graph.registry.powi_backward import powi_backward
+
+    return [powi_backward(xs[0], g, int(n.arg))]
 
 
 def _pow_scalar_vjp(xs: list[Tensor], n: Node, y: Tensor, g: Tensor) -> Grads:
@@ -145,10 +146,10 @@ PRIM_VJP: dict[Op, PrimVjp] = {
     Op.POW: _pow_vjp,
     Op.CAST: lambda xs, n, y, g: [g.cast(xs[0].dtype) if xs[0].dtype.is_float else None],
     Op.REDUCE_SUM_TO: lambda xs, n, y, g: [g.broadcast_to(xs[0].shape)],
-    Op.REDUCE_MAX_TO: lambda xs, n, y, g: [_max_share(xs[0], y, g)],
+    Op.REDUCE_MAX_TO: lambda xs, n, y, g: [_max_share(xs[0], g)],
     Op.SUM_DIM: lambda xs, n, y, g: [g.unsqueeze(n.arg).broadcast_to(xs[0].shape)],
     Op.MEAN_DIM: lambda xs, n, y, g: [(g * (1.0 / xs[0].shape[n.arg])).unsqueeze(n.arg).broadcast_to(xs[0].shape)],
-    Op.MAX_DIM: lambda xs, n, y, g: [_max_share(xs[0], y.unsqueeze(n.arg), g.unsqueeze(n.arg))],
+    Op.MAX_DIM: lambda xs, n, y, g: [_max_share(xs[0], g.unsqueeze(n.arg))],
     Op.BROADCAST_TO: lambda xs, n, y, g: [_t(Op.REDUCE_SUM_TO, [g], xs[0].shape)],
     Op.RESHAPE: lambda xs, n, y, g: [g.reshape(xs[0].shape)],
     Op.PERMUTE: lambda xs, n, y, g: [g.permute(*_inverse(n.arg))],

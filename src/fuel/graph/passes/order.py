@@ -54,6 +54,10 @@ def schedule(roots: Sequence[Node], destructive: Callable[[Node], int | None]) -
             for reader in users[a]:
                 if reader is d or reader in aliases:
                     continue
+                kr = destructive(reader) if reader.value is None else None
+                if kr is not None and alias_root(reader.inputs[kr]) is root:
+                    raise StaleInput(f"schedule: {d!r} and {reader!r} both overwrite {root!r} in place, each "
+                                     f"from its old value; chain them (build the second on the first's result)")
                 if reader in downstream:
                     raise StaleInput(f"schedule: {reader!r} reads {a!r}, which {d!r} overwrites in place, and "
                                      f"also depends on that op's result, so it would need the value after it "

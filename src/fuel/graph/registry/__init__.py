@@ -185,6 +185,9 @@ ENTRY_MODULES: tuple[str, ...] = (
     "layer_norm_last_dim",
     "layer_norm_last_dim_backward",
     "rms_norm_last_dim_backward",
+    "reduce_max_to_backward",
+    "powi_backward",
+    "inplace_affine",
     "paged_attn",
     "flash_attn",
     "flash_attn_backward_q",
@@ -195,6 +198,7 @@ ENTRY_MODULES: tuple[str, ...] = (
     "conv2d",
     "conv_transpose2d",
     "causal_conv1d",
+    "ssd_chunk_scan",
 )
 
 

@@ -1,0 +1,106 @@
+"""ReduceMaxToBackward (id 10): the gradient of REDUCE_MAX_TO, with tied maxima sharing it equally.
+
+Inputs x (the forward input) and g (the upstream gradient, of the forward's target shape: right-aligned
+against x, each reduced axis 1 or missing on the left). The result has x's shape and dtype: every
+element that is its group's maximum gets g/ties, where ties is how many elements share that maximum
+(`[1, 3, 3, 2] -> [0, g/2, g/2, 0]`, as torch.amax's backward); the other elements get 0·(g/ties), which
+is 0 for a finite g (a non-finite g gives NaN there, as torch's amax backward and the decomposition do).
+
+NaN: REDUCE_MAX_TO propagates NaN, so a group holding a NaN has the maximum NaN. An element counts as
+its group's maximum when it equals it or when both are NaN: such a group shares g among its NaN
+elements, and its other elements get 0. (torch.amax gives NaN gradients there; it is not an oracle for
+NaN inputs.) An all-(−inf) group has maximum −inf, and all its elements tie.
+
+Only autograd emits it (the REDUCE_MAX_TO primitive's gradient); its own gradient differentiates the
+decomposition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from fuel.dtype import DType
+from fuel.errors import DTypeError, ShapeError
+from fuel.graph.node import Op, Shape
+from fuel.graph.prims import make, reduce_to_axes
+from fuel.graph.registry import (
+    NOT_DIFFERENTIABLE,
+    FusedOpEntry,
+    FusedOpFamily,
+    FusedOps,
+    fused_node,
+    vjp_by_decomposition,
+)
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+
+NAME = "reduce_max_to_backward"
+
+
+@dataclass(frozen=True)
+class ReduceMaxToBackwardParams:
+    pass
+
+
+def reduced_axes(x: Shape, target: Shape) -> tuple[int, ...]:
+    """The axes of x that REDUCE_MAX_TO(target) takes the max over; ShapeError if target does not fit."""
+    try:
+        axes = reduce_to_axes(NAME, x, target)
+    except ShapeError as e:
+        raise ShapeError(f"{NAME}: g has shape {list(target)}, which is not a reduce-to target of x's "
+                         f"{list(x)} ({str(e).split(': ', 1)[-1]})") from None
+    if 0 in x and math.prod(target) > 0:
+        raise ShapeError(f"{NAME}: g has shape {list(target)}, but x {list(x)} has an empty axis to take "
+                         f"the max over")
+    return axes
+
+
+def shape_rule(shapes: tuple[Shape, ...], params: ReduceMaxToBackwardParams) -> Shape:
+    x, g = shapes
+    reduced_axes(x, g)
+    return x
+
+
+def dtype_rule(dtypes: tuple[DType, ...], params: ReduceMaxToBackwardParams) -> DType:
+    x, g = dtypes
+    if not x.is_float:
+        raise DTypeError(f"{NAME}: x must be a float tensor, got {x.value}")
+    if g != x:
+        raise DTypeError(f"{NAME}: g is {g.value}, x is {x.value}")
+    return x
+
+
+def decompose(inputs: list[Tensor], params: ReduceMaxToBackwardParams) -> Tensor:
+    """mask = (x == y) or both NaN, as x's dtype (a cast of the comparison: never 0·x, which is NaN at
+    ±inf); grad = mask · (g / Σmask) broadcast back."""
+    x, g = inputs
+    y = Tensor(make(Op.REDUCE_MAX_TO, (x.node,), g.shape)).broadcast_to(x.shape)
+    both_nan = (x != x) * (y != y)  # u8 product: NaN never equals itself
+    mask = (x == y).maximum(both_nan).cast(x.dtype)
+    ties = Tensor(make(Op.REDUCE_SUM_TO, (mask.node,), g.shape))
+    return mask * (g / ties).broadcast_to(x.shape)
+
+
+def reduce_max_to_backward(x: TensorLike, g: TensorLike) -> Tensor:
+    """Gradient of `REDUCE_MAX_TO(x, g.shape)` given the upstream gradient `g`: tied maxima share g
+    equally; a group holding NaN shares it among its NaN elements (see the module docstring)."""
+    tx = as_tensor(x)
+    nodes = [tx.node, as_tensor(g, tx).node]
+    return Tensor(fused_node(FusedOps.REDUCE_MAX_TO_BACKWARD, nodes, ReduceMaxToBackwardParams()))
+
+
+ENTRY = FusedOpEntry(
+    id=FusedOps.REDUCE_MAX_TO_BACKWARD,
+    name="ReduceMaxToBackward",
+    family=FusedOpFamily.BACKWARD,
+    params=ReduceMaxToBackwardParams,
+    arity=(2,),
+    shape_rule=shape_rule,
+    dtype_rule=dtype_rule,
+    decompose=decompose,
+    backward=NOT_DIFFERENTIABLE,
+    vjp=vjp_by_decomposition(decompose),
+    pattern=None,
+    output_views=None,
+    destructive_input=None,
+)
