@@ -199,6 +199,7 @@ ENTRY_MODULES: tuple[str, ...] = (
     "conv_transpose2d",
     "causal_conv1d",
     "ssd_chunk_scan",
+    "fused_softmax_cross_entropy",
 )
 
 
