@@ -6,7 +6,8 @@ element is computed in f64 (the half types widen exactly) and rounded once to x'
 
 Ordering: the scheduler runs every other reader of x (and of its views) in the same graph before this
 node, and CSE never merges two of them (each one applies). A node that needs x both before and after
-the write (e.g. `x + inplace_affine(x, …)`) cannot be ordered: realising it raises a FuelError.
+the write (e.g. `x + inplace_affine(x, …)`) cannot be ordered: realising it raises `StaleInput`, as
+does realising a reader of x built before the write once the write has run.
 
 The decomposition is the value form only, `AddScalar(add)(MulScalar(mul)(x))`, which writes a fresh
 buffer; its gradient is d/dx = mul·g (the inventory's metadata says NotDifferentiable as `backward=`,
@@ -85,8 +86,9 @@ def inplace_affine(x: TensorLike, mul: float, add: float) -> Tensor:
     place too; a read-only array (a broadcast, a `.numpy()` result) raises a KernelError at realise.
 
     Other readers of x in the same graph (`z = x * 2` realised together with the result) run before
-    the write and see the old values; realise any reader of x together with this (or before it), never
-    after. Two identical in-place affines of the same x both apply (CSE never merges them).
+    the write and see the old values. A reader of x built before the write and realised after it, a
+    node needing x both before and after the write, and two in-place ops on the same x realised
+    together (each from the old value: chain them instead) raise `fl.StaleInput`.
     """
     params = InplaceAffineParams(mul, add)
     return Tensor(fused_node(FusedOps.INPLACE_AFFINE, [as_tensor(x).node], params))
