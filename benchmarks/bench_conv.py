@@ -156,7 +156,8 @@ def cases(sz: Sizes) -> list[tuple[str, str, Callable[[np.random.Generator], lis
     ]
 
 
-def plot(results: list[dict[str, Any]], path: Path) -> None:
+def plot(results: list[dict[str, Any]], path: Path,
+         title: str = "Fuel convolutions vs PyTorch eager, this CPU") -> None:
     """One panel per case: bars fuel / fuel jit / torch with the ratio to torch over each fuel bar."""
     import matplotlib
 
@@ -178,7 +179,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylim(0, max(vals) * 1.3)
         ax.set_ylabel("median ms (lower is better)")
         ax.set_title(f"{r['case']} (target <= {r['target']}x)\n{r['shape']}", fontsize=8)
-    fig.suptitle("Fuel convolutions vs PyTorch eager, this CPU", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -59,7 +59,7 @@ def _bench(args: argparse.Namespace) -> int:
     root = Path(__file__).resolve().parents[2]
     script = ("bench_attention.py" if args.attention else "bench_latency.py" if args.latency
               else "bench_quant.py" if args.quant else "bench_models.py" if args.models
-              else "bench_conv.py" if args.conv else "bench_ops.py")
+              else "bench_conv.py" if args.conv else "bench_scans.py" if args.scans else "bench_ops.py")
     if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
@@ -76,6 +76,10 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import bench_conv
 
         return bench_conv.main(args.out, args.repeat)
+    if args.scans:
+        from benchmarks import bench_scans
+
+        return bench_scans.main(args.out, args.repeat)
     if args.models:
         from benchmarks import bench_models
 
@@ -166,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="instead of the kernel cases: conv2d and conv_transpose2d (N8 C64 56x56 3x3) and "
                            "causal_conv1d (B2 C1536 L1024 K4, with and without SiLU) against torch eager "
                            "(names, --dtype and --no-compile do not apply)")
+    mode.add_argument("--scans", action="store_true",
+                      help="instead of the kernel cases: Mamba-1 selective scan (B2 L1024 dim1536 N16, forward and "
+                           "backward), Mamba-2 SSD (B1 L2048 H24 P64 N128) and cross-entropy ([4096, 32000], forward "
+                           "and backward) against torch eager (names, --dtype and --no-compile do not apply)")
     mode.add_argument("--models", action="store_true",
                       help="instead of the kernel cases: SmolLM2, Gemma-3 (prefill and decode tokens/s, peak RSS) and "
                            "MiniLM (sentences/s) against transformers, llama.cpp (`make bench-env`) and "

@@ -198,6 +198,7 @@ ENTRY_MODULES: tuple[str, ...] = (
     "conv2d",
     "conv_transpose2d",
     "causal_conv1d",
+    "selective_scan",
     "ssd_chunk_scan",
     "fused_softmax_cross_entropy",
 )
