@@ -28,13 +28,19 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, cast_like, exp_nonpositive, f16_bits_to_f32, f32_to_bf16
+from fuel.dispatch.cpu.vecmath import (
+    bf16_to_f32,
+    cast_like,
+    exp_nonpositive,
+    f16_bits_to_f32,
+    f32_to_bf16,
+    maxnum,
+)
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -67,26 +73,8 @@ def _f16_to_f32_intrinsic(typingctx: Any, h: Any) -> Any:
     return types.float32(types.int16), codegen
 
 
-@intrinsic
-def _maxnum_intrinsic(typingctx: Any, a: Any, b: Any) -> Any:
-    """llvm.maxnum: the larger of a and b, the other one where one is NaN. LLVM vectorises a row max
-    written with it (a `v > m` select does not vectorise without nnan: 8x slower on a 32k row). A NaN in
-    the row still makes its exp, and so the loss, NaN; a row of NaN gives NaN."""
-    if a != b or a not in (types.float32, types.float64):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ty = args[0].type
-        name = "llvm.maxnum.f32" if ty == ir.FloatType() else "llvm.maxnum.f64"
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name)
-        return builder.call(fn, args)
-
-    return a(a, b), codegen
-
-
 # Typed as Any: Numba fills in the typing context when jitted code calls the intrinsics.
 _f16_to_f32: Any = _f16_to_f32_intrinsic
-_maxnum: Any = _maxnum_intrinsic
 
 
 def _widen(x: Any) -> Any:
@@ -141,7 +129,7 @@ def _row_stats(xr: Any, t: int) -> Any:
     relative accuracy: 1 − softmax_t and a loss near 0 come out without cancellation."""
     m = _widen(xr[0])
     for j in range(1, xr.shape[0]):
-        m = _maxnum(m, _widen(xr[j]))
+        m = maxnum(m, _widen(xr[j]))
     others = _exp_sum(xr[:t], m) + _exp_sum(xr[t + 1:], m)
     return m, np.float64(exp_nonpositive(_widen(xr[t]) - m)), others
 
@@ -204,7 +192,7 @@ def _grad_in_place(x: Any, t: Any, ignore: int, scales: Any, out: Any) -> None:
         else:
             m = _widen(xr[0])
             for j in range(1, xr.shape[0]):
-                m = _maxnum(m, _widen(xr[j]))
+                m = maxnum(m, _widen(xr[j]))
             others = _exp_store_sum(xr[:tr], m, o[:tr]) + _exp_store_sum(xr[tr + 1:], m, o[tr + 1:])
             total = np.float64(exp_nonpositive(_widen(xr[tr]) - m)) + others
             c = cast_like(scales[r] / total, m)

@@ -1,12 +1,15 @@
 """PagedAttn (entry 13): causal attention over a block-paged KV cache in one Numba kernel.
 
-One task per (sequence b, kv head h, chunk of query positions): the task holds every query head that
-reads kv head h (the G = Hq/Hkv heads of a GQA group) for its query positions, so each cached K and V
-row is fetched once per task through the block table. For each row it computes the scores of its
-admissible keys into a row buffer (length <= the live length), the softmax in two passes (exact max,
-then exp and sum), and the probability-weighted sum of V rows in key order. Every output row is
-computed by one thread in a fixed order, so results are bit-stable at any thread count. Nothing of
-size [Sq, L] for all heads is ever built; the buffer per task is bounded by `SCORE_BUFFER`.
+One task per (sequence b, chunk of kv heads, chunk of query positions): the task holds every query
+head that reads its kv heads (the G = Hq/Hkv heads of each GQA group) for its query positions, so each
+cached K and V row is fetched once per task through the block table, and a token's rows of all the
+chunk's heads are one contiguous read (`head_chunk`: all heads unless the threads need more tasks).
+For each key it computes the scores of every row into a key-major buffer (-inf where the row may not
+see the key), then the softmax of all rows at once (exact max, then exp and sum), and the
+probability-weighted sum of V rows in key order, two keys per pass (`paged_tiles`). Every output row
+is computed by one thread in an order fixed by its own position, so results are bit-stable at any
+thread count and any task split. Nothing of size [Sq, L] for all heads is ever built; the buffer per
+task is bounded by `SCORE_BUFFER`.
 
 Compute is f32 (f64 for f64). bf16 is read as uint16 bits and f16 as int16 bits, widened exactly in
 the kernel (so only the live cache rows are ever converted); bf16 is rounded once on store, f16 is
@@ -28,7 +31,15 @@ from numba.extending import intrinsic, overload
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, cast_like, exp_nonpositive, f16_bits_to_f32, f32_to_bf16
+from fuel.dispatch.cpu.paged_tiles import accumulate, accumulate2, dots
+from fuel.dispatch.cpu.vecmath import (
+    bf16_to_f32,
+    cast_like,
+    exp_nonpositive,
+    f16_bits_to_f32,
+    f32_to_bf16,
+    neg_inf_like,
+)
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -37,6 +48,7 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
+from fuel.dispatch.threads import get_num_threads
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.errors import IndexOutOfRange
 from fuel.graph.node import Shape
@@ -99,11 +111,12 @@ PREFETCH_TOKENS = 8
 
 
 @njit(inline="always", cache=True)
-def _prefetch_token(cache: Any, bt: Any, b: Any, t: Any, h: Any) -> None:
-    """Prefetch the D values of token t of sequence b, kv head h (a live token: its block id is checked)."""
+def _prefetch_token(cache: Any, bt: Any, b: Any, t: Any, h0: Any, nh: Any) -> None:
+    """Prefetch the values of token t of sequence b, kv heads [h0, h0 + nh) (contiguous; a live token:
+    its block id is checked)."""
     bs, hkv, dh = cache.shape[1], cache.shape[2], cache.shape[3]
-    base = ((np.int64(bt[b, t // bs]) * bs + t % bs) * hkv + h) * dh
-    for j in range(0, dh, 64 // cache.itemsize):
+    base = ((np.int64(bt[b, t // bs]) * bs + t % bs) * hkv + h0) * dh
+    for j in range(0, nh * dh, 64 // cache.itemsize):
         _prefetch(cache, base + j)
 
 
@@ -166,78 +179,97 @@ def _cache_row_impl(cache: Any, blk: Any, off: Any, h: Any, scratch: Any) -> Any
 
 @row_kernel(fastmath=FASTMATH)
 def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, scale: Any, softcap: Any,
-           qc: int) -> None:
+           qc: int, hc: int) -> None:
     """q [B,Hq,Sq,D]; kc, vc [NB,bs,Hkv,D]; bt [B,M] u32; cl [B] u32 (checked); slopes [Hq] or [0] in the
-    compute type; out [B,Hq,Sq,D]; scale, softcap (0: none) in the compute type; qc queries per task."""
+    compute type; out [B,Hq,Sq,D]; scale, softcap (0: none) in the compute type; qc queries and hc kv
+    heads per task."""
     nb, hq, sq, dh = q.shape
     bs = kc.shape[1]
     hkv = kc.shape[2]
     g = hq // hkv
     nqc = (sq + qc - 1) // qc
-    per_b = hkv * nqc
+    nhc = (hkv + hc - 1) // hc
+    per_b = nhc * nqc
     has_alibi = slopes.shape[0] > 0
     capped = softcap > 0
     for task in prange(nb * per_b):
         tk = np.int64(task)
         b = tk // per_b
-        h = (tk % per_b) // nqc
+        h0 = (tk % per_b) // nqc * hc
+        nh = min(hkv, h0 + hc) - h0
         i0 = (tk % nqc) * qc
         i1 = min(sq, i0 + qc)
         ln = np.int64(cl[b])
         shift = ln - sq  # query i sits at absolute position i + shift
-        rows = (i1 - i0) * g  # row r: query i0 + r // g, head h·g + r % g
+        rh = (i1 - i0) * g  # rows per kv head: row r of head h is query i0 + r // g, q head h·g + r % g
+        rows = nh * rh  # row R = hl·rh + r for kv head h0 + hl
         nmax = max(0, min(ln, i1 + shift))  # keys the last query of the chunk may read
         qw = np.empty((rows, dh), slopes.dtype)
-        buf = np.empty((rows, max(nmax, 1)), slopes.dtype)
+        buf = np.empty((max(nmax, 1), rows), slopes.dtype)  # key-major: a key's scores are one write
         acc = np.zeros((rows, dh), slopes.dtype)
         wide = np.empty(dh, slopes.dtype)
-        for r in range(rows):
-            src = q[b, h * g + r % g, i0 + r // g]
+        for rr in range(rows):
+            hl, r = rr // rh, rr % rh
+            src = q[b, (h0 + hl) * g + r % g, i0 + r // g]
             for d in range(dh):
-                qw[r, d] = _widen(src[d])
+                qw[rr, d] = _widen(src[d])
         for t in range(nmax):
             if t + PREFETCH_TOKENS < nmax:
-                _prefetch_token(kc, bt, b, t + PREFETCH_TOKENS, h)
-            krow = _cache_row(kc, bt[b, t // bs], t % bs, h, wide)
+                _prefetch_token(kc, bt, b, t + PREFETCH_TOKENS, h0, nh)
+            blk, off = bt[b, t // bs], t % bs
             first = max(0, t - shift - i0) * g  # queries before i = t − shift may not see key t
-            for r in range(first, rows):
-                s = cast_like(0, scale)
-                for d in range(dh):
-                    s += qw[r, d] * krow[d]
-                s = s * scale
-                if capped:
-                    s = softcap * math.tanh(s / softcap)
-                if has_alibi:
-                    s -= slopes[h * g + r % g] * cast_like(abs(i0 + r // g + shift - t), scale)
-                buf[r, t] = s
-        inv = np.zeros(rows, slopes.dtype)  # 1/Σ exp per row; 0 for a row without keys
-        for r in range(rows):
-            n = min(ln, i0 + r // g + shift + 1)
-            if n <= 0:
-                continue
-            m = buf[r, 0]
-            for t in range(1, n):
-                x = buf[r, t]
-                m = x if x > m else m
-            total = cast_like(0, scale)
-            for t in range(n):
-                e = exp_nonpositive(buf[r, t] - m)
-                buf[r, t] = e
-                total += e
-            inv[r] = cast_like(1, scale) / total
+            for hl in range(nh):
+                krow = _cache_row(kc, blk, off, h0 + hl, wide)
+                for r in range(hl * rh, hl * rh + first):  # -inf: exp gives an exact 0, the max ignores it
+                    buf[t, r] = neg_inf_like(scale)
+                for base in range(hl * rh + first, (hl + 1) * rh, g):
+                    dots(qw, base, g, krow, buf, t)
+                for r in range(first, rh):
+                    s = buf[t, hl * rh + r] * scale
+                    if capped:
+                        s = softcap * math.tanh(s / softcap)
+                    if has_alibi:
+                        s -= slopes[(h0 + hl) * g + r % g] * cast_like(abs(i0 + r // g + shift - t), scale)
+                    buf[t, hl * rh + r] = s
+        # The softmax of every row at once, vectorised across rows (a key's scores are contiguous); masked
+        # keys hold -inf, which leaves the max and (adding exact zeros) each row's sum as they are.
+        mx = np.full(rows, neg_inf_like(scale))
         for t in range(nmax):
-            if t + PREFETCH_TOKENS < nmax:
-                _prefetch_token(vc, bt, b, t + PREFETCH_TOKENS, h)
-            vrow = _cache_row(vc, bt[b, t // bs], t % bs, h, wide)
-            for r in range(max(0, t - shift - i0) * g, rows):
-                p = buf[r, t]
-                for d in range(dh):
-                    acc[r, d] += p * vrow[d]
-        for r in range(rows):
-            o = out[b, h * g + r % g, i0 + r // g]
-            scale_r = inv[r]
+            sc = buf[t]
+            for rr in range(rows):
+                x = sc[rr]
+                mx[rr] = x if x > mx[rr] else mx[rr]
+        total = np.zeros(rows, slopes.dtype)
+        for t in range(nmax):
+            sc = buf[t]
+            for rr in range(rows):
+                e = exp_nonpositive(sc[rr] - mx[rr])
+                sc[rr] = e
+                total[rr] += e
+        inv = np.zeros(rows, slopes.dtype)  # 1/Σ exp per row; 0 for a row without keys
+        for rr in range(rows):
+            if min(ln, i0 + rr % rh // g + shift + 1) > 0:
+                inv[rr] = cast_like(1, scale) / total[rr]
+        wide1 = np.empty(dh, slopes.dtype)
+        for t in range(0, nmax, 2):  # keys in pairs (from key 0, so a row's pairs do not depend on qc)
+            for u in range(t + PREFETCH_TOKENS, min(nmax, t + PREFETCH_TOKENS + 2)):
+                _prefetch_token(vc, bt, b, u, h0, nh)
+            first = max(0, t - shift - i0) * g
+            both = min(rh, max(first, (t + 1 - shift - i0) * g)) if t + 1 < nmax else rh  # rows < both: key t only
+            for hl in range(nh):
+                v0 = _cache_row(vc, bt[b, t // bs], t % bs, h0 + hl, wide)
+                for base in range(hl * rh + first, hl * rh + both, g):
+                    accumulate(acc, base, g, buf, t, v0)
+                if both < rh:
+                    v1 = _cache_row(vc, bt[b, (t + 1) // bs], (t + 1) % bs, h0 + hl, wide1)
+                    for base in range(hl * rh + both, (hl + 1) * rh, g):
+                        accumulate2(acc, base, g, buf, t, v0, v1)
+        for rr in range(rows):
+            hl, r = rr // rh, rr % rh
+            o = out[b, (h0 + hl) * g + r % g, i0 + r // g]
+            scale_r = inv[rr]
             for d in range(dh):
-                o[d] = _narrow(o, acc[r, d] * scale_r)
+                o[d] = _narrow(o, acc[rr, d] * scale_r)
 
 
 def check_indices(bt: np.ndarray, cl: np.ndarray, num_blocks: int, block_size: int) -> int:
@@ -266,6 +298,15 @@ def query_chunk(sq: int, g: int, longest: int) -> int:
     return max(1, min(sq, SCORE_BUFFER // max(1, g * longest)))
 
 
+def head_chunk(hkv: int, rows: int, longest: int, tasks: int) -> int:
+    """KV heads per task: all of them (each token's rows of every head are one contiguous read) unless
+    the tasks would not feed every thread twice, or the score rows would pass SCORE_BUFFER. Each row is
+    computed on its own, so the split changes no output byte."""
+    want = -(-2 * get_num_threads() // max(1, tasks))  # chunks of heads per (sequence, query chunk)
+    hc = -(-hkv // max(1, min(hkv, want)))
+    return max(1, min(hc, SCORE_BUFFER // max(1, rows * longest)))
+
+
 def _bits(a: np.ndarray) -> np.ndarray:
     """What the kernel reads: bf16 as uint16 bits, f16 as int16 bits (so Numba tells them apart)."""
     if a.dtype == DType.BF16.np:
@@ -286,8 +327,9 @@ def paged_attention(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttn
     half16 = out.dtype == DType.F16.np
     dst = POOL.empty(out.shape, acc) if half16 else _bits(out)
     softcap = acc.type(0 if params.softcap is None else params.softcap)
-    _paged(_bits(q), _bits(kc), _bits(vc), bt, cl, slopes, dst, acc.type(params.softmax_scale), softcap,
-           query_chunk(q.shape[2], g, longest))
+    qc = query_chunk(q.shape[2], g, longest)
+    _paged(_bits(q), _bits(kc), _bits(vc), bt, cl, slopes, dst, acc.type(params.softmax_scale), softcap, qc,
+           head_chunk(kc.shape[2], g * qc, longest, q.shape[0] * -(-q.shape[2] // qc)))
     if half16:
         np.copyto(out, dst, casting="unsafe")
 

@@ -14,7 +14,7 @@ from numba import njit, prange
 
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16
+from fuel.dispatch.cpu.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16, maxnum
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -32,10 +32,11 @@ FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _row_max(x: Any) -> Any:
+    # llvm.maxnum vectorises; a `v > m` select does not (5-8x slower on long rows). Either way a NaN
+    # never becomes the max, and its own exp still makes the row NaN.
     m = x[0]
     for j in range(1, x.shape[0]):
-        v = x[j]
-        m = v if v > m else m
+        m = maxnum(m, x[j])
     return m
 
 

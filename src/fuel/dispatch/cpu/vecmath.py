@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 _I32 = ir.IntType(32)
@@ -154,3 +155,40 @@ def _cast_like(x: Any, like: Any) -> Any:
         return np.float64(x)
 
     return f32 if like == types.float32 else f64
+
+
+@intrinsic
+def _maxnum_intrinsic(typingctx: Any, a: Any, b: Any) -> Any:
+    """llvm.maxnum: the larger of a and b, the other one where one is NaN. LLVM vectorises a row max
+    written with it; a `x > m` select does not vectorise without nnan (5x slower on a 512-key row).
+    It agrees with `x if x > m else m` from m = -inf: a NaN never becomes the max."""
+    if a != b or a not in (types.float32, types.float64):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ty = args[0].type
+        name = "llvm.maxnum.f32" if ty == ir.FloatType() else "llvm.maxnum.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name)
+        return builder.call(fn, args)
+
+    return a(a, b), codegen
+
+
+maxnum: Any = _maxnum_intrinsic
+
+
+def store_as(out: Any, x: Any) -> Any:
+    """x (computed in f32 or f64) as an element of `out`: bf16 bits (uint16) rounded once to nearest-even,
+    otherwise as is; jitted only."""
+    raise NotImplementedError("store_as is callable from jitted code only")
+
+
+@overload(store_as, inline="always")
+def _store_as(out: Any, x: Any) -> Any:
+    def bf16(out: Any, x: Any) -> Any:
+        return f32_to_bf16(x)
+
+    def same(out: Any, x: Any) -> Any:
+        return x
+
+    return bf16 if out.dtype == types.uint16 else same
