@@ -34,6 +34,7 @@ CONFIGS: list[Config] = [
     (2, 4, 2, 3, 32, 1, (7, 3), {}),                              # block size 1
     (3, 4, 2, 4, 32, 4, (2, 0, 6), {}),                           # L < Sq and L = 0: rows of zeros
     (2, 2, 1, 6, 32, 16, (0, 0), {}),                             # no key anywhere
+    (2, 6, 2, 2, 24, 8, (19, 70), {}),                            # D 24: the scalar tiles, G 3
 ]
 
 

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import bits
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, f32_to_bf16
+from fuel.dispatch.cpu.vecmath import narrow64, widen64
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -119,62 +119,12 @@ def _softplus_slope(x: float) -> float:
     return 1.0 if x > 20.0 else 1.0 / (1.0 + _exp64(-x))
 
 
-def _wide(x: Any) -> float:
-    """An element as f64: bf16 bits (uint16) widened exactly, f32/f64 converted (jitted only)."""
-    raise NotImplementedError("jitted only")
-
-
-@overload(_wide, inline="always")
-def _wide_ov(x: Any) -> Any:
-    def from_bf16(x: Any) -> Any:
-        return np.float64(bf16_to_f32(x))
-
-    def other(x: Any) -> Any:
-        return np.float64(x)
-
-    return from_bf16 if x == types.uint16 else other
-
-
-@njit(cache=True)
-def _bf16_once(v: float) -> Any:
-    """v rounded once to bf16 bits: to f32 rounding to odd (inexact and even: the odd neighbour on
-    v's side), then to nearest-even bf16, which is then the correct rounding of v itself."""
-    f = np.float32(v)
-    fv = np.float64(f)
-    b = np.int64(f.view(np.uint32))
-    step = 0
-    if fv != v and v == v and b % 2 == 0:
-        step = -1 if abs(fv) > abs(v) else 1
-    return f32_to_bf16(np.uint32(b + step).view(np.float32))
-
-
-def _narrow(v: float, like: Any) -> Any:
-    """v stored in the element type of the array `like`, rounded once (jitted only)."""
-    raise NotImplementedError("jitted only")
-
-
-@overload(_narrow, inline="always")
-def _narrow_ov(v: Any, like: Any) -> Any:
-    def to_bf16(v: Any, like: Any) -> Any:
-        return _bf16_once(v)
-
-    def to_f32(v: Any, like: Any) -> Any:
-        return np.float32(v)
-
-    def to_f64(v: Any, like: Any) -> Any:
-        return v
-
-    if like.dtype == types.uint16:
-        return to_bf16
-    return to_f32 if like.dtype == types.float32 else to_f64
-
-
 @njit(inline="always", cache=True, fastmath=FASTMATH, error_model="numpy")
 def _load_a(a: Any, d0: int, w: int, at: Any) -> None:
     """at[n, j] = a[d0 + j, n] for the block's channels (lanes past the last one are left as they are)."""
     for j in range(w):
         for n in range(at.shape[0]):
-            at[n, j] = _wide(a[d0 + j, n])
+            at[n, j] = widen64(a[d0 + j, n])
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -191,12 +141,12 @@ def _load_step(u: Any, delta: Any, bi: int, t: int, d0: int, w: int, softplus: b
     past the last channel stay zero). Two loops, so the one without softplus vectorises too."""
     if softplus:
         for j in range(w):
-            dt[j] = _softplus(_wide(delta[bi, t, _ch(d0, j)]))
+            dt[j] = _softplus(widen64(delta[bi, t, _ch(d0, j)]))
     else:
         for j in range(w):
-            dt[j] = _wide(delta[bi, t, _ch(d0, j)])
+            dt[j] = widen64(delta[bi, t, _ch(d0, j)])
     for j in range(w):
-        uu[j] = _wide(u[bi, t, _ch(d0, j)])
+        uu[j] = widen64(u[bi, t, _ch(d0, j)])
         dtu[j] = dt[j] * uu[j]
 
 
@@ -217,17 +167,17 @@ def _forward(u: Any, delta: Any, a: Any, bm: Any, cm: Any, y: Any, last: Any, so
             _load_step(u, delta, bi, t, d0, w, softplus, dt, uu, dtu)
             acc[:] = 0.0
             for n in range(ns):
-                bn, cn = _wide(bm[bi, t, n]), _wide(cm[bi, t, n])
+                bn, cn = widen64(bm[bi, t, n]), widen64(cm[bi, t, n])
                 hn, an = h[n], at[n]
                 for j in range(DB):
                     hv = _exp64(dt[j] * an[j]) * hn[j] + dtu[j] * bn
                     hn[j] = hv
                     acc[j] += hv * cn
             for j in range(w):
-                y[bi, t, _ch(d0, j)] = _narrow(acc[j], y)
+                y[bi, t, _ch(d0, j)] = narrow64(acc[j], y)
         for j in range(w):
             for n in range(ns):
-                last[bi, d0 + j, n] = _narrow(h[n, j], last)
+                last[bi, d0 + j, n] = narrow64(h[n, j], last)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH, error_model="numpy")
@@ -265,7 +215,7 @@ def _backward(u: Any, delta: Any, a: Any, bm: Any, cm: Any, dy: Any, dlast: Any,
             _load_step(u, delta, bi, t, d0, w, softplus, dts[0], us[0], dtus[0])
             dt0, dtu0 = dts[0], dtus[0]
             for n in range(ns):
-                bn = _wide(bm[bi, t, n])
+                bn = widen64(bm[bi, t, n])
                 hn, an = h[n], at[n]
                 for j in range(DB):
                     hn[j] = _exp64(dt0[j] * an[j]) * hn[j] + dtu0[j] * bn
@@ -273,7 +223,7 @@ def _backward(u: Any, delta: Any, a: Any, bm: Any, cm: Any, dy: Any, dlast: Any,
         g = np.zeros((ns, DB))
         for j in range(w):
             for n in range(ns):
-                g[n, j] = _wide(dlast[bi, d0 + j, n])
+                g[n, j] = widen64(dlast[bi, d0 + j, n])
         hs = np.empty((CHUNK + 1, ns, DB))
         decay = np.empty((CHUNK, ns, DB))
         gy, ddv, duv, gda, p8 = np.zeros(DB), np.zeros(DB), np.zeros(DB), np.zeros((ns, DB)), np.zeros(8)
@@ -286,7 +236,7 @@ def _backward(u: Any, delta: Any, a: Any, bm: Any, cm: Any, dy: Any, dlast: Any,
                 _load_step(u, delta, bi, t, d0, w, softplus, dts[k], us[k], dtus[k])
                 dtk, dtuk = dts[k], dtus[k]
                 for n in range(ns):
-                    bn = _wide(bm[bi, t, n])
+                    bn = widen64(bm[bi, t, n])
                     hp, hn, dk, an = hs[k, n], hs[k + 1, n], decay[k, n], at[n]
                     for j in range(DB):
                         e = _exp64(dtk[j] * an[j])
@@ -295,12 +245,12 @@ def _backward(u: Any, delta: Any, a: Any, bm: Any, cm: Any, dy: Any, dlast: Any,
             for t in range(t1 - 1, t0 - 1, -1):
                 k = t - t0
                 for j in range(w):
-                    gy[j] = _wide(dy[bi, t, _ch(d0, j)])
+                    gy[j] = widen64(dy[bi, t, _ch(d0, j)])
                 ddv[:] = 0.0
                 duv[:] = 0.0
                 dtk, uk, dtuk = dts[k], us[k], dtus[k]
                 for n in range(ns):
-                    bn, cn = _wide(bm[bi, t, n]), _wide(cm[bi, t, n])
+                    bn, cn = widen64(bm[bi, t, n]), widen64(cm[bi, t, n])
                     gn, hp, hn, dk, an, gdn = g[n], hs[k, n], hs[k + 1, n], decay[k, n], at[n], gda[n]
                     dc_part[blk, bi, t, n] = _dot8(gy, hn, p8)  # y_t = Σ_n h_t·c_t
                     for j in range(DB):
@@ -314,12 +264,12 @@ def _backward(u: Any, delta: Any, a: Any, bm: Any, cm: Any, dy: Any, dlast: Any,
                         duv[j] += gh * bn
                         gn[j] = gh * dk[j]
                 for j in range(w):
-                    du[bi, t, _ch(d0, j)] = _narrow(duv[j] * dtk[j], du)
+                    du[bi, t, _ch(d0, j)] = narrow64(duv[j] * dtk[j], du)
                 if softplus:
                     for j in range(w):
-                        ddv[j] *= _softplus_slope(_wide(delta[bi, t, _ch(d0, j)]))
+                        ddv[j] *= _softplus_slope(widen64(delta[bi, t, _ch(d0, j)]))
                 for j in range(w):
-                    dd[bi, t, _ch(d0, j)] = _narrow(ddv[j], dd)
+                    dd[bi, t, _ch(d0, j)] = narrow64(ddv[j], dd)
         for j in range(w):
             for n in range(ns):
                 da_part[bi, d0 + j, n] = gda[n, j]
@@ -332,7 +282,7 @@ def _sum_parts(part: Any, out: Any) -> None:
         s = 0.0
         for k in range(part.shape[0]):
             s += part[k, i]
-        out[i] = _narrow(s, out)
+        out[i] = narrow64(s, out)
 
 
 def _kernel_view(x: np.ndarray) -> np.ndarray:

@@ -26,13 +26,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba import njit, prange
 
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import bits
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, f32_to_bf16
+from fuel.dispatch.cpu.vecmath import f64_to_bf16, narrow64, widen64
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -49,79 +47,6 @@ FASTMATH = {"contract"}  # FMAs only: no sum is reordered
 PBLOCK = 64  # state columns per work unit: 128 x 64 float64 = 64 KiB, within L2
 LOW, HIGH = 2.0**-300, 2.0**300  # the range D stays in before it is folded into g
 CHECKPOINT = 64  # gradient: steps between stored states
-
-
-@intrinsic
-def _f32_bits_intrinsic(typingctx: Any, v: Any) -> Any:
-    if v != types.float32:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return types.int32(types.float32), codegen
-
-
-@intrinsic
-def _bits_f32_intrinsic(typingctx: Any, v: Any) -> Any:
-    if v != types.int32:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.int32), codegen
-
-
-# Typed as Any: Numba calls intrinsics from jitted code with the typing context filled in.
-_f32_bits: Any = _f32_bits_intrinsic
-_bits_f32: Any = _bits_f32_intrinsic
-
-
-@njit(inline="always", cache=True)
-def f64_to_bf16(v: float) -> Any:
-    """float64 -> bf16 bits, rounded once to nearest-even: round to odd in f32 first (an inexact result
-    gets an odd last bit, which carries the sticky information the second rounding needs)."""
-    r = np.float32(v)
-    back = np.float64(r)
-    if back != v and v == v:
-        k: Any = _f32_bits(r)
-        if k & 1 == 0:
-            k = k + np.int32(1) if abs(v) > abs(back) else k - np.int32(1)
-            r = _bits_f32(np.int32(k))
-    return f32_to_bf16(r)
-
-
-def _wide(v: Any) -> float:
-    """An input element as float64 (bf16 bits widened exactly); jitted only."""
-    raise NotImplementedError("_wide is callable from jitted code only")
-
-
-@overload(_wide, inline="always")
-def _wide_impl(v: Any) -> Any:
-    def from_bf16(v: Any) -> Any:
-        return np.float64(bf16_to_f32(v))
-
-    def other(v: Any) -> Any:
-        return np.float64(v)
-
-    return from_bf16 if v == types.uint16 else other
-
-
-def _narrow(v: float, like: Any) -> Any:
-    """float64 rounded once to the element type of array `like` (uint16 = bf16 bits); jitted only."""
-    raise NotImplementedError("_narrow is callable from jitted code only")
-
-
-@overload(_narrow, inline="always")
-def _narrow_impl(v: Any, like: Any) -> Any:
-    def to_bf16(v: Any, like: Any) -> Any:
-        return f64_to_bf16(v)
-
-    def other(v: Any, like: Any) -> Any:
-        return v
-
-    return to_bf16 if like.dtype == types.uint16 else other
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -142,10 +67,10 @@ def _forward(x: Any, dt: Any, a: Any, b: Any, c: Any, y: Any, last: Any) -> None
         g = np.zeros((n_dim, m))
         w = np.empty(m)
         acc = np.empty(m)
-        ah = _wide(a[hi])
+        ah = widen64(a[hi])
         scale = 1.0
         for t in range(length):
-            d = _wide(dt[bi, t, hi])
+            d = widen64(dt[bi, t, hi])
             nd = scale * np.exp(d * ah)
             if nd >= LOW and nd <= HIGH:
                 scale = nd
@@ -154,21 +79,21 @@ def _forward(x: Any, dt: Any, a: Any, b: Any, c: Any, y: Any, last: Any) -> None
                 scale = 1.0
             s = d / scale
             for j in range(m):
-                w[j] = s * _wide(x[bi, t, hi, p0 + j])
+                w[j] = s * widen64(x[bi, t, hi, p0 + j])
                 acc[j] = 0.0
             for n in range(n_dim):
-                bn = _wide(b[bi, t, hi, n])
-                cn = _wide(c[bi, t, hi, n])
+                bn = widen64(b[bi, t, hi, n])
+                cn = widen64(c[bi, t, hi, n])
                 gr = g[n]
                 for j in range(m):
                     v = gr[j] + bn * w[j]
                     gr[j] = v
                     acc[j] += v * cn
             for j in range(m):
-                y[bi, t, hi, p0 + j] = _narrow(scale * acc[j], y)
+                y[bi, t, hi, p0 + j] = narrow64(scale * acc[j], y)
         for j in range(m):
             for n in range(n_dim):
-                last[bi, hi, p0 + j, n] = _narrow(scale * g[n, j], last)
+                last[bi, hi, p0 + j, n] = narrow64(scale * g[n, j], last)
 
 
 def _run(inputs: list[np.ndarray], out: tuple[np.ndarray, ...]) -> None:

@@ -192,3 +192,54 @@ def _store_as(out: Any, x: Any) -> Any:
         return x
 
     return bf16 if out.dtype == types.uint16 else same
+
+
+@njit(cache=True)
+def f64_to_bf16(v: float) -> Any:
+    """float64 -> bf16 bits, rounded once to nearest-even: round to odd in f32 first (an inexact result
+    gets an odd last bit, which carries the sticky information the second rounding needs)."""
+    r = np.float32(v)
+    back = np.float64(r)
+    if back != v and v == v:
+        k = np.int64(r.view(np.uint32))
+        if k % 2 == 0:
+            k = k + 1 if abs(v) > abs(back) else k - 1
+            r = np.uint32(k).view(np.float32)
+    return f32_to_bf16(r)
+
+
+def widen64(v: Any) -> float:
+    """A stored element as float64 (bf16 bits, uint16, widened exactly); jitted only."""
+    raise NotImplementedError("widen64 is callable from jitted code only")
+
+
+@overload(widen64, inline="always")
+def _widen64(v: Any) -> Any:
+    def from_bf16(v: Any) -> Any:
+        return np.float64(bf16_to_f32(v))
+
+    def other(v: Any) -> Any:
+        return np.float64(v)
+
+    return from_bf16 if v == types.uint16 else other
+
+
+def narrow64(v: float, like: Any) -> Any:
+    """A float64 result as an element of the array `like`, rounded once (uint16 = bf16 bits); jitted only."""
+    raise NotImplementedError("narrow64 is callable from jitted code only")
+
+
+@overload(narrow64, inline="always")
+def _narrow64(v: Any, like: Any) -> Any:
+    def to_bf16(v: Any, like: Any) -> Any:
+        return f64_to_bf16(v)
+
+    def to_f32(v: Any, like: Any) -> Any:
+        return np.float32(v)
+
+    def same(v: Any, like: Any) -> Any:
+        return v
+
+    if like.dtype == types.uint16:
+        return to_bf16
+    return to_f32 if like.dtype == types.float32 else same
