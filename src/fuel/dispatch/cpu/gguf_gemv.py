@@ -1,26 +1,30 @@
 """QMatMul's decode path (activation rows R <= DECODE_ROWS): one pass over the weight bytes, no BLAS.
 
 Each output is one W row's dot product with one activation row, by 32-weight units (a 32-element block,
-or 32 elements of a K-quant super-block): a unit gives its codes as two 16-lane vectors of exact small-
-integer floats straight from the packed bytes (`simd16.codes`: shifts and masks in 8-bit lanes, one
-widening convert), with its scale s and offset b (gguf-py's value: code·s + b). Nothing dequantised is
-stored; the accumulators are vector values in registers.
+or 32 elements of a K-quant super-block; the decoders are in `gguf_units`): a unit gives its codes as two
+16-lane vectors of exact small-integer floats straight from the packed bytes (`simd16.codes`: shifts and
+masks in 8-bit lanes, one widening convert), with its scale s and offset b (gguf-py's value: code·s + b).
+Nothing dequantised is stored; the accumulators are vector values in registers.
 
 - R = 1 (a decode token): where a unit shares one scale (32-element blocks, Q4_K/Q5_K sub-blocks) it is
   factored out, acc = fma(s, Σ code·x, acc) in 16 lanes, and the offset term b·Σx (Q4_1, Q5_1, Q4_K,
-  Q5_K) goes to a scalar accumulator, with the 32-element sums of x computed once per call for all W
+  Q5_K) goes to a separate accumulator, with the 32-element sums of x computed once per call for all W
   rows: 3 vector operations per 32 weights besides the conversion, where the values cost 6. Its rounding
   is ~u·(|s·code| + |b|)·|x| rather than ~u·|s·code + b|·|x|: larger only where code·s + b cancels (the
   impl's PrecisionGuarantee). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the values: the same cost
-  there. W rows j and j + h (the two halves of a chunk) run interleaved: independent FMA chains, and two
-  sequential streams for the prefetcher (adjacent rows interleaved ran at half the memory speed).
+  there. W rows j and j + h (the two halves of a chunk) run together: independent FMA chains, and two
+  sequential streams for the prefetcher (adjacent rows interleaved ran at half the memory speed), with a
+  software prefetch PF bytes ahead in each. K-quants go super-block by super-block (`_super`), the units
+  written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time of a loop over units),
+  the offsets as one vector FMA per super-block (mins times the units' sums of x).
 - 1 < R <= DECODE_ROWS: each unit's values code·s + b are formed once (gguf-py's operations) and FMA'd
   into up to four activation rows' accumulators at a time.
 
-A row's output is its lanes summed in a fixed tree, plus the scalar accumulator: one fixed sequence of
-f32 operations whichever chunk, pair or thread computes it, so the bytes never depend on the thread
-count. K-quant super-block scales are unpacked once per super-block into a 32-float stack scratch
-(ggml's 32-bit mask tricks for the 6-bit fields), not once per unit.
+A row's output is its lanes summed in a fixed tree, plus (32-element blocks) the scalar offset accumulator
+or less (K-quants) the offset vector's lanes summed the same way: one fixed sequence of f32 operations
+whichever chunk, pair or thread computes it, so the bytes never depend on the thread count. K-quant
+super-block scales are unpacked once per super-block into a 32-float stack scratch (ggml's 32-bit mask
+tricks for the 6-bit fields), not once per unit; it stays in memory, so each scale is a broadcast load.
 """
 
 from __future__ import annotations
@@ -31,166 +35,31 @@ import numpy as np
 from numba import carray, njit, prange
 
 from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.simd16 import (
-    adds,
-    bytes16,
-    codes,
-    f16_at,
-    fma,
-    fmas,
-    hsum,
-    muls,
-    muls2,
-    stack_f32,
-    vadd,
-    vload,
-    vmul,
-    vstore,
-    vzero,
+from fuel.dispatch.cpu.gguf_units import (
+    _p_none,
+    _p_q2k,
+    _p_q3k,
+    _p_q6k,
+    _p_q45k,
+    _v_q2k,
+    _v_q3k,
+    _v_q4_0,
+    _v_q4_1,
+    _v_q4k,
+    _v_q5_0,
+    _v_q5_1,
+    _v_q5k,
+    _v_q6k,
+    _v_q8_0,
+    _v_q8_1,
 )
+from fuel.dispatch.cpu.simd16 import adds, fma, fmas, hi8, hsum, muls, prefetch, stack_f32, vadd, vload, vmul, vzero
 from fuel.quant import QuantType
 
 DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
 CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
 Z = np.float32(0)
-
-
-@njit(inline="always", cache=True)
-def _b(row: Any, i: int) -> Any:
-    return np.int64(row[i])
-
-
-@njit(inline="always", cache=True)
-def _u32le(row: Any, o: int) -> Any:
-    return _b(row, o) | (_b(row, o + 1) << 8) | (_b(row, o + 2) << 16) | (_b(row, o + 3) << 24)
-
-
-# ---- unit u of the row at byte `base`: (codes of elements 0-15, of 16-31, their scales s, offsets b) ------
-# gguf-py's value of an element is code * s + b (b = 0: no offset). `sc` holds the super-block's unpacked
-# scales (K-quants, filled by the type's `_p_` function at each super-block's first unit).
-
-
-@njit(inline="always", cache=True)
-def _v_q4_0(row: Any, base: int, u: int, sc: Any) -> Any:
-    o = base + 18 * u
-    d = f16_at(row, o)
-    return codes(row, o + 2, 0, 15, 0, 0, 0, 0, 8, 0), codes(row, o + 2, 4, 15, 0, 0, 0, 0, 8, 0), d, d, Z, Z
-
-
-@njit(inline="always", cache=True)
-def _v_q4_1(row: Any, base: int, u: int, sc: Any) -> Any:
-    o = base + 20 * u
-    d, m = f16_at(row, o), f16_at(row, o + 2)
-    return codes(row, o + 4, 0, 15, 0, 0, 0, 0, 0, 0), codes(row, o + 4, 4, 15, 0, 0, 0, 0, 0, 0), d, d, m, m
-
-
-@njit(inline="always", cache=True)
-def _v_q5_0(row: Any, base: int, u: int, sc: Any) -> Any:
-    o = base + 22 * u
-    d, qh = f16_at(row, o), _u32le(row, o + 2)
-    return codes(row, o + 6, 0, 15, qh, 0, 0, 4, 16, 4), codes(row, o + 6, 4, 15, qh, 16, 0, 4, 16, 4), d, d, Z, Z
-
-
-@njit(inline="always", cache=True)
-def _v_q5_1(row: Any, base: int, u: int, sc: Any) -> Any:
-    o = base + 24 * u
-    d, m, qh = f16_at(row, o), f16_at(row, o + 2), _u32le(row, o + 4)
-    return codes(row, o + 8, 0, 15, qh, 0, 0, 4, 0, 4), codes(row, o + 8, 4, 15, qh, 16, 0, 4, 0, 4), d, d, m, m
-
-
-@njit(inline="always", cache=True)
-def _v_q8_0(row: Any, base: int, u: int, sc: Any) -> Any:
-    o = base + 34 * u
-    d = f16_at(row, o)
-    return codes(row, o + 2, 0, 0, 0, 0, 0, 0, 0, 1), codes(row, o + 18, 0, 0, 0, 0, 0, 0, 0, 1), d, d, Z, Z
-
-
-@njit(inline="always", cache=True)
-def _v_q8_1(row: Any, base: int, u: int, sc: Any) -> Any:
-    o = base + 36 * u
-    d = f16_at(row, o)
-    return codes(row, o + 4, 0, 0, 0, 0, 0, 0, 0, 1), codes(row, o + 20, 0, 0, 0, 0, 0, 0, 0, 1), d, d, Z, Z
-
-
-@njit(inline="always", cache=True)
-def _p_none(row: Any, o: int, sc: Any) -> None:
-    """32-element block types have no super-block scales."""
-
-
-@njit(inline="always", cache=True)
-def _p_q2k(row: Any, o: int, sc: Any) -> None:
-    """sc[i] = d * scale_i, sc[16 + i] = dmin * min_i for the 16-element groups i."""
-    d, dmin = f16_at(row, o + 80), f16_at(row, o + 82)
-    vstore(sc, 0, muls(codes(row, o, 0, 15, 0, 0, 0, 0, 0, 0), d))
-    vstore(sc, 16, muls(codes(row, o, 4, 15, 0, 0, 0, 0, 0, 0), dmin))
-
-
-@njit(inline="always", cache=True)
-def _v_q2k(row: Any, base: int, u: int, sc: Any) -> Any:
-    o, j = base + 84 * (u >> 3), u & 7
-    src, sh = o + 16 + 32 * (j >> 2), 2 * (j & 3)
-    return (codes(row, src, sh, 3, 0, 0, 0, 0, 0, 0), codes(row, src + 16, sh, 3, 0, 0, 0, 0, 0, 0),
-            sc[2 * j], sc[2 * j + 1], -sc[16 + 2 * j], -sc[17 + 2 * j])
-
-
-@njit(inline="always", cache=True)
-def _p_q3k(row: Any, o: int, sc: Any) -> None:
-    """sc[i] = d * (scale_i - 32): the 6-bit scales unpacked as ggml does (low nibbles, then 2 high bits)."""
-    a0, a1, t = _u32le(row, o + 96), _u32le(row, o + 100), _u32le(row, o + 104)
-    m1, m2 = 0x03030303, 0x0F0F0F0F
-    v = bytes16((a0 & m2) | ((t & m1) << 4), (a1 & m2) | (((t >> 2) & m1) << 4),
-                ((a0 >> 4) & m2) | (((t >> 4) & m1) << 4), ((a1 >> 4) & m2) | (((t >> 6) & m1) << 4), 32)
-    vstore(sc, 0, muls(v, f16_at(row, o + 108)))
-
-
-@njit(inline="always", cache=True)
-def _v_q3k(row: Any, base: int, u: int, sc: Any) -> Any:
-    o, j = base + 110 * (u >> 3), u & 7
-    h, sh = j >> 2, j & 3
-    src = o + 32 + 32 * h
-    return (codes(row, src, 2 * sh, 3, o, 4 * h + sh, 1, 2, 4, 2),
-            codes(row, src + 16, 2 * sh, 3, o + 16, 4 * h + sh, 1, 2, 4, 2), sc[2 * j], sc[2 * j + 1], Z, Z)
-
-
-@njit(inline="always", cache=True)
-def _p_q45k(row: Any, o: int, sc: Any) -> None:
-    """sc[j] = d * scale_j, sc[8 + j] = dmin * min_j for the 32-element sub-blocks j (Q4_K, Q5_K): the
-    12 bytes of 6-bit values unpacked as ggml does."""
-    a0, a1, a2 = _u32le(row, o + 4), _u32le(row, o + 8), _u32le(row, o + 12)
-    m6, m4, m2 = 0x3F3F3F3F, 0x0F0F0F0F, 0x03030303
-    v = bytes16(a0 & m6, (a2 & m4) | (((a0 >> 6) & m2) << 4), a1 & m6, ((a2 >> 4) & m4) | (((a1 >> 6) & m2) << 4), 0)
-    vstore(sc, 0, muls2(v, f16_at(row, o), f16_at(row, o + 2)))
-
-
-@njit(inline="always", cache=True)
-def _v_q4k(row: Any, base: int, u: int, sc: Any) -> Any:
-    o, j = base + 144 * (u >> 3), u & 7
-    src, sh = o + 16 + 32 * (j >> 1), 4 * (j & 1)
-    return (codes(row, src, sh, 15, 0, 0, 0, 0, 0, 0), codes(row, src + 16, sh, 15, 0, 0, 0, 0, 0, 0),
-            sc[j], sc[j], -sc[8 + j], -sc[8 + j])
-
-
-@njit(inline="always", cache=True)
-def _v_q5k(row: Any, base: int, u: int, sc: Any) -> Any:
-    o, j = base + 176 * (u >> 3), u & 7
-    src, sh = o + 48 + 32 * (j >> 1), 4 * (j & 1)
-    return (codes(row, src, sh, 15, o + 16, j, 1, 4, 0, 2), codes(row, src + 16, sh, 15, o + 32, j, 1, 4, 0, 2),
-            sc[j], sc[j], -sc[8 + j], -sc[8 + j])
-
-
-@njit(inline="always", cache=True)
-def _p_q6k(row: Any, o: int, sc: Any) -> None:
-    """sc[i] = d * scale_i (int8 scales) for the 16-element groups i."""
-    vstore(sc, 0, muls(codes(row, o + 192, 0, 0, 0, 0, 0, 0, 0, 1), f16_at(row, o + 208)))
-
-
-@njit(inline="always", cache=True)
-def _v_q6k(row: Any, base: int, u: int, sc: Any) -> Any:
-    o, j = base + 210 * (u >> 3), u & 7
-    h, sh = j >> 2, j & 3
-    lo, hi = o + 64 * h + 32 * (sh & 1), o + 128 + 32 * h
-    return (codes(row, lo, 4 * (sh >> 1), 15, hi, 2 * sh, 3, 4, 32, 2),
-            codes(row, lo + 16, 4 * (sh >> 1), 15, hi + 16, 2 * sh, 3, 4, 32, 2), sc[2 * j], sc[2 * j + 1], Z, Z)
+PF = 1024  # bytes of a W row read ahead by software prefetch (cold: Q8_0 0.8x the time without)
 
 
 # ---- the driver -------------------------------------------------------------------------------------
@@ -224,9 +93,12 @@ def _dot(kind: int, q0: Any, q1: Any, s0: Any, b0: Any, w0: Any, w1: Any, x: Any
 
 
 @njit(inline="always", cache=True)
-def _unit(vals: Any, kind: int, row: Any, rb: int, u: int, sc: Any) -> Any:
+def _unit(vals: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) -> Any:
     """Unit u of the row at byte rb: its codes, scale and offset, and its values where not factored."""
-    q0, q1, s0, s1, b0, b1 = vals(row, rb, u, sc)
+    if kind & SUPER:
+        q0, q1, s0, s1, b0, b1 = vals(row, rb + bpb * (u >> 3), u & 7, sc)
+    else:
+        q0, q1, s0, s1, b0, b1 = vals(row, rb + bpb * u, 0, sc)
     if _factored(kind):
         return q0, q1, s0, b0, q0, q1
     return q0, q1, s0, b0, _value(q0, s0, b0, kind), _value(q1, s1, b1, kind)
@@ -254,7 +126,7 @@ def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, 
     for u in range(units):
         if kind & SUPER and u & 7 == 0:
             prep(row, rb + bpb * (u >> 3), sc)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, row, rb, u, sc)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
         acc, macc = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, acc, macc, sx, i * units + u)
     return hsum(acc) + macc
 
@@ -272,11 +144,67 @@ def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
         if kind & SUPER and u & 7 == 0:
             prep(row, rb + bpb * (u >> 3), sc)
             prep(row, rb1 + bpb * (u >> 3), sc1)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, row, rb, u, sc)
+        if PF:  # the streams' lines PF bytes ahead (the hardware's prefetch ran short)
+            prefetch(row, rb + bpb * u + PF)
+            prefetch(row, rb1 + bpb * u + PF)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
         a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, row, rb1, u, sc1)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb1, u, sc1)
         a1, m1 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
     return hsum(a0) + m0, hsum(a1) + m1
+
+
+@njit(inline="always", cache=True)
+def _kunit(vals: Any, kind: int, row: Any, o: int, j: int, sc: Any, x: Any, xo: int, acc: Any) -> Any:
+    """acc after unit j (a constant) of the super-block at byte o dotted with x[xo + 32j:]; a factored
+    offset is left to the super-block's vector term (`_super`)."""
+    q0, q1, s0, s1, b0, b1 = vals(row, o, j, sc)
+    xo += 32 * j
+    if _factored(kind):
+        return fmas(s0, fma(q1, vload(x, xo + 16), vmul(q0, vload(x, xo))), acc)
+    return fma(_value(q1, s1, b1, kind), vload(x, xo + 16), fma(_value(q0, s0, b0, kind), vload(x, xo), acc))
+
+
+@njit(inline="always", cache=True)
+def _super(vals: Any, prep: Any, bpb: int, kind: int, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any,
+           sx: Any, so: int) -> Any:
+    """(acc, mv) after the super-block at byte o dotted with x[xo:xo + 256], R = 1: its units four at a
+    time, written out, so that every shift is a constant (LLVM did not unroll a loop of Q6_K's units, and a
+    variable byte shift costs x86 a widening to 16-bit lanes and back); Q4_K/Q5_K's factored offsets as one
+    vector FMA, their mins (sc[8:16]) times the units' sums of x (sx[so + 8:so + 16], lanes 0-7 zero)."""
+    for t in range(0, bpb, 64):  # the stream's lines PF bytes ahead (the hardware's prefetch ran short)
+        prefetch(row, o + PF + t)
+    prep(row, o, sc)
+    for h in range(2):  # units 4h + c: every type's shifts depend on c only (Q3_K's high bits aside)
+        acc = _kunit(vals, kind, row, o, 4 * h + 0, sc, x, xo, acc)
+        acc = _kunit(vals, kind, row, o, 4 * h + 1, sc, x, xo, acc)
+        acc = _kunit(vals, kind, row, o, 4 * h + 2, sc, x, xo, acc)
+        acc = _kunit(vals, kind, row, o, 4 * h + 3, sc, x, xo, acc)
+    if kind & FACTOR_BIAS:
+        mv = fma(hi8(vload(sc, 0)), vload(sx, so), mv)
+    return acc, mv
+
+
+@njit(inline="always", cache=True)
+def _kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
+           sc: Any, sc1: Any) -> tuple[Any, Any]:
+    """K-quant W rows rb and rb1 dotted with x (R = 1), super-block by super-block: Σ lanes of the
+    products, less Σ lanes of the offset terms (one fixed sequence per row, whichever its partner)."""
+    a0 = vzero()
+    a1 = vzero()
+    m0 = vzero()
+    m1 = vzero()
+    for b in range(k // 256):
+        a0, m0 = _super(vals, prep, bpb, kind, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
+        a1, m1 = _super(vals, prep, bpb, kind, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+    return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
+
+
+@njit(inline="always", cache=True)
+def _bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
+           sc: Any, sc1: Any) -> tuple[Any, Any]:
+    """32-element block W rows rb and rb1 dotted with x (R = 1)."""
+    return _row2(vals, prep, bpb, kind, row, rb, rb1, x, 0, 0, k, sx, sc, sc1)
 
 
 @njit(inline="always", cache=True)
@@ -294,7 +222,7 @@ def _rows4(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any,
     for u in range(units):
         if kind & SUPER and u & 7 == 0:
             prep(row, rb + bpb * (u >> 3), sc)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, row, rb, u, sc)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
         a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
         a1, m1 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
         a2, m2 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i2 * k + 32 * u, a2, m2, sx, i2 * units + u)
@@ -307,9 +235,10 @@ def _rows4(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any,
 
 @njit(inline="always", cache=True)
 def _rows(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
-          row: Any) -> None:
-    """Chunk c of out <- a @ dequant(w)ᵀ (a [m <= DECODE_ROWS, k]; x and row: a and w flat). For a given m
-    every element is the same operations whichever way it is reached (`_row1`)."""
+          row: Any, pair: Any) -> None:
+    """Chunk c of out <- a @ dequant(w)ᵀ (a [m <= DECODE_ROWS, k]; x and row: a and w flat; pair: the R = 1
+    two-row dot, `_bpair` or `_kpair`). For a given m every element is the same operations whichever way
+    it is reached."""
     m, k = a.shape
     lo, hi = _bounds(c, w.shape[0])
     rl = w.shape[1]
@@ -317,11 +246,9 @@ def _rows(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c
     sc1 = carray(stack_f32(32), (32,))
     if m == 1:  # W rows j and j + h together: two sequential streams (adjacent rows ran at half the speed)
         h = (hi - lo) // 2
-        for j in range(lo, lo + h):
-            out[0, j], out[0, j + h] = _row2(vals, prep, bpb, kind, row, rl * j, rl * (j + h), x, 0, 0, k, sx,
-                                             sc0, sc1)
-        if (hi - lo) & 1:
-            out[0, hi - 1] = _row1(vals, prep, bpb, kind, row, rl * (hi - 1), x, 0, k, sx, sc0)
+        for t in range(h + ((hi - lo) & 1)):  # an odd last row as a pair with itself: the same operations
+            j0, j1 = (lo + t, lo + t + h) if t < h else (hi - 1, hi - 1)
+            out[0, j0], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j0, rl * j1, x, k, sx, sc0, sc1)
         return
     kind &= ~FACTOR_BIAS  # the values, formed once for all the activation rows, cost less than the offsets
     for j in range(lo, hi):
@@ -338,14 +265,17 @@ def _rows(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c
 
 @njit(inline="always", cache=True)
 def _block_sums(a: Any, kind: int) -> Any:
-    """Σ of each 32 activations (fixed order) for the factored offset term: only R = 1 factors offsets."""
+    """Σ of each 32 activations (fixed order) for the factored offset term: only R = 1 factors offsets.
+    K-quants lay them out 16 a super-block, its eight sums in lanes 8-15 (`_super`)."""
     m, k = a.shape
     factored = kind & FACTOR_BIAS and m == 1
-    sx = np.zeros(k // 32 if factored else 1, np.float32)
+    per = 16 if kind & SUPER else 1  # slots per 8 units
+    sx = np.zeros(k // 32 * per // (8 if kind & SUPER else 1) if factored else 1, np.float32)
     if factored:
         x = a.reshape(k)
         for u in range(k // 32):
-            sx[u] = hsum(vadd(vload(x, 32 * u), vload(x, 32 * u + 16)))
+            at = 16 * (u >> 3) + 8 + (u & 7) if kind & SUPER else u
+            sx[at] = hsum(vadd(vload(x, 32 * u), vload(x, 32 * u + 16)))
     return sx
 
 
@@ -355,77 +285,77 @@ def _block_sums(a: Any, kind: int) -> Any:
 def _gemv_q4_0(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row)
+        _rows(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, _bpair)
 
 
 @row_kernel()
 def _gemv_q4_1(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+        _rows(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _bpair)
 
 
 @row_kernel()
 def _gemv_q5_0(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row)
+        _rows(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row, _bpair)
 
 
 @row_kernel()
 def _gemv_q5_1(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+        _rows(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _bpair)
 
 
 @row_kernel()
 def _gemv_q8_0(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row)
+        _rows(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row, _bpair)
 
 
 @row_kernel()
 def _gemv_q8_1(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row)
+        _rows(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row, _bpair)
 
 
 @row_kernel()
 def _gemv_q2k(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SUPER | BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row)
+        _rows(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row, _kpair)
 
 
 @row_kernel()
 def _gemv_q3k(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row)
+        _rows(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row, _kpair)
 
 
 @row_kernel()
 def _gemv_q4k(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+        _rows(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _kpair)
 
 
 @row_kernel()
 def _gemv_q5k(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+        _rows(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _kpair)
 
 
 @row_kernel()
 def _gemv_q6k(a: Any, w: Any, out: Any) -> None:
     sx, x, row = _block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
     for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q6k, _p_q6k, 210, SUPER, a, w, out, c, sx, x, row)
+        _rows(_v_q6k, _p_q6k, 210, SUPER, a, w, out, c, sx, x, row, _kpair)
 
 
 GEMV: dict[QuantType, Any] = {

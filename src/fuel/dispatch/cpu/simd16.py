@@ -233,6 +233,31 @@ def _add(typingctx: Any, a: Any, b: Any) -> Any:
 
 
 @intrinsic
+def _hi8(typingctx: Any, v: Any) -> Any:
+    """v with lanes 0-7 zero (exactly: a lane select, no arithmetic)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        idx = ir.Constant(ir.VectorType(_I32, _W), [_W + t if t < 8 else t for t in range(_W)])
+        return builder.shuffle_vector(args[0], ir.Constant(_VF, [0.0] * _W), idx)
+
+    return VEC(v), codegen
+
+
+@intrinsic
+def _prefetch(typingctx: Any, a: Any, off: Any) -> Any:
+    """A read prefetch of the cache line holding a[off] (a hint: no fault, no effect on any value)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32,
+                                            _I32, _I32]), "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(a, off), codegen
+
+
+@intrinsic
 def _zero(typingctx: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return ir.Constant(_VF, [0.0] * _W)
@@ -280,13 +305,18 @@ def _hsum(typingctx: Any, v: Any) -> Any:
 
 @intrinsic
 def _stack_f32_intrinsic(typingctx: Any, size: Any) -> Any:
-    """A pointer to `size` (a literal) float32 on the calling function's stack (its entry block)."""
+    """A pointer to `size` (a literal) float32 on the calling function's stack (its entry block), passed
+    through an empty asm statement: LLVM then keeps the scratch in memory rather than promoting it to
+    registers, so a scalar read from it is a broadcast load folded into its FMA ({1to16}); promoted, each
+    constant-index read was 2-3 shuffles (extract, permute, broadcast) on the vector pipes."""
     if not isinstance(size, types.IntegerLiteral):
         return None
     count = int(size.literal_value)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return cgutils.alloca_once(builder, _F32, size=count)
+        ptr = cgutils.alloca_once(builder, _F32, size=count)
+        opaque = ir.InlineAsm(ir.FunctionType(ptr.type, [ptr.type]), "", "=r,0")
+        return builder.call(opaque, [ptr])
 
     return types.CPointer(types.float32)(size), codegen
 
@@ -304,6 +334,8 @@ fmax: Any = _fmax
 vmul: Any = _mul
 vadd: Any = _add
 vzero: Any = _zero
+prefetch: Any = _prefetch
+hi8: Any = _hi8
 vload: Any = _load
 vstore: Any = _store
 hsum: Any = _hsum
