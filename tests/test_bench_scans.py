@@ -27,9 +27,10 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
     assert data["meta"]["threads"] == 2 and data["meta"]["sizes"]["seq"] == bs.Sizes.tiny().seq
     results = {r["case"]: r for r in data["results"]}
     assert set(results) == {"selective_scan", "selective_scan_backward", "ssd_chunk_scan", "cross_entropy",
-                            "cross_entropy_backward"}
+                            "cross_entropy_backward", "selective_scan_one_token", "cross_entropy_one_row"}
     impls = {"selective_scan": "SelectiveScan[", "ssd_chunk_scan": "SsdChunkScan[",
-             "cross_entropy": "FusedSoftmaxCrossEntropy["}
+             "cross_entropy": "FusedSoftmaxCrossEntropy[", "selective_scan_one_token": "SelectiveScan[",
+             "cross_entropy_one_row": "FusedSoftmaxCrossEntropy["}
     for name, r in results.items():
         assert all(r["ms"][w] > 0 for w in ("fuel", "fuel_jit", "torch_eager"))
         assert r["fuel_over_torch"] == pytest.approx(r["fuel_ms"] / r["torch_ms"])
