@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -131,6 +132,7 @@ PRIM_VJP: dict[Op, PrimVjp] = {
     Op.SIGN: _none(1),
     Op.STEP: _none(1),
     Op.FLOOR: _none(1),
+    Op.ERF: lambda xs, n, y, g: [g * (xs[0].square() * -1.0).exp() * (2.0 / math.sqrt(math.pi))],
     Op.ADD: lambda xs, n, y, g: [g, g],
     Op.SUB: lambda xs, n, y, g: [g, -g],
     Op.MUL: lambda xs, n, y, g: [g * xs[1], g * xs[0]],

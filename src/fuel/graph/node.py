@@ -36,6 +36,7 @@ class Op(enum.Enum):
     SIGN = enum.auto()
     STEP = enum.auto()
     FLOOR = enum.auto()
+    ERF = enum.auto()
     # elementwise binary (same shape, same dtype)
     ADD = enum.auto()
     SUB = enum.auto()

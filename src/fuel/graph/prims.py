@@ -16,7 +16,7 @@ Rule = Callable[[tuple[Node, ...], Any], tuple[Shape, DType]]
 
 UNARY = frozenset({
     Op.NEG, Op.ABS, Op.SQR, Op.SQRT, Op.RSQRT, Op.RECIP, Op.EXP, Op.LOG, Op.TANH, Op.SIN, Op.COS,
-    Op.SIGMOID, Op.RELU, Op.SILU, Op.SIGN, Op.STEP, Op.FLOOR,
+    Op.SIGMOID, Op.RELU, Op.SILU, Op.SIGN, Op.STEP, Op.FLOOR, Op.ERF,
 })
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.POW})
 COMPARE = frozenset({Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE})

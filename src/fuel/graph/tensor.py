@@ -127,6 +127,7 @@ class Tensor:
     def silu(self) -> Tensor: return self._unary(Op.SILU)
     def sign(self) -> Tensor: return self._unary(Op.SIGN)
     def floor(self) -> Tensor: return self._unary(Op.FLOOR)
+    def erf(self) -> Tensor: return self._unary(Op.ERF)
 
     def add(self, other: TensorLike) -> Tensor: return self + other
     def sub(self, other: TensorLike) -> Tensor: return self - other

@@ -346,7 +346,12 @@ def attention(p: Problem, out: np.ndarray) -> None:
             block(p, 0, 1, t * BQ)
 
     n, g, _, _ = p.q.shape
-    chunk = max(1, SCORE_BYTES // (g * BQ * BK * p.q.dtype.itemsize))  # groups are independent: bytes unchanged
+    # A step's scores are [groups, G·rows, keys] with the block sizes clipped to the problem: short
+    # sequences (BERT's 32 tokens) put hundreds of groups in one step. Groups are independent, so the
+    # count never changes the bytes.
+    lo, hi = p.win.keys(0, sq)
+    score = g * min(sq, BQ) * max(1, min(hi - lo, BK)) * p.q.dtype.itemsize
+    chunk = max(1, SCORE_BYTES // score)
     if n == 1:  # one (batch, kv head) group: its query blocks are the independent work
         split_work(query_blocks, -(-sq // BQ), strided=True)
     else:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fuel.dispatch.cpu.erf import erf_into
 from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, gemv
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
@@ -102,6 +103,13 @@ def _binary(op: Op) -> PrimKernel:
         return f(xs[0], xs[1], out=out)  # type: ignore[call-arg]
 
     return kernel
+
+
+def _erf(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+    x = _work(xs[0], n.dtype)
+    if out is not None and out.dtype == x.dtype and out.flags.c_contiguous:
+        return erf_into(x, out)
+    return _copy_into(_store(erf_into(x, np.empty(x.shape, x.dtype)), n), out)
 
 
 def _copy_into(y: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -303,6 +311,7 @@ def _contiguize(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.n
 PRIM_KERNELS: dict[Op, PrimKernel] = {
     **{op: _unary(op) for op in _UNARY},
     **{op: _binary(op) for op in _BINARY},
+    Op.ERF: _erf,
     Op.WHERE: _into(lambda xs, n: np.where(xs[0] != 0, xs[1], xs[2])),
     Op.ADD_SCALAR: _scalar(np.add),
     Op.MUL_SCALAR: _scalar(np.multiply),
