@@ -105,11 +105,23 @@ def test_unnormalised_is_the_mean_of_token_embeddings(oracle: SentenceTransforme
     assert np.all(np.linalg.norm(got, axis=1) > 2)  # really not normalised
 
 
+def test_pack_maps_tokens_to_slots_and_back() -> None:
+    batch = bert.pack([[101, 7, 102], [101, 102], [101, 5, 6, 7, 8, 9, 10, 11, 12, 102]], max_length=256)
+    assert batch.mask.shape == (3, 16) and batch.mask.sum(1).tolist() == [3, 2, 10]
+    t = batch.ids.shape[0]
+    assert t == 16 and batch.ids[:15].tolist() == [101, 7, 102, 101, 102, 101, 5, 6, 7, 8, 9, 10, 11, 12, 102]
+    assert batch.positions[:15].tolist() == [0, 1, 2, 0, 1, *range(10)]
+    real = np.arange(15)
+    np.testing.assert_array_equal(batch.to_padded[batch.to_packed[real]], real)  # every real token round-trips
+    assert (batch.to_padded[batch.mask.reshape(-1) == 0] == t).all()  # padding reads the zero row
+    assert bert.pack([[1] * 300], max_length=256).mask.shape == (1, 256)
+
+
 def test_dense_layers_fuse_by_pattern() -> None:
     """The graph holds plain MatMul + Add; the executor's pattern pass makes the FusedLinear kernels."""
     model = bert.load()
-    ids, mask = model._pad([t for t in model.token_ids(["one sentence", "and another, longer one"])])
-    pooled, unit = model.encode(fl.tensor(ids), fl.tensor(mask))
+    batch = bert.pack(model.token_ids(["one sentence", "and another, longer one"]), model.config.max_seq_length)
+    pooled, unit = model.encode(*(fl.tensor(a) for a in batch))
     nodes = topo_order([pooled.node, unit.node])
     fused_ids = {n.arg[0] for n in nodes if n.op is Op.FUSED}
     assert FusedOps.FUSED_LINEAR not in fused_ids
@@ -123,7 +135,7 @@ def test_dense_layers_fuse_by_pattern() -> None:
     assert not any(i == "prim:matmul" for i in impls)
     # The captured replay runs the same kernels.
     with fl.trace() as t:
-        model._run(ids, mask)
+        model._run(batch)
     assert sum(r.impl.startswith("FusedLinear[") for r in t.records) == 36
 
 

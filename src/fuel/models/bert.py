@@ -14,22 +14,29 @@ The encoder is built from `fuel.ops` and Tensor methods only:
 - GELU is BERT's exact erf form `x·Φ(x)` through the ERF primitive (five elementwise passes; the
   tanh form was measured 2.5e-4 off sentence-transformers' embeddings, beyond the 1e-4 they must meet).
 
-Padding. FlashAttn's `k_len` is one scalar for the whole batch, so it cannot hide each sentence's
-padded keys. The mask rides in one extra head dimension instead: q gets a column of ones, k a column
-holding 0 for a real token and -1e30 for a padded one, v a column of zeros, and the scale is passed
-as 1/sqrt(32) (the default would take the widened 33). A real key's score is unchanged (q·k + 1·0);
-a padded key's is about -1.8e29, so its softmax weight exp(s - max) underflows to exactly 0, as with
-BERT's own additive mask ([CLS] is always real, so no row is all masked). The extra output column
-is dropped; padded query rows compute finite values that mean pooling, weighted by the mask,
-ignores. The tests check the exactness: a sentence embedded alone and next to a much longer one
-agree to f32 rounding.
+Packed tokens. Only attention needs a batch laid out `[B, S]`; every other layer (the dense layers,
+LayerNorm, GELU, the residuals: nearly all of the work) runs per token. So the encoder keeps the real
+tokens of a batch packed, `[T, hidden]` with T the sum of the sentences' lengths, and scatters them
+to the padded layout only for attention, with one `index_select` each way (a padded slot reads an
+extra zero row). On sentences of mixed lengths a padded batch is mostly padding: 64 benchmark
+sentences are 1084 tokens, 1536 padded.
 
-Why not group by length with no padding? That was the first version, exact too, but a mixed set of
-64 sentences made 41 batches of one or two sentences (small, slow GEMMs) and 41 captures to trace.
-Here sentences are sorted by length and batched `batch_size` at a time, each batch padded to a
-multiple of 8 tokens, so a few (batch, length) signatures serve most calls: each is one `fl.jit`
-capture, replayed when the shape repeats. Captures hold arenas sized by their shape, so the jit keeps
-them within `ARENA_BUDGET` bytes (`fl.jit(..., max_arena_bytes=)`, least recently used dropped first).
+Padding inside attention. FlashAttn's `k_len` is one scalar for the whole batch, so it cannot hide
+each sentence's padded keys. The mask rides in one extra head dimension instead: q gets a column of
+ones, k a column holding 0 for a real token and -1e30 for a padded one, v a column of zeros, and the
+scale is passed as 1/sqrt(32) (the default would take the widened 33). A real key's score is
+unchanged (q·k + 1·0); a padded key's is about -1.8e29, so its softmax weight exp(s - max) underflows
+to exactly 0, as with BERT's own additive mask ([CLS] is always real, so no row is all masked). The
+extra output column is dropped, and padded query rows are never gathered back. The tests check the
+exactness: a sentence embedded alone and next to a much longer one agree to f32 rounding.
+
+Signatures. Sentences are sorted by length and batched `batch_size` at a time; each batch's padded
+length is rounded up to a multiple of 8 and its token count to one of 16 steps per power of two (spare rows are
+computed and never read), so a few (batch, length, tokens) signatures serve most calls: each is one
+`fl.jit` capture, replayed when the shape repeats. Captures hold arenas sized by their shape, so the
+jit keeps them within `ARENA_BUDGET` bytes (`fl.jit(..., max_arena_bytes=)`, least recently used
+dropped first). Grouping by length with no padding at all was exact too, but a mixed set of 64
+sentences made 41 batches of one or two sentences (small, slow GEMMs) and 41 captures to trace.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -128,41 +135,49 @@ class MiniLM:
         y = fl.ops.layer_norm_last_dim(x, self.config.eps)
         return y * self.w[name + ".weight"] + self.w[name + ".bias"]
 
-    def encode(self, ids: fl.Tensor, mask: fl.Tensor) -> tuple[fl.Tensor, fl.Tensor]:
-        """ids `[B, S]`, mask `[B, S]` f32 (1 real, 0 padding) -> (mean-pooled `[B, hidden]`, L2-normalised)."""
+    def encode(self, ids: fl.Tensor, positions: fl.Tensor, to_padded: fl.Tensor, to_packed: fl.Tensor,
+               mask: fl.Tensor) -> tuple[fl.Tensor, fl.Tensor]:
+        """One batch of packed tokens (`Batch`: ids and positions `[T]`, the gathers between packed rows and
+        padded slots, mask `[B, S]` f32 with 1 real, 0 padding) -> (mean-pooled `[B, hidden]`, L2-normalised)."""
         c = self.config
-        b, s = ids.shape
+        b, s = mask.shape
         n, d = b * s, c.hidden // c.heads
         w = self.w
-        x = w["embeddings.word_embeddings.weight"].index_select(0, ids.reshape(n)).reshape(b, s, c.hidden)
+        x = w["embeddings.word_embeddings.weight"].index_select(0, ids)
         # Single sentences have token type 0 throughout; added in BERT's order (word + type) + position.
-        x = x + w["embeddings.token_type_embeddings.weight"][0] + w["embeddings.position_embeddings.weight"][:s]
-        h = self._norm(x.reshape(n, c.hidden), "embeddings.LayerNorm")
+        position = w["embeddings.position_embeddings.weight"].index_select(0, positions)
+        x = x + w["embeddings.token_type_embeddings.weight"][0] + position
+        h = self._norm(x, "embeddings.LayerNorm")
+        zero_row = fl.zeros((1, c.hidden))
         # The mask's head-dim column (module docstring): 0 for real keys, -1e30 for padded ones.
         cols = {"query": fl.ones((b, c.heads, s, 1)), "value": fl.zeros((b, c.heads, s, 1)),
                 "key": ((mask - 1.0) * 1e30).reshape(b, 1, s, 1).broadcast_to(b, c.heads, s, 1)}
 
-        def heads(t: fl.Tensor, m: str) -> fl.Tensor:
+        def padded(rows: fl.Tensor) -> fl.Tensor:
+            """Packed [T, hidden] rows at their [B·S] slots, zeros at padding."""
+            return fl.concat([rows, zero_row], axis=0).index_select(0, to_padded)
+
+        def heads(u: fl.Tensor, m: str) -> fl.Tensor:
             # The concat also lays q, k, v out contiguously, the copy FlashAttn would make anyway.
-            return fl.concat([t.reshape(b, s, c.heads, d).permute(0, 2, 1, 3), cols[m]], axis=3)
+            return fl.concat([padded(u).reshape(b, s, c.heads, d).permute(0, 2, 1, 3), cols[m]], axis=3)
 
         for i in range(c.layers):
             p = f"encoder.layer.{i}."
             q, k, v = (heads(self._linear(h, p + "attention.self." + m), m) for m in ("query", "key", "value"))
             o = fl.ops.flash_attn(q, k, v, softmax_scale=1 / math.sqrt(d), causal=False)
-            o = o[..., :d].permute(0, 2, 1, 3).reshape(n, c.hidden)
+            o = o[..., :d].permute(0, 2, 1, 3).reshape(n, c.hidden).index_select(0, to_packed)
             h = self._norm(self._linear(o, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
             f = self._linear(gelu(self._linear(h, p + "intermediate.dense")), p + "output.dense")
             h = self._norm(f + h, p + "output.LayerNorm")
         weights = mask.reshape(b, s, 1)
-        pooled = (h.reshape(b, s, c.hidden) * weights).sum(1) / weights.sum(1)
+        pooled = (padded(h).reshape(b, s, c.hidden) * weights).sum(1) / weights.sum(1)
         # sentence-transformers' Normalize: x / max(||x||, 1e-12).
         norm = pooled.square().sum(-1, keepdim=True).sqrt().maximum(1e-12)
         return pooled, pooled / norm
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray) -> tuple[fl.Tensor, fl.Tensor]:
-        """`encode` of one batch through the capture of its (batch, length), traced on first use."""
-        result: tuple[fl.Tensor, fl.Tensor] = self._step(ids, mask)
+    def _run(self, batch: Batch) -> tuple[fl.Tensor, fl.Tensor]:
+        """`encode` of one batch through the capture of its signature, traced on first use."""
+        result: tuple[fl.Tensor, fl.Tensor] = self._step(*batch)
         return result
 
     def token_ids(self, sentences: Sequence[str]) -> list[list[int]]:
@@ -182,22 +197,47 @@ class MiniLM:
         order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
-            ids, mask = self._pad([encoded[i] for i in rows])
-            pooled, unit = self._run(ids, mask)
+            pooled, unit = self._run(pack([encoded[i] for i in rows], self.config.max_seq_length))
             out[rows] = (unit if normalize else pooled).numpy()
         return out
 
-    def _pad(self, batch: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """ids and mask of a batch padded to a multiple of 8 tokens (at most max_seq_length), so that
-        nearby lengths share one capture. Rows are not padded: a dummy row of a long batch would cost
-        as much as a real one, more than the capture it saves."""
-        length = min(-(-max(map(len, batch)) // 8) * 8, self.config.max_seq_length)
-        ids = np.zeros((len(batch), length), np.int64)  # 0 is [PAD]
-        mask = np.zeros((len(batch), length), np.float32)
-        for r, tokens in enumerate(batch):
-            ids[r, :len(tokens)] = tokens
-            mask[r, :len(tokens)] = 1.0
-        return ids, mask
+
+class Batch(NamedTuple):
+    """`encode`'s arguments for one batch of tokenised sentences (`pack`)."""
+
+    ids: np.ndarray  # [T] token ids, the sentences one after another (then spare rows of [PAD])
+    positions: np.ndarray  # [T] each token's position in its sentence
+    to_padded: np.ndarray  # [B·S] the packed row of each padded slot; T (the zero row) at padding
+    to_packed: np.ndarray  # [T] the padded slot of each packed row (spare rows: slot 0)
+    mask: np.ndarray  # [B, S] f32: 1 real, 0 padding
+
+
+def pack(batch: Sequence[Sequence[int]], max_length: int) -> Batch:
+    """A batch's tokens packed, its padded length S rounded up to a multiple of 8 (at most max_length) and
+    its token count T up to one of 16 steps per power of two (at least 8: at most 1/16 spare rows), so
+    that nearby batches share one capture. Rows are not padded: a dummy sentence of a long batch would
+    cost as much as a real one."""
+    batch = [tokens[:max_length] for tokens in batch]  # the tokenizer truncates already; a caller may not
+    lengths = [len(tokens) for tokens in batch]
+    s = min(-(-max(lengths) // 8) * 8, max_length)
+    total = sum(lengths)
+    step = max(8, 1 << max(0, total.bit_length() - 5))
+    t = -(-total // step) * step
+    ids = np.zeros(t, np.int64)  # 0 is [PAD]
+    positions = np.zeros(t, np.int64)
+    to_padded = np.full(len(batch) * s, t, np.int64)
+    to_packed = np.zeros(t, np.int64)
+    mask = np.zeros((len(batch), s), np.float32)
+    row = 0
+    for r, tokens in enumerate(batch):
+        k = len(tokens)
+        ids[row:row + k] = tokens
+        positions[row:row + k] = np.arange(k)
+        to_padded[r * s:r * s + k] = np.arange(row, row + k)
+        to_packed[row:row + k] = np.arange(r * s, r * s + k)
+        mask[r, :k] = 1.0
+        row += k
+    return Batch(ids, positions, to_padded, to_packed, mask)
 
 
 @lru_cache(maxsize=4)
