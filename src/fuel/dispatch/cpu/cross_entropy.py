@@ -26,21 +26,12 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba import njit, prange
 
 from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.vecmath import (
-    bf16_to_f32,
-    cast_like,
-    exp_nonpositive,
-    f16_bits_to_f32,
-    f32_to_bf16,
-    maxnum,
-)
+from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive, maxnum, narrow, widen
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -61,64 +52,13 @@ NAME = "fused_softmax_cross_entropy"
 FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
 
 
-@intrinsic
-def _f16_to_f32_intrinsic(typingctx: Any, h: Any) -> Any:
-    """Widen f16 bits (int16) to float32, exactly (`vecmath.f16_bits_to_f32`; vectorisable)."""
-    if h != types.int16:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return f16_bits_to_f32(builder, builder.zext(args[0], ir.IntType(32)))
-
-    return types.float32(types.int16), codegen
-
-
-# Typed as Any: Numba fills in the typing context when jitted code calls the intrinsics.
-_f16_to_f32: Any = _f16_to_f32_intrinsic
-
-
-def _widen(x: Any) -> Any:
-    """A stored element in the compute type (bf16 bits as uint16, f16 bits as int16); jitted only."""
-    raise NotImplementedError
-
-
-@overload(_widen, inline="always")
-def _widen_impl(x: Any) -> Any:
-    def bf16(x: Any) -> Any:
-        return bf16_to_f32(x)
-
-    def f16(x: Any) -> Any:
-        return _f16_to_f32(x)
-
-    def same(x: Any) -> Any:
-        return x
-
-    return bf16 if x == types.uint16 else f16 if x == types.int16 else same
-
-
-def _narrow(v: Any, out: Any) -> Any:
-    """v (f32 or f64) as an element of `out`: bf16 bits rounded to nearest-even, else as is; jitted only."""
-    raise NotImplementedError
-
-
-@overload(_narrow, inline="always")
-def _narrow_impl(v: Any, out: Any) -> Any:
-    def bf16(v: Any, out: Any) -> Any:
-        return f32_to_bf16(v)
-
-    def same(v: Any, out: Any) -> Any:
-        return v
-
-    return bf16 if out.dtype == types.uint16 else same
-
-
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _exp_sum(seg: Any, m: Any) -> float:
     """Σ exp(x − m) over a segment of a row, each exponential in the compute type, summed in f64. (A
     loop over a slice from 0 vectorises; `range(lo, hi)` over the row did not: 2.8x slower.)"""
     s = 0.0
     for j in range(seg.shape[0]):
-        s += np.float64(exp_nonpositive(_widen(seg[j]) - m))
+        s += np.float64(exp_nonpositive(widen(seg[j]) - m))
     return s
 
 
@@ -127,11 +67,11 @@ def _row_stats(xr: Any, t: int) -> Any:
     """(max, e_t = exp(x[t] − max), Σ_{j≠t} exp(x[j] − max)) of one row. The target is left out of the
     f64 sum (two vectorised ranges), so when it holds nearly all the mass the others keep their own
     relative accuracy: 1 − softmax_t and a loss near 0 come out without cancellation."""
-    m = _widen(xr[0])
+    m = widen(xr[0])
     for j in range(1, xr.shape[0]):
-        m = maxnum(m, _widen(xr[j]))
+        m = maxnum(m, widen(xr[j]))
     others = _exp_sum(xr[:t], m) + _exp_sum(xr[t + 1:], m)
-    return m, np.float64(exp_nonpositive(_widen(xr[t]) - m)), others
+    return m, np.float64(exp_nonpositive(widen(xr[t]) - m)), others
 
 
 @row_kernel(fastmath=FASTMATH)
@@ -146,7 +86,7 @@ def _losses(x: Any, t: Any, ignore: int, losses: Any) -> None:
             losses[r] = 0.0
         else:
             m, et, others = _row_stats(x[r], tr)
-            losses[r] = (np.float64(m) - np.float64(_widen(x[r, tr]))) + math.log1p((et - 1.0) + others)
+            losses[r] = (np.float64(m) - np.float64(widen(x[r, tr]))) + math.log1p((et - 1.0) + others)
 
 
 @row_kernel(fastmath=FASTMATH)
@@ -164,8 +104,8 @@ def _grad(x: Any, t: Any, ignore: int, scales: Any, out: Any) -> None:
             total = et + others
             c = cast_like(scales[r] / total, m)
             for j in range(xr.shape[0]):
-                o[j] = _narrow(exp_nonpositive(_widen(xr[j]) - m) * c, o)
-            o[tr] = _narrow(cast_like(-others / total * scales[r], m), o)
+                o[j] = narrow(exp_nonpositive(widen(xr[j]) - m) * c, o)
+            o[tr] = narrow(cast_like(-others / total * scales[r], m), o)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -173,7 +113,7 @@ def _exp_store_sum(seg: Any, m: Any, o: Any) -> float:
     """o <- exp(seg − m) in the compute type; returns their sum in f64 (one vectorised pass)."""
     s = 0.0
     for j in range(seg.shape[0]):
-        e = exp_nonpositive(_widen(seg[j]) - m)
+        e = exp_nonpositive(widen(seg[j]) - m)
         o[j] = e
         s += np.float64(e)
     return s
@@ -190,11 +130,11 @@ def _grad_in_place(x: Any, t: Any, ignore: int, scales: Any, out: Any) -> None:
             for j in range(xr.shape[0]):
                 o[j] = 0
         else:
-            m = _widen(xr[0])
+            m = widen(xr[0])
             for j in range(1, xr.shape[0]):
-                m = maxnum(m, _widen(xr[j]))
+                m = maxnum(m, widen(xr[j]))
             others = _exp_store_sum(xr[:tr], m, o[:tr]) + _exp_store_sum(xr[tr + 1:], m, o[tr + 1:])
-            total = np.float64(exp_nonpositive(_widen(xr[tr]) - m)) + others
+            total = np.float64(exp_nonpositive(widen(xr[tr]) - m)) + others
             c = cast_like(scales[r] / total, m)
             for j in range(xr.shape[0]):
                 o[j] = o[j] * c

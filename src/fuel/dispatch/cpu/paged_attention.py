@@ -30,8 +30,8 @@ from numba.extending import overload
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.paged_tiles import accumulate, dots, prefetch, vector_path, widen
-from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive, f32_to_bf16, neg_inf_like
+from fuel.dispatch.cpu.paged_tiles import accumulate, dots, prefetch, vector_path
+from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive, f32_to_bf16, neg_inf_like, widen
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,

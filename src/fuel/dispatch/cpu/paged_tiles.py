@@ -21,24 +21,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from fuel.dispatch.cpu.simd16 import fmas, fmax, hsum, vload, vstore, vzero
-from fuel.dispatch.cpu.vecmath import bf16_to_f32, cast_like, f16_bits_to_f32
+from fuel.dispatch.cpu.vecmath import cast_like, widen
 
 # As paged_attention's: reassociation lets the reductions vectorise (one fixed order per build).
 FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
 
 _I32 = ir.IntType(32)
-
-
-@intrinsic
-def _f16_to_f32_intrinsic(typingctx: Any, h: Any) -> Any:
-    """Widen f16 bits (int16) to float32, exactly (`vecmath.f16_bits_to_f32`; vectorisable)."""
-    if h != types.int16:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return f16_bits_to_f32(builder, builder.zext(args[0], _I32))
-
-    return types.float32(types.int16), codegen
 
 
 @intrinsic
@@ -75,28 +63,8 @@ def _at_intrinsic(typingctx: Any, arr: Any, index: Any) -> Any:
 
 
 # Typed as Any, as vecmath's: Numba fills in the typing context when jitted code calls the intrinsic.
-f16_to_f32: Any = _f16_to_f32_intrinsic
 prefetch: Any = _prefetch_intrinsic
 at: Any = _at_intrinsic
-
-
-def widen(x: Any) -> Any:
-    """A stored element in the compute type (bf16 bits as uint16, f16 bits as int16)."""
-    raise NotImplementedError  # only called from jitted code
-
-
-@overload(widen, inline="always")
-def _widen_impl(x: Any) -> Any:
-    def bf16(x: Any) -> Any:
-        return bf16_to_f32(x)
-
-    def f16(x: Any) -> Any:
-        return f16_to_f32(x)
-
-    def same(x: Any) -> Any:
-        return x
-
-    return bf16 if x == types.uint16 else f16 if x == types.int16 else same
 
 
 def vector_path(cache: Any, dh: Any) -> Any:

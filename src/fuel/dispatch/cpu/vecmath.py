@@ -81,6 +81,56 @@ pow2_f32: Any = _pow2_f32
 bf16_to_f32: Any = _bf16_to_f32
 f32_to_bf16: Any = _f32_to_bf16
 
+@intrinsic
+def _f16_to_f32_intrinsic(typingctx: Any, h: Any) -> Any:
+    """Widen f16 bits (int16) to float32, exactly (`f16_bits_to_f32`; vectorisable)."""
+    if h != types.int16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return f16_bits_to_f32(builder, builder.zext(args[0], _I32))
+
+    return types.float32(types.int16), codegen
+
+
+f16_to_f32: Any = _f16_to_f32_intrinsic
+
+
+def widen(x: Any) -> Any:
+    """A stored element in the compute type (bf16 bits as uint16, f16 bits as int16); jitted only."""
+    raise NotImplementedError("widen is callable from jitted code only")
+
+
+@overload(widen, inline="always")
+def _widen(x: Any) -> Any:
+    def bf16(x: Any) -> Any:
+        return bf16_to_f32(x)
+
+    def f16(x: Any) -> Any:
+        return f16_to_f32(x)
+
+    def same(x: Any) -> Any:
+        return x
+
+    return bf16 if x == types.uint16 else f16 if x == types.int16 else same
+
+
+def narrow(v: Any, out: Any) -> Any:
+    """v (f32 or f64) as an element of `out`: bf16 bits rounded to nearest-even, else as is; jitted only."""
+    raise NotImplementedError("narrow is callable from jitted code only")
+
+
+@overload(narrow, inline="always")
+def _narrow(v: Any, out: Any) -> Any:
+    def bf16(v: Any, out: Any) -> Any:
+        return f32_to_bf16(v)
+
+    def same(v: Any, out: Any) -> Any:
+        return v
+
+    return bf16 if out.dtype == types.uint16 else same
+
+
 _LOG2E = np.float32(1.44269504088896341)
 _C1 = np.float32(0.693359375)
 _C2 = np.float32(-2.12194440e-4)
