@@ -283,16 +283,19 @@ def _cache_write(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.
 
 def _grad_kernel(module: str, name: str) -> PrimKernel:
     """A fused op's gradient kernel, `kernel(inputs, arg) -> array or tuple of arrays`, living beside the
-    op's forward kernels in `fuel.dispatch.cpu.<module>` (imported on first use: it compiles Numba code).
-    Inputs the autograd built as broadcast zeros arrive contiguous."""
-    def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
-        import importlib
+    op's forward kernels in `fuel.dispatch.cpu.<module>` (imported on first use: it compiles Numba code,
+    then kept). Inputs the autograd built as broadcast zeros arrive contiguous."""
+    found: list[Callable[..., Any]] = []
 
+    def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
         from fuel.dispatch import threads
 
-        kernel = getattr(importlib.import_module(f"fuel.dispatch.cpu.{module}"), name)
+        if not found:
+            import importlib
+
+            found.append(getattr(importlib.import_module(f"fuel.dispatch.cpu.{module}"), name))
         threads.use_serial(False)  # a whole backward pass: fuel's thread count, whatever ran before
-        return kernel([np.ascontiguousarray(x) for x in xs], n.arg)
+        return found[0]([np.ascontiguousarray(x) for x in xs], n.arg)
     return run
 
 
