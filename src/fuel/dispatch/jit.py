@@ -19,6 +19,8 @@ The contract:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -36,6 +38,8 @@ from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, topo_order
 from fuel.graph.prims import VIEW_OPS
 from fuel.graph.registry import default_registry
+
+_QUIET = contextlib.nullcontext()
 
 # Steps whose result aliases their input's memory (a reshape NumPy must copy is caught where it matters).
 _VIEWS = VIEW_OPS | {Op.RESHAPE}
@@ -104,6 +108,9 @@ class Capture:
                  tuple(i for i, s in enumerate(step.inputs) if s not in owned_slots))
             for step in replayed]
         self.template = template
+        # NumPy's primitives may warn on inf/NaN (silenced, as the executor does); fused kernels never do,
+        # and entering np.errstate costs ~1.5 µs, a tenth of a one-op replay.
+        self._numpy_steps = any(r.step.prim is not None for r in self.runs)
         # Each output is a slot of the plan, an argument fn returned as it is, or a captured value.
         self.outputs: list[tuple[int, int, np.ndarray | None]] = [
             (plan.outputs[roots.index(n)], -1, None) if n.value is None
@@ -118,7 +125,7 @@ class Capture:
         tracers = executor.tracing()
         first = not self._checked
         try:
-            with np.errstate(all="ignore"):
+            with np.errstate(all="ignore") if self._numpy_steps else _QUIET:
                 for r in self.runs:
                     start = time.perf_counter() if tracers else 0.0
                     step = r.step
@@ -294,9 +301,14 @@ class Jit:
 
 
 def _leaf(v: np.ndarray) -> Any:
-    from fuel.graph.tensor import Tensor
+    return _tensor_class()(Node(Op.CONST, (), v.shape, from_numpy(v.dtype), None, v))
 
-    return Tensor(Node(Op.CONST, (), v.shape, from_numpy(v.dtype), None, v))
+
+@functools.cache
+def _tensor_class() -> Any:
+    from fuel.graph.tensor import Tensor  # the graph package imports this module: bound on first use
+
+    return Tensor
 
 
 def _array(a: Any) -> np.ndarray:
