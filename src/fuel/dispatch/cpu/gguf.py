@@ -26,7 +26,8 @@ import numpy as np
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into
-from fuel.dispatch.cpu.gguf_gemv import DECODE_ROWS, GEMV
+from fuel.dispatch.cpu.gguf_decode import gemv
+from fuel.dispatch.cpu.gguf_gemv import DECODE_ROWS
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -69,7 +70,7 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
     if params.transpose:
         _transposed(qt, a2, raw, o2)
     elif rows <= DECODE_ROWS:
-        GEMV[qt](a2, raw, o2)
+        gemv(qt, a2, raw, o2)
     else:
         _tiled(qt, a2, raw, o2)
 

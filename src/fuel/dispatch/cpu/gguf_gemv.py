@@ -32,29 +32,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import carray, njit, prange
+from numba import carray, njit
 
-from fuel.dispatch.cpu.driver import row_kernel
-from fuel.dispatch.cpu.gguf_units import (
-    _p_none,
-    _p_q2k,
-    _p_q3k,
-    _p_q6k,
-    _p_q45k,
-    _v_q2k,
-    _v_q3k,
-    _v_q4_0,
-    _v_q4_1,
-    _v_q4k,
-    _v_q5_0,
-    _v_q5_1,
-    _v_q5k,
-    _v_q6k,
-    _v_q8_0,
-    _v_q8_1,
-)
 from fuel.dispatch.cpu.simd16 import adds, fma, fmas, hi8, hsum, muls, prefetch, stack_f32, vadd, vload, vmul, vzero
-from fuel.quant import QuantType
 
 DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
 CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
@@ -105,15 +85,16 @@ def _unit(vals: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) ->
 
 
 @njit(inline="always", cache=True)
-def _chunks(n: int) -> int:
+def chunk_count(n: int) -> int:
+    """How many fixed chunks of row pairs n W rows are cut into."""
     return min((n + 1) // 2, CHUNKS)
 
 
 @njit(inline="always", cache=True)
 def _bounds(c: int, n: int) -> tuple[int, int]:
     """Rows [lo, hi) of chunk c: whole pairs, but the last chunk's odd row."""
-    pairs, chunks = (n + 1) // 2, _chunks(n)
-    return 2 * (c * pairs // chunks), min(n, 2 * ((c + 1) * pairs // chunks))
+    pairs, parts = (n + 1) // 2, chunk_count(n)
+    return 2 * (c * pairs // parts), min(n, 2 * ((c + 1) * pairs // parts))
 
 
 @njit(inline="always", cache=True)
@@ -186,7 +167,7 @@ def _super(vals: Any, prep: Any, bpb: int, kind: int, row: Any, o: int, sc: Any,
 
 
 @njit(inline="always", cache=True)
-def _kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
+def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
            sc: Any, sc1: Any) -> tuple[Any, Any]:
     """K-quant W rows rb and rb1 dotted with x (R = 1), super-block by super-block: Σ lanes of the
     products, less Σ lanes of the offset terms (one fixed sequence per row, whichever its partner)."""
@@ -201,7 +182,7 @@ def _kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: in
 
 
 @njit(inline="always", cache=True)
-def _bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
+def bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
            sc: Any, sc1: Any) -> tuple[Any, Any]:
     """32-element block W rows rb and rb1 dotted with x (R = 1)."""
     return _row2(vals, prep, bpb, kind, row, rb, rb1, x, 0, 0, k, sx, sc, sc1)
@@ -234,22 +215,33 @@ def _rows4(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any,
 
 
 @njit(inline="always", cache=True)
-def _rows(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
-          row: Any, pair: Any) -> None:
-    """Chunk c of out <- a @ dequant(w)ᵀ (a [m <= DECODE_ROWS, k]; x and row: a and w flat; pair: the R = 1
-    two-row dot, `_bpair` or `_kpair`). For a given m every element is the same operations whichever way
-    it is reached."""
+def rows_one(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
+              row: Any, pair: Any) -> None:
+    """Chunk c of out <- a @ dequant(w)ᵀ for one activation row (x and row: a and w flat; pair: the two-row
+    dot, `bpair` or `kpair`): W rows j and j + h together, two sequential streams (adjacent rows ran at
+    half the speed)."""
+    k = a.shape[1]
+    lo, hi = _bounds(c, w.shape[0])
+    rl = w.shape[1]
+    sc0 = carray(stack_f32(32), (32,))
+    sc1 = carray(stack_f32(32), (32,))
+    h = (hi - lo) // 2
+    for t in range(h + ((hi - lo) & 1)):  # an odd last row as a pair with itself: the same operations
+        j0, j1 = (lo + t, lo + t + h) if t < h else (hi - 1, hi - 1)
+        out[0, j0], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j0, rl * j1, x, k, sx, sc0, sc1)
+
+
+@njit(inline="always", cache=True)
+def rows_many(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
+               row: Any) -> None:
+    """Chunk c of out <- a @ dequant(w)ᵀ for 2 <= m <= DECODE_ROWS activation rows: each unit's values are
+    formed once and FMA'd into four rows at a time. For a given m every element is the same operations
+    whichever way it is reached."""
     m, k = a.shape
     lo, hi = _bounds(c, w.shape[0])
     rl = w.shape[1]
     sc0 = carray(stack_f32(32), (32,))
     sc1 = carray(stack_f32(32), (32,))
-    if m == 1:  # W rows j and j + h together: two sequential streams (adjacent rows ran at half the speed)
-        h = (hi - lo) // 2
-        for t in range(h + ((hi - lo) & 1)):  # an odd last row as a pair with itself: the same operations
-            j0, j1 = (lo + t, lo + t + h) if t < h else (hi - 1, hi - 1)
-            out[0, j0], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j0, rl * j1, x, k, sx, sc0, sc1)
-        return
     kind &= ~FACTOR_BIAS  # the values, formed once for all the activation rows, cost less than the offsets
     for j in range(lo, hi):
         g = 0
@@ -264,7 +256,7 @@ def _rows(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c
 
 
 @njit(inline="always", cache=True)
-def _block_sums(a: Any, kind: int) -> Any:
+def block_sums(a: Any, kind: int) -> Any:
     """Σ of each 32 activations (fixed order) for the factored offset term: only R = 1 factors offsets.
     K-quants lay them out 16 a super-block, its eight sums in lanes 8-15 (`_super`)."""
     m, k = a.shape
@@ -277,90 +269,3 @@ def _block_sums(a: Any, kind: int) -> Any:
             at = 16 * (u >> 3) + 8 + (u & 7) if kind & SUPER else u
             sx[at] = hsum(vadd(vload(x, 32 * u), vload(x, 32 * u + 16)))
     return sx
-
-
-# Named kernels, one per type, so that Numba's cache finds them again (factory closures it does not).
-
-@row_kernel()
-def _gemv_q4_0(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, _bpair)
-
-
-@row_kernel()
-def _gemv_q4_1(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _bpair)
-
-
-@row_kernel()
-def _gemv_q5_0(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row, _bpair)
-
-
-@row_kernel()
-def _gemv_q5_1(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _bpair)
-
-
-@row_kernel()
-def _gemv_q8_0(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row, _bpair)
-
-
-@row_kernel()
-def _gemv_q8_1(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row, _bpair)
-
-
-@row_kernel()
-def _gemv_q2k(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SUPER | BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row, _kpair)
-
-
-@row_kernel()
-def _gemv_q3k(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row, _kpair)
-
-
-@row_kernel()
-def _gemv_q4k(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _kpair)
-
-
-@row_kernel()
-def _gemv_q5k(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, _kpair)
-
-
-@row_kernel()
-def _gemv_q6k(a: Any, w: Any, out: Any) -> None:
-    sx, x, row = _block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(_chunks(w.shape[0])):
-        _rows(_v_q6k, _p_q6k, 210, SUPER, a, w, out, c, sx, x, row, _kpair)
-
-
-GEMV: dict[QuantType, Any] = {
-    QuantType.Q4_0: _gemv_q4_0, QuantType.Q4_1: _gemv_q4_1, QuantType.Q5_0: _gemv_q5_0,
-    QuantType.Q5_1: _gemv_q5_1, QuantType.Q8_0: _gemv_q8_0, QuantType.Q8_1: _gemv_q8_1,
-    QuantType.Q2K: _gemv_q2k, QuantType.Q3K: _gemv_q3k, QuantType.Q4K: _gemv_q4k, QuantType.Q5K: _gemv_q5k,
-    QuantType.Q6K: _gemv_q6k,
-}

@@ -1,0 +1,222 @@
+"""QMatMul's decode kernels, two per GGUF type: one activation row (a decode token) and 2-16 rows.
+
+They are named functions, one per type and row count, so that Numba's cache finds them again (factory
+closures it does not), and they are separate so each compiles alone, on first use: the two paths in one
+function took 54 s to compile for Q4_K, apart 13 s and 19 s (LLVM's time grows faster than the code).
+The bodies are `gguf_gemv`'s drivers over `gguf_units`' decoders.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import prange
+
+from fuel.dispatch.cpu.driver import row_kernel
+from fuel.dispatch.cpu.gguf_gemv import (
+    BIAS,
+    FACTOR_BIAS,
+    SHARED,
+    SUPER,
+    block_sums,
+    bpair,
+    chunk_count,
+    kpair,
+    rows_many,
+    rows_one,
+)
+from fuel.dispatch.cpu.gguf_units import (
+    _p_none,
+    _p_q2k,
+    _p_q3k,
+    _p_q6k,
+    _p_q45k,
+    _v_q2k,
+    _v_q3k,
+    _v_q4_0,
+    _v_q4_1,
+    _v_q4k,
+    _v_q5_0,
+    _v_q5_1,
+    _v_q5k,
+    _v_q6k,
+    _v_q8_0,
+    _v_q8_1,
+)
+from fuel.quant import QuantType
+
+
+@row_kernel()
+def _q4_0_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
+
+
+@row_kernel()
+def _q4_0_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q4_1_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
+
+
+@row_kernel()
+def _q4_1_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q5_0_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row, bpair)
+
+
+@row_kernel()
+def _q5_0_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q5_1_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
+
+
+@row_kernel()
+def _q5_1_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q8_0_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row, bpair)
+
+
+@row_kernel()
+def _q8_0_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q8_1_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row, bpair)
+
+
+@row_kernel()
+def _q8_1_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q2k_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER | BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row, kpair)
+
+
+@row_kernel()
+def _q2k_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER | BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q3k_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row, kpair)
+
+
+@row_kernel()
+def _q3k_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q4k_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, kpair)
+
+
+@row_kernel()
+def _q4k_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q5k_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, kpair)
+
+
+@row_kernel()
+def _q5k_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
+
+
+@row_kernel()
+def _q6k_one(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_one(_v_q6k, _p_q6k, 210, SUPER, a, w, out, c, sx, x, row, kpair)
+
+
+@row_kernel()
+def _q6k_many(a: Any, w: Any, out: Any) -> None:
+    sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
+    for c in prange(chunk_count(w.shape[0])):
+        rows_many(_v_q6k, _p_q6k, 210, SUPER, a, w, out, c, sx, x, row)
+
+
+KERNELS: dict[QuantType, tuple[Any, Any]] = {
+    QuantType.Q4_0: (_q4_0_one, _q4_0_many),
+    QuantType.Q4_1: (_q4_1_one, _q4_1_many),
+    QuantType.Q5_0: (_q5_0_one, _q5_0_many),
+    QuantType.Q5_1: (_q5_1_one, _q5_1_many),
+    QuantType.Q8_0: (_q8_0_one, _q8_0_many),
+    QuantType.Q8_1: (_q8_1_one, _q8_1_many),
+    QuantType.Q2K: (_q2k_one, _q2k_many),
+    QuantType.Q3K: (_q3k_one, _q3k_many),
+    QuantType.Q4K: (_q4k_one, _q4k_many),
+    QuantType.Q5K: (_q5k_one, _q5k_many),
+    QuantType.Q6K: (_q6k_one, _q6k_many),
+}
+
+
+def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+    """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes)."""
+    one, many = KERNELS[qt]
+    (one if a.shape[0] == 1 else many)(a, w, out)
