@@ -112,3 +112,11 @@ def test_quantize_errors() -> None:
         nf4_quantize(np.zeros((2, 64), np.int32))
     with pytest.raises(ShapeError, match=r"absmax must be \[2, 1\]"):
         nf4_dequantize(np.zeros((2, 32), np.uint8), np.zeros((2, 2), np.float32), 64)
+
+
+def test_helpers_are_reachable_as_fuel_quant() -> None:
+    import fuel.quant
+    import fuel.quant.nf4
+
+    assert fuel.quant.nf4_quantize is fuel.quant.nf4.nf4_quantize
+    assert fuel.quant.nf4_dequantize is fuel.quant.nf4.nf4_dequantize

@@ -60,3 +60,8 @@ class QuantType(enum.Enum):
     def from_ggml(type_id: int) -> QuantType | None:
         """The QuantType of a ggml type id, or None for a type QMatMul does not read."""
         return next((q for q in QuantType if q.ggml_type == type_id), None)
+
+
+from fuel.quant.nf4 import NF4, nf4_dequantize, nf4_quantize  # noqa: E402  (the NF4 helpers, as fuel.quant.*)
+
+__all__ = ["NF4", "QuantType", "nf4_dequantize", "nf4_quantize"]

@@ -12,11 +12,11 @@ Two paths, chosen by shape:
   once into their even and odd k, then each output column streams its packed weight row once and
   accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
   tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks.
-- tiles (more rows, and the transposed product `g @ W` of the gradient): rows (or, transposed,
-  column blocks) of W are dequantised in k order into one reused f32 scratch tile of about
-  `TILE_BYTES`, in the calling thread, and each tile is one OpenBLAS GEMM. Every output element is
-  one BLAS dot product, which OpenBLAS never splits over K, so the bytes do not depend on the thread
-  count.
+- tiles (more rows): rows of W are dequantised in k order into an L2-sized f32 tile, each tile one
+  one-thread OpenBLAS GEMM, the tiles split over fuel's threads (`_forward`). The transposed product
+  `g @ W` of the gradient dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each
+  one multi-threaded GEMM. Every output element is one BLAS dot product, which OpenBLAS never splits
+  over K, so the bytes do not depend on the thread count.
 Block sizes that are not a multiple of 32 (no 16-byte step fits a block) take plain loops instead.
 bf16/f16 activations are widened exactly to f32 and the output is rounded once on store.
 
@@ -48,13 +48,15 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
+from fuel.dispatch.threads import split_work
 from fuel.dtype import DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 from fuel.quant.nf4 import NF4
 
 DECODE_MAX_ROWS = 4  # up to this many activation rows, the fused decode path (no dequantised tile)
-TILE_BYTES = 8 << 20  # f32 scratch per dequantised tile on the GEMM path
+TILE_BYTES = 8 << 20  # f32 scratch per dequantised tile of the transposed product (the gradient)
+FORWARD_TILE_BYTES = 1 << 20  # f32 per dequantised tile of the forward GEMM path (fits L2)
 _LUT = np.array(NF4, np.float32)  # a writable copy: Numba types it as a plain array
 
 _I32 = ir.IntType(32)
@@ -217,10 +219,11 @@ def _decode(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int) -> None:
                 _dot4(w, r * kh, absmax, r * nb, lut, nb, steps, split, out, r, n)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _dequant_tile(w: Any, absmax: Any, lut: Any, bs: int, n0: int, n1: int, b0: int, b1: int, dst: Any) -> None:
-    """dst [n1-n0, (b1-b0)·bs] <- the weights of rows [n0, n1), blocks [b0, b1). Runs in the calling thread:
-    the BLAS call that follows owns the cores (its idle workers would fight a Numba pool)."""
+    """dst [n1-n0, (b1-b0)·bs] <- the weights of rows [n0, n1), blocks [b0, b1), in the calling thread (no
+    Numba pool: a BLAS call follows, and its idle workers would fight one); without the GIL, so the forward's
+    parts dequantise concurrently."""
     kh, nb = w.shape[1], absmax.shape[1]
     width = (b1 - b0) * bs
     if bs % 32 == 0:
@@ -246,20 +249,27 @@ def _scratch(rows: int, cols: int, buf: np.ndarray | None) -> np.ndarray:
 
 
 def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
-    """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous."""
+    """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous: tiles of about FORWARD_TILE_BYTES (in
+    L2), each dequantised and multiplied by one one-thread GEMM, the tiles split over fuel's threads (as
+    QMatMul's tiles). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took 1.8x as long
+    at 4096 x 4096, M = 64. Each output element is one GEMM's dot over all of K, whatever the tiling."""
     rows, k = x.shape
     n = w.shape[0]
     if rows <= DECODE_MAX_ROWS and bs % 32 == 0:
         _decode(x, w, absmax, _LUT, out, bs)
         return
-    tile = max(1, min(n, TILE_BYTES // (4 * k)))
-    buf = POOL.empty((tile * k,), np.dtype(np.float32))
+    t = min(n, max(16, FORWARD_TILE_BYTES // (4 * max(k, 1)) // 16 * 16))
     nb = k // bs
-    for n0 in range(0, n, tile):
-        n1 = min(n, n0 + tile)
-        t = _scratch(n1 - n0, k, buf)
-        _dequant_tile(w, absmax, _LUT, bs, n0, n1, 0, nb, t)
-        np.matmul(x, t.T, out=out[:, n0:n1])
+
+    def part(tiles: range) -> None:
+        buf = POOL.empty((t * k,), np.dtype(np.float32))
+        for i in tiles:
+            n0, n1 = i * t, min(n, i * t + t)
+            tile = _scratch(n1 - n0, k, buf)
+            _dequant_tile(w, absmax, _LUT, bs, n0, n1, 0, nb, tile)
+            np.matmul(x, tile.T, out=out[:, n0:n1])
+
+    split_work(part, -(-n // t))
 
 
 def _transposed(g: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
