@@ -237,13 +237,14 @@ def test_plan_cache_and_pool_serve_two_threads(rng: np.random.Generator) -> None
 
 
 def test_small_work_runs_serially_and_large_work_in_parallel() -> None:
-    small = fl.ops.rms_norm_last_dim(fl.tensor(np.ones((1, 576), np.float32)), 1e-6)
-    large = fl.ops.rms_norm_last_dim(fl.tensor(np.ones((4096, 576), np.float32)), 1e-6)
+    """Thresholds (threads.py): worker threads past 150 µs of estimated work, Numba's pool past 2 ms."""
+    sizes = [1, 512, 16384]  # rows of 576: ~0.2 µs, ~200 µs, ~6 ms
+    tensors = [fl.ops.rms_norm_last_dim(fl.tensor(np.ones((r, 576), np.float32)), 1e-6) for r in sizes]
     executor.clear_plan_cache()
-    fl.realize(small)
-    fl.realize(large)
+    for t in tensors:
+        fl.realize(t)
     steps = [p.steps[0] for p in executor._PLANS.values()]
-    assert [s.serial for s in steps] == [True, False]
+    assert [(s.serial, s.inline) for s in steps] == [(True, True), (True, False), (False, False)]
 
 
 def test_a_step_with_a_dyn_k_len_is_sized_with_the_bound_value(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -252,13 +253,13 @@ def test_a_step_with_a_dyn_k_len_is_sized_with_the_bound_value(monkeypatch: pyte
     from fuel.dispatch import threads
 
     rng = np.random.default_rng(0)
-    cap = 4096
+    cap = 8192
     q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
     k, v = (rng.standard_normal((1, 8, cap, 64)).astype(np.float32) for _ in range(2))
     step = fl.jit(lambda q, k, v: fl.ops.flash_attn(q, k, v, k_len=fl.dyn("n")))
     seen: list[bool] = []
     use_serial = threads.use_serial
-    monkeypatch.setattr(threads, "use_serial", lambda s: (seen.append(s), use_serial(s))[1])
+    monkeypatch.setattr(threads, "use_serial", lambda s, *rest: (seen.append(s), use_serial(s, *rest))[1])
     few = step(q, k, v, n=4).numpy()
     assert seen[0] is True
     seen.clear()

@@ -53,9 +53,13 @@ def test_the_threading_layer_is_chosen_on_purpose() -> None:
     assert threads.threading_layer() == "omp"
 
 
-def test_serial_threshold_comes_from_cost() -> None:
-    assert threads.runs_serially(flops=3 * 576, bytes_moved=2 * 576 * 4)
-    assert not threads.runs_serially(flops=3 * 4096 * 576, bytes_moved=2 * 4096 * 576 * 4)
+def test_serial_thresholds_come_from_cost() -> None:
+    def cost(rows: int) -> dict[str, int]:
+        return {"flops": 3 * rows * 576, "bytes_moved": 2 * rows * 576 * 4}
+
+    assert threads.runs_serially(**cost(1)) and threads.runs_inline(**cost(1))
+    assert threads.runs_serially(**cost(4096)) and not threads.runs_inline(**cost(4096))
+    assert not threads.runs_serially(**cost(16384)) and not threads.runs_inline(**cost(16384))
 
 
 def test_serial_and_parallel_paths_give_identical_bytes_for_every_impl() -> None:

@@ -46,7 +46,8 @@ class Step:
     params: Any  # a fused node's params, or a primitive's arg, as built (DynScalars unresolved)
     dyn_fields: tuple[str, ...]  # the params fields that are DynScalars, resolved per run
     destructive: int | None
-    serial: bool  # below the parallel threshold: the kernel runs in the calling thread
+    serial: bool  # below the Numba pool's threshold: the kernel runs on one Numba thread
+    inline: bool  # below the workers' threshold too: split_work runs its parts in the calling thread
     inputs: tuple[int, ...]
     output: int
     free_after: tuple[int, ...]
@@ -260,19 +261,22 @@ def _impl_for(n: Node, kernels: FusedKernelRegistry) -> BackendImpl | None:
     return kernels.lookup(n.arg[0], BACKEND, (*(i.dtype for i in n.inputs), n.dtype))
 
 
-def _runs_serially(n: Node, impl: BackendImpl) -> bool:
+def _thread_use(n: Node, impl: BackendImpl | None) -> tuple[bool, bool]:
+    """(serial, inline) of a step by its impl's cost: one Numba thread, and no worker threads either."""
+    if impl is None:
+        return False, False
     cost = impl.cost([*(i.shape for i in n.inputs), n.shape], [*(i.dtype for i in n.inputs), n.dtype], n.arg[1])
-    return threads.runs_serially(cost.flops, cost.bytes_moved)
+    return threads.runs_serially(cost.flops, cost.bytes_moved), threads.runs_inline(cost.flops, cost.bytes_moved)
 
 
-def _serial_now(step: Step, params: Any) -> bool:
+def _serial_now(step: Step, params: Any) -> tuple[bool, bool]:
     """Serial or parallel for a step with DynScalar parameters, sized with their values for this run: at
     plan time its cost had to assume the largest (a decode step's attention over a 2048-row cache reads
     only the live rows, which for a short conversation is work too small to wake the pool for)."""
     assert step.impl is not None
     spec = step.spec
     cost = step.impl.cost([*spec.in_shapes, spec.shape], [*spec.in_dtypes, spec.dtype], params)
-    return threads.runs_serially(cost.flops, cost.bytes_moved)
+    return threads.runs_serially(cost.flops, cost.bytes_moved), threads.runs_inline(cost.flops, cost.bytes_moved)
 
 
 def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
@@ -307,10 +311,11 @@ def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
         impl = _impl_for(n, kernels) if fused else None
         params = n.arg[1] if fused else n.arg
         slots = slots_of(n)
+        serial, inline = _thread_use(n, impl)
         steps.append(Step(
             spec=n.spec(), prim=None if fused else PRIM_KERNELS[n.op], impl=impl, params=params,
             dyn_fields=dyn_names(params), destructive=destructive(n),
-            serial=impl is not None and _runs_serially(n, impl),
+            serial=serial, inline=inline,
             inputs=tuple(slot[i] for i in n.inputs), output=slot[n], free_after=tuple(frees.get(step_index, ())),
             name=impl.name if impl is not None else f"prim:{n.op.name.lower()}",
             slots=None if slots is None else tuple((shape, dtype.np) for shape, dtype in slots)))
@@ -458,7 +463,7 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
         result = tuple(POOL.empty(shape, dtype) for shape, dtype in step.slots)
     else:
         result = POOL.empty(spec.shape, spec.dtype.np) if out is None else out
-    threads.use_serial(_serial_now(step, params) if step.dyn_fields else step.serial)
+    threads.use_serial(*(_serial_now(step, params) if step.dyn_fields else (step.serial, step.inline)))
     if step.joint is not None and slots is not None:
         outs: dict[int, np.ndarray] = {impl.op_id: result}
         for op_id, slot, sib in step.siblings:

@@ -8,10 +8,11 @@ in the calling thread took 0.06 ms, and with passive OpenMP waiting the parallel
 The policy, in order of what it saves:
 
 1. Work whose estimated time (the impl's own cost at one core's speed) is below
-   `PARALLEL_MIN_SECONDS` runs serially in the calling thread: the executor decides once per plan
-   step and runs the kernel with Numba's count at one (`use_serial`), which it changes only where
-   a serial step follows a parallel one or the reverse. No pool wakes for a decode-sized row, so
-   nothing is left spinning against the BLAS, and the bytes are those of the parallel path.
+   `PARALLEL_MIN_SECONDS` (2 ms) runs on one Numba thread, and below `WORKERS_MIN_SECONDS` (150 µs)
+   `split_work` starts no worker threads either: the executor decides once per plan step
+   (`use_serial`), and changes Numba's count only where a serial step follows a parallel one or the
+   reverse. No pool wakes for a decode-sized row, so nothing is left spinning against the BLAS, and
+   the bytes are those of the parallel path.
 2. Numba's layer is chosen on purpose: OpenMP first (it is thread-safe, unlike `workqueue`, so two
    Python threads may realise at once), and it is started with `OMP_WAIT_POLICY=PASSIVE` (unless the
    user set it) so its idle workers sleep instead of spinning against OpenBLAS. The variable is set
@@ -35,22 +36,37 @@ from fuel.errors import ParamError
 
 # One core moves about this much and computes about this fast on the measured machines (a serial
 # NumPy copy moved 12-16 GB/s; a serial sgemm ran 60-200 GFLOP/s). The estimate only has to be right
-# within a factor of a few. A parallel region costs about 60 µs here with passive waiting (an empty
-# two-thread prange took 62 µs, one thread 1.7 µs: the sleeping worker's wake-up), so a second core
-# pays only for work above about twice that.
+# within a factor of a few. Two thresholds:
+# - Numba's pool (OpenMP regions): an empty two-thread prange took 62 µs with passive waiting, but a
+#   region right after a multi-threaded BLAS call, whose workers still spin, took milliseconds (its
+#   second thread waits for a core). Measured on a 2-core VM with this at 150 µs and at 2 ms: Gemma-3's
+#   128-token prefill 170-196 -> 296-320 tokens/s (its attention's row passes: 238 -> 18 ms), MiniLM
+#   64 sentences 298-348 -> 193-196 ms. So a kernel's own pool starts only for work past 2 ms.
+# - `split_work`'s Python worker threads (one-thread BLAS and GIL-free kernels per part, no OpenMP
+#   region): they start for work past 150 µs.
 SERIAL_BYTES_PER_SECOND = 12e9
 SERIAL_FLOPS_PER_SECOND = 30e9
-PARALLEL_MIN_SECONDS = 150e-6
+PARALLEL_MIN_SECONDS = 2e-3
+WORKERS_MIN_SECONDS = 150e-6
+
+
+def _seconds(flops: int, bytes_moved: int) -> float:
+    return bytes_moved / SERIAL_BYTES_PER_SECOND + flops / SERIAL_FLOPS_PER_SECOND
 
 
 def runs_serially(flops: int, bytes_moved: int) -> bool:
-    """Whether work of this cost runs in the calling thread (below the parallel threshold)."""
-    seconds = bytes_moved / SERIAL_BYTES_PER_SECOND + flops / SERIAL_FLOPS_PER_SECOND
-    return seconds < PARALLEL_MIN_SECONDS
+    """Whether work of this cost runs on one Numba thread (below the pool's threshold)."""
+    return _seconds(flops, bytes_moved) < PARALLEL_MIN_SECONDS
+
+
+def runs_inline(flops: int, bytes_moved: int) -> bool:
+    """Whether work of this cost runs entirely in the calling thread (no `split_work` workers either)."""
+    return _seconds(flops, bytes_moved) < WORKERS_MIN_SECONDS
 
 
 class _Mode(threading.local):
     serial = False  # Numba's count is one in this thread now
+    inline = False  # split_work runs its parts here, one after another
     forced = False  # inside `serial()`: every kernel runs serially
     threads = 0  # the count last applied to Numba in this thread (Numba keeps it per thread)
 
@@ -58,9 +74,11 @@ class _Mode(threading.local):
 MODE = _Mode()
 
 
-def use_serial(flag: bool) -> None:
-    """Run the next kernels of this Python thread serially (True) or on fuel's thread count."""
+def use_serial(flag: bool, inline: bool | None = None) -> None:
+    """Run the next kernels of this Python thread on one Numba thread (flag) or on fuel's thread count;
+    `inline` (default: flag) also keeps `split_work` from starting worker threads."""
     flag = flag or MODE.forced
+    MODE.inline = flag if inline is None else inline or MODE.forced
     if flag is not MODE.serial:
         n = 1 if flag else _THREADS
         assert n is not None and _SET_NUMBA_THREADS is not None, "start_pool() first"
@@ -272,7 +290,7 @@ def split_work(fn: Callable[[range], None], total: int, strided: bool = False) -
     step, or with one thread, `fn(range(total))` runs here.
     """
     n = min(_THREADS or 1, total)
-    if n <= 1 or MODE.serial:
+    if n <= 1 or MODE.inline:
         fn(range(total))
         return
     parts = [range(k, total, n) if strided else range(k * total // n, (k + 1) * total // n) for k in range(n)]
