@@ -345,9 +345,10 @@ def test_cost_picks_serial_for_small_decode_only() -> None:
     assert impl is not None
     small = impl.cost([(1, 4, 1, 64), (8, 16, 1, 64), (8, 16, 1, 64), (1, 4), (1,), (1, 4, 1, 64)],
                       [DType.F32] * 3 + [DType.U32] * 2 + [DType.F32], PagedAttnParams(0.125, 16, None))
-    big = impl.cost([(1, 32, 1, 64), (128, 16, 8, 64), (128, 16, 8, 64), (1, 128), (1,), (1, 32, 1, 64)],
+    # 8192 keys of 8 kv heads: ~5 ms of work, past the 2 ms at which Numba's pool starts (threads.py)
+    big = impl.cost([(1, 32, 1, 64), (512, 16, 8, 64), (512, 16, 8, 64), (1, 512), (1,), (1, 32, 1, 64)],
                     [DType.F32] * 3 + [DType.U32] * 2 + [DType.F32], PagedAttnParams(0.125, 16, None))
-    assert big.flops == 4 * 32 * 2048 * 64 and big.bytes_moved == 2 * 8 * 2048 * 64 * 4 + 2 * 32 * 64 * 4
+    assert big.flops == 4 * 32 * 8192 * 64 and big.bytes_moved == 2 * 8 * 8192 * 64 * 4 + 2 * 32 * 64 * 4
     assert runs_serially(small.flops, small.bytes_moved) and not runs_serially(big.flops, big.bytes_moved)
 
 
