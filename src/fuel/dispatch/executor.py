@@ -266,7 +266,7 @@ def _thread_use(n: Node, impl: BackendImpl | None) -> tuple[bool, bool]:
     if impl is None:
         return False, False
     cost = impl.cost([*(i.shape for i in n.inputs), n.shape], [*(i.dtype for i in n.inputs), n.dtype], n.arg[1])
-    return threads.runs_serially(cost.flops, cost.bytes_moved), threads.runs_inline(cost.flops, cost.bytes_moved)
+    return threads.thread_use(cost.flops, cost.bytes_moved)
 
 
 def _serial_now(step: Step, params: Any) -> tuple[bool, bool]:
@@ -276,7 +276,7 @@ def _serial_now(step: Step, params: Any) -> tuple[bool, bool]:
     assert step.impl is not None
     spec = step.spec
     cost = step.impl.cost([*spec.in_shapes, spec.shape], [*spec.in_dtypes, spec.dtype], params)
-    return threads.runs_serially(cost.flops, cost.bytes_moved), threads.runs_inline(cost.flops, cost.bytes_moved)
+    return threads.thread_use(cost.flops, cost.bytes_moved)
 
 
 def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,

@@ -64,6 +64,12 @@ def runs_inline(flops: int, bytes_moved: int) -> bool:
     return _seconds(flops, bytes_moved) < WORKERS_MIN_SECONDS
 
 
+def thread_use(flops: int, bytes_moved: int) -> tuple[bool, bool]:
+    """(runs_serially, runs_inline) of work of this cost, estimated once: `use_serial`'s arguments."""
+    seconds = _seconds(flops, bytes_moved)
+    return seconds < PARALLEL_MIN_SECONDS, seconds < WORKERS_MIN_SECONDS
+
+
 class _Mode(threading.local):
     serial = False  # Numba's count is one in this thread now
     inline = False  # split_work runs its parts here, one after another
