@@ -74,10 +74,19 @@ class _Mode(threading.local):
     serial = False  # Numba's count is one in this thread now
     inline = False  # split_work runs its parts here, one after another
     forced = False  # inside `serial()`: every kernel runs serially
+    nested = False  # inside a part of `split_work`: no other pool is started from here
     threads = 0  # the count last applied to Numba in this thread (Numba keeps it per thread)
 
 
 MODE = _Mode()
+# Called before another pool starts (Numba's, or split_work's threads): the spinning pool's workers
+# (`fuel.dispatch.spin`) go to sleep, so they do not hold a core that pool's threads wait for.
+PARK_HOOKS: list[Callable[[], None]] = []
+
+
+def _park() -> None:
+    for hook in PARK_HOOKS:
+        hook()
 
 
 def use_serial(flag: bool, inline: bool | None = None) -> None:
@@ -303,8 +312,13 @@ def split_work(fn: Callable[[range], None], total: int, strided: bool = False) -
 
     def part(tasks: range) -> None:
         use_serial(True)
-        fn(tasks)
+        MODE.nested = True
+        try:
+            fn(tasks)
+        finally:
+            MODE.nested = False
 
+    _park()
     setter = _blas().set
     if setter is not None:
         setter(1)

@@ -278,16 +278,21 @@ class Problem:
     hkv: int
 
     def part(self, g0: int, g1: int) -> Problem:
-        """The groups [g0, g1): an independent problem (each group's arithmetic is its own)."""
-        return replace(self, q=self.q[g0:g1], k=self.k[g0:g1], v=self.v[g0:g1], slopes=self.slopes[g0:g1])
+        """The groups [g0, g1) in the accumulation type: an independent problem (each group's arithmetic
+        is its own). Half-type q, k and v are widened here, so each thread widens its own groups right
+        before it reads them."""
+        acc = self.slopes.dtype
+        q, k, v = (a[g0:g1] if a.dtype == acc else widened(a[g0:g1]) for a in (self.q, self.k, self.v))
+        return replace(self, q=q, k=k, v=v, slopes=self.slopes[g0:g1])
 
 
 def problem(inputs: Sequence[np.ndarray], params: Any, acc: np.dtype[Any]) -> Problem:
-    """The call in the accumulation type. Half-type K and V are widened over their live rows only; K and
-    V stay C-contiguous (Numba vectorises only arrays it knows to be contiguous)."""
+    """The call, grouped per kv head; `part` gives its groups in the accumulation type. K and V hold their
+    live rows only and stay C-contiguous in the accumulation type (Numba vectorises only arrays it knows
+    to be contiguous)."""
     win = window_of(params, inputs[0].shape[2], inputs[1].shape[2])
-    q = inputs[0] if inputs[0].dtype == acc else widened(inputs[0])
-    k, v = (a if a.dtype == acc else widened(a[:, :, :win.kl]) for a in inputs[1:3])
+    q = inputs[0]
+    k, v = (a if a.dtype == acc else a[:, :, :win.kl] for a in inputs[1:3])
     b, hkv, sk, d = k.shape
     # Without ALiBi every slope is 0, which the row pass skips.
     hq = q.shape[1]
@@ -324,6 +329,9 @@ def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndar
 def attention(p: Problem, out: np.ndarray) -> None:
     """out `[n, G, Sq, D]` (accumulation type) <- attention of every query block."""
     sq = p.q.shape[2]
+    n, g, _, _ = p.q.shape
+    if sq <= DECODE_MAX_QUERIES or n == 1:
+        p = p.part(0, n)
     if sq <= DECODE_MAX_QUERIES:
         w = p.win
         _decode_rows(p.q, p.k, p.v, out, w.kl, w.sq, w.left, w.right, p.scale, p.softcap, p.slopes)
@@ -345,12 +353,11 @@ def attention(p: Problem, out: np.ndarray) -> None:
         for t in tasks:
             block(p, 0, 1, t * BQ)
 
-    n, g, _, _ = p.q.shape
     # A step's scores are [groups, G·rows, keys] with the block sizes clipped to the problem: short
     # sequences (BERT's 32 tokens) put hundreds of groups in one step. Groups are independent, so the
     # count never changes the bytes.
     lo, hi = p.win.keys(0, sq)
-    score = g * min(sq, BQ) * max(1, min(hi - lo, BK)) * p.q.dtype.itemsize
+    score = g * min(sq, BQ) * max(1, min(hi - lo, BK)) * p.slopes.dtype.itemsize
     chunk = max(1, SCORE_BYTES // score)
     if n == 1:  # one (batch, kv head) group: its query blocks are the independent work
         split_work(query_blocks, -(-sq // BQ), strided=True)

@@ -16,24 +16,77 @@ from __future__ import annotations
 
 from typing import Any
 
-from numba import njit
+import numpy as np
+from numba import carray, njit
+
+from fuel.dispatch import spin
+from fuel.dispatch.cpu.atomics import pointer
+from fuel.dispatch.threads import SERIAL_BYTES_PER_SECOND
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_BYTES = 8 << 20
+K_SPLIT = 8  # fixed row ranges of the weight, each summed on its own, then added in order
 
 
-@njit(cache=True, fastmath={"contract"})
-def gemv(a: Any, b: Any, out: Any) -> None:
-    """out [M, N] <- a [M, K] @ b [K, N], b row-major; each weight row is read once for all M rows."""
-    m, k = a.shape
-    n = b.shape[1]
-    for i in range(m):
-        for j in range(n):
-            out[i, j] = 0
-    for kk in range(k):
+@njit(inline="always", cache=True, fastmath={"contract"})
+def _rows(a: Any, b: Any, acc: Any, k0: int, k1: int) -> None:
+    """acc [M, N] <- a[:, k0:k1] @ b[k0:k1]: each weight row read once for all M rows, k in order."""
+    m = a.shape[0]
+    acc[:] = 0
+    for kk in range(k0, k1):
         brow = b[kk]
         for i in range(m):
             av = a[i, kk]
-            y = out[i]
-            for j in range(n):
+            y = acc[i]
+            for j in range(brow.shape[0]):
                 y[j] += av * brow[j]
+
+
+@njit(inline="always", cache=True)
+def _part(argv: int, part: int, parts: int, dtype: Any) -> None:
+    """Row ranges [part·K_SPLIT/parts, (part + 1)·K_SPLIT/parts) of the weight, each into its partial sum."""
+    v = carray(pointer(argv, np.int64), (6,))
+    m, k, n = v[1], v[2], v[3]
+    a = carray(pointer(v[0], dtype), (m, k))
+    b = carray(pointer(v[4], dtype), (k, n))
+    partial = carray(pointer(v[5], dtype), (K_SPLIT, m, n))
+    for s in range(part * K_SPLIT // parts, (part + 1) * K_SPLIT // parts):
+        _rows(a, b, partial[s], s * k // K_SPLIT, (s + 1) * k // K_SPLIT)
+
+
+@spin.task(fastmath={"contract"})
+def _gemv_f32(part: int, parts: int, argv: int) -> None:
+    _part(argv, part, parts, np.float32)
+
+
+@spin.task(fastmath={"contract"})
+def _gemv_f64(part: int, parts: int, argv: int) -> None:
+    _part(argv, part, parts, np.float64)
+
+
+@njit(cache=True)
+def _fill(a: Any, b: Any, partial: Any, argv: Any) -> None:
+    argv[0], argv[1], argv[2], argv[3] = a.ctypes.data, a.shape[0], a.shape[1], b.shape[1]
+    argv[4], argv[5] = b.ctypes.data, partial.ctypes.data
+
+
+@njit(cache=True)
+def _sum_partials(partial: Any, out: Any) -> None:
+    """out <- the partial sums added in order."""
+    out[:] = partial[0]
+    for s in range(1, partial.shape[0]):
+        out += partial[s]
+
+
+def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out [M, N] <- a [M, K] @ b [K, N] (f32 or f64, b and out C-contiguous). The weight is cut into
+    K_SPLIT fixed row ranges: each is one sequential stream, summed alone (on the spinning pool past a
+    few microseconds of weight), and the partial sums are added in order, so the bytes never depend on
+    who computed which range."""
+    a = np.ascontiguousarray(a)
+    partial = np.empty((K_SPLIT, *out.shape), out.dtype)
+    argv = np.empty(6, np.int64)
+    _fill(a, b, partial, argv)
+    parts = spin.parts_for(b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT)
+    spin.run(_gemv_f64 if b.dtype == np.float64 else _gemv_f32, argv, parts)
+    _sum_partials(partial, out)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from numba import prange
 
+from fuel.dispatch import spin
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.gguf_gemv import (
     BIAS,
@@ -22,7 +23,10 @@ from fuel.dispatch.cpu.gguf_gemv import (
     block_sums,
     bpair,
     chunk_count,
+    fill_gemv_args,
+    gemv_args,
     kpair,
+    part_chunks,
     rows_many,
     rows_one,
 )
@@ -44,13 +48,15 @@ from fuel.dispatch.cpu.gguf_units import (
     _v_q8_0,
     _v_q8_1,
 )
+from fuel.dispatch.spin import task
 from fuel.quant import QuantType
 
 
-@row_kernel()
-def _q4_0_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q4_0_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
 
 
@@ -61,10 +67,11 @@ def _q4_0_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q4_1_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q4_1_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
 
 
@@ -75,10 +82,11 @@ def _q4_1_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q5_0_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q5_0_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row, bpair)
 
 
@@ -89,10 +97,11 @@ def _q5_0_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q5_1_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q5_1_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
 
 
@@ -103,10 +112,11 @@ def _q5_1_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q8_0_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q8_0_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row, bpair)
 
 
@@ -117,10 +127,11 @@ def _q8_0_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q8_1_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q8_1_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row, bpair)
 
 
@@ -131,10 +142,11 @@ def _q8_1_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q2k_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q2k_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SUPER | BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row, kpair)
 
 
@@ -145,10 +157,11 @@ def _q2k_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q3k_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q3k_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row, kpair)
 
 
@@ -159,10 +172,11 @@ def _q3k_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q4k_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q4k_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, kpair)
 
 
@@ -173,10 +187,11 @@ def _q4k_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q5k_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q5k_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, kpair)
 
 
@@ -187,10 +202,11 @@ def _q5k_many(a: Any, w: Any, out: Any) -> None:
         rows_many(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
-@row_kernel()
-def _q6k_one(a: Any, w: Any, out: Any) -> None:
+@task()
+def _q6k_one(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
     sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_v_q6k, _p_q6k, 210, SUPER, a, w, out, c, sx, x, row, kpair)
 
 
@@ -216,7 +232,19 @@ KERNELS: dict[QuantType, tuple[Any, Any]] = {
 }
 
 
+# One core decodes and multiplies about this many weights a second at R = 1 (10-15 G measured).
+WEIGHTS_PER_SECOND = 12e9
+
+
 def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes)."""
+    """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes). One
+    row (a decode token) runs on the spinning pool: its cores join within microseconds, so even a
+    [576, 576] weight is split."""
     one, many = KERNELS[qt]
-    (one if a.shape[0] == 1 else many)(a, w, out)
+    if a.shape[0] != 1:
+        many(a, w, out)
+        return
+    argv = np.empty(6, np.int64)
+    fill_gemv_args(a, w, out, argv)
+    n = w.shape[0]
+    spin.run(one, argv, spin.parts_for(n * a.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n)))

@@ -33,12 +33,14 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from fuel.dispatch import spin
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
+from fuel.dispatch.cpu.atomics import pointer
+from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
@@ -193,20 +195,37 @@ def _make_dot(m: int) -> Any:
 _dot1, _dot2, _dot3, _dot4 = (_make_dot(m) for m in range(1, DECODE_MAX_ROWS + 1))
 
 
-@row_kernel()
-def _decode(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int) -> None:
-    """out [rows, N] <- a [rows, K] @ dequant(W)ᵀ for rows <= 4, bs a multiple of 32. The activation rows
-    are first split into their even and odd k (rows·K floats), the kernel's only allocation."""
+@njit(cache=True)
+def _decode_args(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: Any) -> Any:
+    """The activation rows split into their even and odd k (rows·K floats, the path's only allocation),
+    and argv <- the addresses and sizes `_decode` reads."""
     rows = a.shape[0]
-    n, kh = w.shape
-    nb, steps = absmax.shape[1], bs // 32
+    kh = w.shape[1]
     split = np.empty((rows, 2, kh), np.float32)
     for i in range(rows):
         for j in range(kh):
             split[i, 0, j] = a[i, 2 * j]
             split[i, 1, j] = a[i, 2 * j + 1]
+    argv[0], argv[1], argv[2], argv[3], argv[4] = split.ctypes.data, rows, kh, w.ctypes.data, w.shape[0]
+    argv[5], argv[6], argv[7], argv[8], argv[9] = absmax.ctypes.data, absmax.shape[1], lut.ctypes.data, \
+        out.ctypes.data, bs
+    return split
+
+
+@spin.task()
+def _decode(part: int, parts: int, argv: int) -> None:
+    """Part `part` of out [rows, N] <- a [rows, K] @ dequant(W)ᵀ for rows <= 4, bs a multiple of 32: its
+    share of the fixed row chunks (whoever runs a chunk, its bytes are the same)."""
+    v = carray(pointer(argv, np.int64), (10,))
+    rows, kh, n, nb = v[1], v[2], v[4], v[6]
+    split = carray(pointer(v[0], np.float32), (rows, 2, kh))
+    w = carray(pointer(v[3], np.uint8), (n, kh))
+    absmax = carray(pointer(v[5], np.float32), (n, nb))
+    lut = carray(pointer(v[7], np.float32), (16,))
+    out = carray(pointer(v[8], np.float32), (rows, n))
+    steps = v[9] // 32
     chunks = chunk_count(n)
-    for c in prange(chunks):
+    for c in range(part * chunks // parts, (part + 1) * chunks // parts):
         lo, hi = chunk_bounds(c, n, chunks)
         for r in range(lo, hi):
             if rows == 1:
@@ -217,6 +236,20 @@ def _decode(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int) -> None:
                 _dot3(w, r * kh, absmax, r * nb, lut, nb, steps, split, out, r, n)
             else:
                 _dot4(w, r * kh, absmax, r * nb, lut, nb, steps, split, out, r, n)
+
+
+# One core decodes and multiplies about this many NF4 weights a second per activation row.
+WEIGHTS_PER_SECOND = 10e9
+
+
+def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
+    """The decode path (rows <= DECODE_MAX_ROWS) on the spinning pool."""
+    argv = np.empty(10, np.int64)
+    split = _decode_args(x, w, absmax, _LUT, out, bs, argv)
+    n = w.shape[0]
+    seconds = x.shape[0] * n * x.shape[1] / WEIGHTS_PER_SECOND
+    spin.run(_decode, argv, spin.parts_for(seconds, chunk_count(n)))
+    del split  # alive until here: the tasks read it by address
 
 
 @njit(cache=True, nogil=True)
@@ -256,7 +289,7 @@ def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.
     rows, k = x.shape
     n = w.shape[0]
     if rows <= DECODE_MAX_ROWS and bs % 32 == 0:
-        _decode(x, w, absmax, _LUT, out, bs)
+        _decode_rows(x, w, absmax, bs, out)
         return
     t = min(n, max(16, FORWARD_TILE_BYTES // (4 * max(k, 1)) // 16 * 16))
     nb = k // bs

@@ -1,0 +1,245 @@
+"""fuel's spinning pool: decode-sized kernels on every core for a few microseconds of synchronisation.
+
+A decode step runs hundreds of kernels of 20-200 µs each. Numba's OpenMP pool costs ~60 µs to wake
+(passive waiting) and fights OpenBLAS's spinning workers when it spins, and `split_work`'s Python
+threads hand the GIL over through the operating system; both cost about what a second core saves at
+these sizes, so such kernels ran on one core. Here the workers wait in GIL-free jitted code, spinning
+on one shared word, and run a task by calling its compiled address: a posted job starts on the other
+cores within a microsecond or so (a round trip of an empty job measured 3 µs), with no Python on the
+workers' side.
+
+- A *task* is a Numba C callback `task(part, parts, argv)` (`@spin.task`): it does part `part` of
+  `parts` of a job whose arguments it reads from `argv`, the address of an int64 array (data
+  addresses and sizes, laid out by the kernel that posts it). Parts are claimed one at a time by
+  whoever is free (the posting thread too) with a compare-and-swap, so a busy or sleeping core only
+  means the others take more parts; which thread runs a part never changes its bytes, because a part
+  is a fixed slice of the work.
+- Workers spin for `SPIN_SECONDS` after their last part and then sleep on an event. The posting
+  thread never waits for a sleeping worker: it wakes it for the next job and runs the parts itself.
+  `park()` sends spinning workers to sleep at once: `split_work` calls it before starting its threads,
+  so the spinners do not take a core those wait for. Numba's pool and the BLAS are not parked for: the
+  executor starts them for steps whose kernels may well post here (a 2 ms QMatMul), and a spinner
+  holds a core for at most SPIN_SECONDS after its last part.
+- One job at a time: a second Python thread that finds the pool busy (or a kernel inside another
+  pool's part) runs its parts itself, in order.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import cfunc, njit, types
+
+from fuel.dispatch import threads
+from fuel.dispatch.cpu.atomics import (
+    TASK_ARGS,
+    call_task,
+    compare_exchange,
+    cycles,
+    fetch_add,
+    load_acquire,
+    pause,
+    store,
+)
+
+SPIN_SECONDS = 0.5e-3  # how long an idle worker spins before it sleeps (a decode step's gaps are shorter)
+SPIN_MIN_SECONDS = 12e-6  # work below this (one core's estimate) runs in the calling thread
+PARTS_PER_THREAD = 4  # parts of a job per thread: claimed dynamically, so a slow core takes fewer
+
+# The control words. CLAIM holds the job's generation above PART_BITS and the next unclaimed part below.
+CLAIM, FN, ARGV, PARTS, DONE, PARK = 0, 1, 2, 3, 4, 5
+AWAKE = 8  # AWAKE + w: worker w is spinning (1) or asleep (0)
+PART_BITS = 20
+UNCLAIMABLE = (1 << PART_BITS) - 1
+
+
+class Task:
+    """`fn(part, parts, argv)` as a GIL-free C callback the pool calls by address, compiled (or loaded from
+    Numba's cache) on first use, as `njit` functions are: a module of tasks imports without compiling."""
+
+    def __init__(self, fn: Callable[[int, int, int], None], options: dict[str, Any]) -> None:
+        self.fn = fn
+        self.options = options
+        self._address = 0
+        self._lock = threading.Lock()
+        self.__name__ = self.__qualname__ = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    @property
+    def address(self) -> int:
+        if not self._address:
+            with self._lock:
+                if not self._address:
+                    self._compiled = cfunc(types.void(*TASK_ARGS), cache=True, **self.options)(self.fn)
+                    address = self._compiled.address
+                    assert address is not None
+                    self._address = address
+        return self._address
+
+
+def task(**options: Any) -> Callable[[Callable[[int, int, int], None]], Task]:
+    """Decorate a task `fn(part, parts, argv)`: jitted code (Numba options as for `cfunc`, e.g.
+    `fastmath`) that runs with no Python around it."""
+    return lambda fn: Task(fn, options)
+
+
+@njit(nogil=True, cache=True)
+def _take_parts(ctl: Any) -> None:
+    """Claim and run parts of the posted job until none is left."""
+    while True:
+        c = load_acquire(ctl, CLAIM)
+        parts = load_acquire(ctl, PARTS)
+        part = c & UNCLAIMABLE
+        if part >= parts:
+            return
+        fn, argv = load_acquire(ctl, FN), load_acquire(ctl, ARGV)
+        if compare_exchange(ctl, CLAIM, c, c + 1):
+            call_task(fn, part, parts, argv)
+            fetch_add(ctl, DONE, 1)
+
+
+@njit(nogil=True, cache=True)
+def _serve(ctl: Any, me: int, limit: int) -> None:
+    """A worker's loop: take parts whenever a job is posted; return (to sleep) after `limit` cycles idle,
+    or at once when parked."""
+    start = cycles()
+    while True:
+        c = load_acquire(ctl, CLAIM)
+        if (c & UNCLAIMABLE) < load_acquire(ctl, PARTS):
+            _take_parts(ctl)
+            start = cycles()
+        elif load_acquire(ctl, PARK) == 0 and cycles() - start < limit:
+            pause()
+        else:
+            store(ctl, AWAKE + me, 0)
+            # A job posted between the check above and this store saw us awake and woke no one: look
+            # again (the poster stores the job, then loads AWAKE; we store AWAKE, then load the job).
+            if (load_acquire(ctl, CLAIM) & UNCLAIMABLE) < load_acquire(ctl, PARTS):
+                store(ctl, AWAKE + me, 1)
+                start = cycles()
+                continue
+            return
+
+
+@njit(nogil=True, cache=True)
+def _post(ctl: Any, fn: int, argv: int, parts: int, workers: int) -> int:
+    """Publish a job (the previous one is finished); returns the bit mask of the sleeping workers."""
+    gen = (load_acquire(ctl, CLAIM) >> PART_BITS) + 1
+    store(ctl, CLAIM, ((gen - 1) << PART_BITS) | UNCLAIMABLE)  # no claim while the fields change
+    store(ctl, FN, fn)
+    store(ctl, ARGV, argv)
+    store(ctl, PARTS, parts)
+    store(ctl, DONE, 0)
+    store(ctl, PARK, 0)
+    store(ctl, CLAIM, gen << PART_BITS)
+    sleeping = 0
+    for w in range(workers):
+        if load_acquire(ctl, AWAKE + w) == 0:
+            sleeping |= 1 << w
+    return sleeping
+
+
+@njit(nogil=True, cache=True)
+def _join(ctl: Any) -> None:
+    """Take parts of the posted job alongside the workers, then wait until every part is done."""
+    _take_parts(ctl)
+    parts = load_acquire(ctl, PARTS)
+    while load_acquire(ctl, DONE) < parts:
+        pause()
+
+
+@njit(nogil=True, cache=True)
+def _run_here(fn: int, argv: int, parts: int) -> None:
+    for part in range(parts):
+        call_task(fn, part, parts, argv)
+
+
+@njit(nogil=True, cache=True)
+def _set(ctl: Any, i: int, v: int) -> None:
+    store(ctl, i, v)
+
+
+def _cycles_per_second() -> float:
+    @njit(cache=True)
+    def now() -> int:
+        return cycles()
+
+    c0, t0 = now(), time.perf_counter()
+    time.sleep(0.002)
+    return (now() - c0) / (time.perf_counter() - t0)
+
+
+class SpinPool:
+    """`workers` threads spinning on one control array; `run` posts a job and takes part in it."""
+
+    def __init__(self, workers: int) -> None:
+        self.ctl = np.zeros(AWAKE + max(workers, 1), np.int64)
+        self.workers = workers
+        self.limit = int(SPIN_SECONDS * _cycles_per_second())
+        self.lock = threading.Lock()
+        self.events = [threading.Event() for _ in range(workers)]
+        for w in range(workers):
+            threading.Thread(target=self._loop, args=(w,), name=f"fuel-spin-{w}", daemon=True).start()
+
+    def _loop(self, w: int) -> None:
+        while True:
+            self.events[w].wait()
+            self.events[w].clear()
+            _set(self.ctl, AWAKE + w, 1)
+            _serve(self.ctl, w, self.limit)
+
+    def run(self, fn: int, argv: int, parts: int) -> None:
+        if not self.lock.acquire(blocking=False):
+            _run_here(fn, argv, parts)
+            return
+        try:
+            sleeping = _post(self.ctl, fn, argv, parts, self.workers)
+            for w in range(self.workers):
+                if sleeping >> w & 1:
+                    self.events[w].set()
+            _join(self.ctl)
+        finally:
+            self.lock.release()
+
+    def park(self) -> None:
+        _set(self.ctl, PARK, 1)
+
+
+_POOL: SpinPool | None = None
+_POOL_PID = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(workers: int) -> SpinPool:
+    global _POOL, _POOL_PID
+    pid = os.getpid()
+    with _POOL_LOCK:
+        if _POOL is None or pid != _POOL_PID or _POOL.workers != workers:
+            if _POOL is not None and pid == _POOL_PID:
+                _POOL.park()  # the old workers sleep for good: nothing posts to them again
+            _POOL, _POOL_PID = SpinPool(workers), pid
+            threads.PARK_HOOKS[:] = [_POOL.park]
+        return _POOL
+
+
+def parts_for(seconds: float, most: int) -> int:
+    """How many parts to cut a job of this estimated one-core time into: 1 (run here) for small work, with
+    one thread, inside `threads.serial()` or inside another pool's part."""
+    n = threads.get_num_threads()
+    if n <= 1 or seconds < SPIN_MIN_SECONDS or threads.MODE.forced or threads.MODE.nested:
+        return 1
+    return max(1, min(most, PARTS_PER_THREAD * n))
+
+
+def run(fn: Task, argv: np.ndarray, parts: int) -> None:
+    """Run task `fn` (from `@task`) over `parts` parts with argv (int64, alive until this returns)."""
+    address, args = fn.address, argv.ctypes.data
+    if parts <= 1:
+        _run_here(address, args, 1)
+        return
+    _pool(threads.get_num_threads() - 1).run(address, args, parts)

@@ -1,0 +1,164 @@
+"""The spinning pool: every part of every job runs exactly once, on more than one thread, whoever is
+awake; a busy pool, a serial block and small work fall back to the calling thread; the decode kernels
+that post to it give the same bytes whatever the part count."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from numba import carray
+
+import fuel as fl
+from fuel.dispatch import spin, threads
+from fuel.dispatch.cpu import gemv as gemv_module
+from fuel.dispatch.cpu import gguf_decode
+from fuel.dispatch.cpu.atomics import cycles, fetch_add, load_acquire, pointer, store
+from fuel.quant import QuantType
+from fuel.testing.reference.qmatmul import random_weight
+
+
+@spin.task()
+def _count_parts(part: int, parts: int, argv: int) -> None:
+    """argv: [counts address, size]; counts[part] += 1."""
+    v = carray(pointer(argv, np.int64), (2,))
+    counts = carray(pointer(v[0], np.int64), (v[1],))
+    fetch_add(counts, part, 1)
+
+
+@spin.task()
+def _rendezvous(part: int, parts: int, argv: int) -> None:
+    """Two parts that each wait (up to v[2] cycles) for the other to arrive: both arrive only if two
+    threads run them at once. flags[part] is set on arrival, flags[2 + part] if the other was seen."""
+    v = carray(pointer(argv, np.int64), (3,))
+    flags = carray(pointer(v[0], np.int64), (4,))
+    store(flags, part, 1)
+    start = cycles()
+    while cycles() - start < v[2]:
+        if load_acquire(flags, 1 - part) == 1:
+            store(flags, 2 + part, 1)
+            return
+
+
+@pytest.fixture
+def two_threads() -> Any:
+    before = fl.get_num_threads()
+    fl.set_num_threads(2)
+    try:
+        yield
+    finally:
+        fl.set_num_threads(before)
+
+
+def _counts_after(parts: int) -> np.ndarray:
+    counts = np.zeros(max(parts, 1), np.int64)
+    argv = np.array([counts.ctypes.data, counts.size], np.int64)
+    spin.run(_count_parts, argv, parts)
+    return counts
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 8, 64, 1000])
+def test_every_part_runs_exactly_once(two_threads: None, parts: int) -> None:
+    for _ in range(200):
+        assert (_counts_after(parts) == 1).all()
+
+
+def test_parts_run_once_when_the_workers_sleep_and_wake(two_threads: None) -> None:
+    for pause in (0.0, 2 * spin.SPIN_SECONDS, 0.01):
+        time.sleep(pause)
+        assert (_counts_after(16) == 1).all()
+
+
+def test_two_threads_run_parts_at_once(two_threads: None) -> None:
+    flags = np.zeros(4, np.int64)
+    argv = np.array([flags.ctypes.data, 0, 0], np.int64)
+    argv[2] = int(2.0 * spin._cycles_per_second())  # two seconds: far past a sleeping worker's wake-up
+    spin.run(_rendezvous, argv, 2)
+    assert flags.tolist() == [1, 1, 1, 1]
+
+
+def test_a_busy_pool_runs_a_second_threads_job_in_that_thread(two_threads: None) -> None:
+    errors: list[str] = []
+
+    def post_many() -> None:
+        for _ in range(300):
+            counts = _counts_after(8)
+            if not (counts == 1).all():
+                errors.append(str(counts))
+
+    workers = [threading.Thread(target=post_many) for _ in range(3)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    assert errors == []
+
+
+def test_small_work_serial_blocks_and_one_thread_use_one_part(two_threads: None) -> None:
+    assert spin.parts_for(1e-3, 1000) == spin.PARTS_PER_THREAD * 2
+    assert spin.parts_for(1e-3, 3) == 3
+    assert spin.parts_for(spin.SPIN_MIN_SECONDS / 2, 1000) == 1
+    with threads.serial():
+        assert spin.parts_for(1e-3, 1000) == 1
+    fl.set_num_threads(1)
+    assert spin.parts_for(1e-3, 1000) == 1
+
+
+def test_parked_workers_go_to_sleep(two_threads: None) -> None:
+    _counts_after(8)
+    pool = spin._pool(1)
+    pool.park()
+    deadline = time.monotonic() + 2.0
+    while pool.ctl[spin.AWAKE] and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert pool.ctl[spin.AWAKE] == 0
+    assert (_counts_after(8) == 1).all()  # and a later job still runs every part
+
+
+@pytest.fixture
+def forced_parts(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run a kernel with a given part count, whatever its size."""
+    def run(parts: int, fn: Any) -> Any:
+        monkeypatch.setattr(spin, "parts_for", lambda seconds, most: min(parts, most))
+        return fn()
+    return run
+
+
+@pytest.mark.parametrize("qt", [QuantType.Q4_1, QuantType.Q8_0, QuantType.Q6K], ids=lambda q: q.ggml_name)
+def test_qmatmul_decode_bytes_do_not_depend_on_the_part_count(two_threads: None, forced_parts: Any,
+                                                              qt: QuantType) -> None:
+    rng = np.random.default_rng(3)
+    n, k = 333, 512
+    raw = random_weight(rng, qt, n, k)
+    a = rng.standard_normal((1, k)).astype(np.float32)
+
+    def once() -> bytes:
+        out = np.zeros((1, n), np.float32)
+        gguf_decode.gemv(qt, a, raw, out)
+        return out.tobytes()
+
+    assert len({forced_parts(parts, once) for parts in (1, 2, 7, 8, 256)}) == 1
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 576, 192), (3, 5, 17), (4, 1, 3), (1, 100, 1)])
+def test_gemv_bytes_do_not_depend_on_the_part_count(two_threads: None, forced_parts: Any, dtype: Any, m: int,
+                                                    k: int, n: int) -> None:
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+
+    def once() -> bytes:
+        out = np.empty((m, n), dtype)
+        gemv_module.gemv(a, b, out)
+        return out.tobytes()
+
+    results = {forced_parts(parts, once) for parts in (1, 2, 3, 8)}
+    assert len(results) == 1
+    got = np.frombuffer(results.pop(), dtype).reshape(m, n)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    assert (np.abs(got - ref) <= 8 * np.finfo(dtype).eps * k * scale + 1e-300).all()
