@@ -164,14 +164,15 @@ def _set(ctl: Any, i: int, v: int) -> None:
     store(ctl, i, v)
 
 
-def _cycles_per_second() -> float:
-    @njit(cache=True)
-    def now() -> int:
-        return cycles()
+@njit(cache=True)
+def _now() -> int:
+    return cycles()
 
-    c0, t0 = now(), time.perf_counter()
+
+def _cycles_per_second() -> float:
+    c0, t0 = _now(), time.perf_counter()
     time.sleep(0.002)
-    return (now() - c0) / (time.perf_counter() - t0)
+    return (_now() - c0) / (time.perf_counter() - t0)
 
 
 class SpinPool:

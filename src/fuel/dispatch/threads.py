@@ -79,8 +79,8 @@ class _Mode(threading.local):
 
 
 MODE = _Mode()
-# Called before another pool starts (Numba's, or split_work's threads): the spinning pool's workers
-# (`fuel.dispatch.spin`) go to sleep, so they do not hold a core that pool's threads wait for.
+# Called before split_work starts its threads: the spinning pool's workers (`fuel.dispatch.spin`) go to
+# sleep, so they do not hold a core those threads wait for.
 PARK_HOOKS: list[Callable[[], None]] = []
 
 
