@@ -4,6 +4,7 @@ that post to it give the same bytes whatever the part count."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -116,6 +117,28 @@ def test_parked_workers_go_to_sleep(two_threads: None) -> None:
         time.sleep(1e-3)
     assert pool.ctl[spin.AWAKE] == 0
     assert (_counts_after(8) == 1).all()  # and a later job still runs every part
+
+
+def test_workers_are_pinned_each_to_a_core_the_poster_keeps_free(two_threads: None) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    assert spin.worker_cores(1) == allowed[1:2]
+    assert spin.worker_cores(len(allowed)) == []  # more threads than cores: nothing pinned
+    _counts_after(8)
+    pool = spin._pool(1)
+    assert len(allowed) >= 2, "the pinning is only exercised with two cores or more"
+    for core, t in zip(pool.cores, pool.threads, strict=True):
+        assert os.sched_getaffinity(t.native_id) == {core}
+    # A poster that sits on a worker's core is moved off it for the job, its affinity unchanged.
+    os.sched_setaffinity(0, {pool.cores[0]})
+    os.sched_setaffinity(0, set(allowed))
+    assert (_counts_after(8) == 1).all()
+    assert os.sched_getaffinity(0) == set(allowed)
+    assert spin._cpu_reader()() not in pool.cores  # type: ignore[misc]
+
+
+def test_pinning_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FUEL_SPIN_PIN", "0")
+    assert spin.worker_cores(1) == []
 
 
 @pytest.fixture
