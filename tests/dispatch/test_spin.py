@@ -185,3 +185,30 @@ def test_gemv_bytes_do_not_depend_on_the_part_count(two_threads: None, forced_pa
     ref = a.astype(np.float64) @ b.astype(np.float64)
     scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
     assert (np.abs(got - ref) <= 8 * np.finfo(dtype).eps * k * scale + 1e-300).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("b", "hq", "hkv", "sq", "kl"), [(1, 9, 3, 1, 37), (2, 8, 2, 3, 50), (1, 4, 1, 1, 1)])
+def test_flash_attn_decode_bytes_do_not_depend_on_the_part_count(two_threads: None, forced_parts: Any, dtype: Any,
+                                                                 b: int, hq: int, hkv: int, sq: int,
+                                                                 kl: int) -> None:
+    rng = np.random.default_rng(5)
+    d, cap = 32, 64
+    q = rng.standard_normal((b, hq, sq, d)).astype(dtype)
+    k, v = (rng.standard_normal((b, hkv, cap, d)).astype(dtype) for _ in range(2))
+
+    def once() -> bytes:
+        (out,) = fl.realize(fl.ops.flash_attn(fl.tensor(q), fl.tensor(k), fl.tensor(v), causal=True, k_len=kl))
+        return np.asarray(out).tobytes()
+
+    results = {forced_parts(parts, once) for parts in (1, 2, 3, 7, 64)}
+    assert len(results) == 1
+    got = np.frombuffer(results.pop(), dtype).reshape(b, hq, sq, d)
+    # float64 reference: GQA, the causal mask aligned bottom-right at kl - sq
+    kr, vr = (np.repeat(x[:, :, :kl].astype(np.float64), hq // hkv, axis=1) for x in (k, v))
+    s = q.astype(np.float64) @ kr.transpose(0, 1, 3, 2) / np.sqrt(d)
+    s[..., np.arange(kl)[None, :] > np.arange(sq)[:, None] + kl - sq] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref, size = p @ vr, p @ np.abs(vr)
+    assert (np.abs(got - ref) <= 64 * np.finfo(dtype).eps * size).all()

@@ -24,12 +24,23 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu.attention_decode import DECODE_MAX_QUERIES, decode
+from fuel.dispatch.cpu.attention_rows import (
+    FASTMATH,
+    Window,
+    exp_scaled,
+    row_max,
+    row_window,
+    transform_row,
+    window_of,
+    zero_outside,
+)
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive, maxnum, neg_inf_like, store_as
+from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive, store_as
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -40,7 +51,6 @@ from fuel.dispatch.fused import (
 )
 from fuel.dispatch.threads import split_work
 from fuel.dtype import FLOAT_DTYPES, DType
-from fuel.errors import IndexOutOfRange
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 
@@ -49,111 +59,6 @@ BK = 512  # keys per block
 # Groups per step: a step's scores [groups, G·BQ, BK] stay about this size so they are still in L2 when
 # the row pass and P·V read them (all 8 groups of a thread at once, 2 MiB, ran ~10% slower on a 1 MiB L2).
 SCORE_BYTES = 512 * 1024
-DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
-
-# Reassociation lets row reductions vectorise (one fixed order per build); no nnan/ninf: -inf is
-# the mask value and NaN must propagate.
-FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
-
-
-@dataclass(frozen=True)
-class Window:
-    """The resolved mask of one call: live keys, query count and window sides (-1: unbounded)."""
-
-    kl: int
-    sq: int
-    left: int
-    right: int
-
-    def keys(self, i0: int, i1: int) -> tuple[int, int]:
-        """Keys [lo, hi) some query in [i0, i1) may attend to (hi <= lo: none)."""
-        lo = 0 if self.left < 0 else max(0, i0 + self.kl - self.sq - self.left)
-        hi = self.kl if self.right < 0 else min(self.kl, i1 - 1 + self.kl - self.sq + self.right + 1)
-        return lo, hi
-
-
-def window_of(params: Any, sq: int, sk: int) -> Window:
-    """The mask a call's (resolved) FlashAttnParams describe; a k_len outside the cache is an error."""
-    kl = sk if params.k_len is None else int(params.k_len)
-    if not 0 <= kl <= sk:
-        raise IndexOutOfRange(f"flash_attn: k_len {kl} is outside the cache capacity [0, {sk}]")
-    right = params.window_size_right
-    if params.causal:
-        right = 0 if right is None else min(right, 0)
-    left = params.window_size_left
-    return Window(kl, sq, -1 if left is None else left, -1 if right is None else right)
-
-
-@njit(inline="always", cache=True, fastmath=FASTMATH)
-def row_window(i: int, j0: int, cols: int, kl: int, sq: int, left: int, right: int) -> tuple[int, int]:
-    """Columns [lo, hi) of a key block starting at key j0 that query i may attend to."""
-    aq = i + kl - sq
-    lo = 0 if left < 0 else max(0, aq - left - j0)
-    hi = min(cols, kl - j0) if right < 0 else min(cols, kl - j0, aq + right + 1 - j0)
-    return lo, max(lo, hi)
-
-
-@njit(inline="always", cache=True, fastmath=FASTMATH)
-def transform_row(seg: Any, aq: int, j0: int, scale: Any, softcap: Any, slope: Any) -> Any:
-    """Scores of one row's admissible segment in place (seg starts at key j0): scale, softcap, ALiBi;
-    returns their max."""
-    m = neg_inf_like(scale)
-    if softcap > 0 or slope != 0:
-        for c in range(seg.shape[0]):
-            x = seg[c] * scale
-            if softcap > 0:
-                x = softcap * np.tanh(x / softcap)
-            x -= slope * cast_like(abs(aq - (j0 + c)), scale)
-            seg[c] = x
-            m = maxnum(m, x)
-        return m
-    for c in range(seg.shape[0]):  # the common case, kept branch-free so it vectorises
-        x = seg[c] * scale
-        seg[c] = x
-        m = maxnum(m, x)
-    return m
-
-
-@njit(inline="always", cache=True, fastmath=FASTMATH)
-def row_max(seg: Any, like: Any) -> Any:
-    """The max of a segment (-inf for an empty one or one of NaN), read only: vectorises."""
-    m = neg_inf_like(like)
-    for c in range(seg.shape[0]):
-        m = maxnum(m, seg[c])
-    return m
-
-
-@njit(inline="always", cache=True, fastmath=FASTMATH)
-def exp_scaled(seg: Any, scale: Any, shift: Any) -> Any:
-    """seg <- exp(seg·scale - shift) (every value·scale <= shift, up to rounding); returns the sum. The
-    scale is folded into the exponent's argument (one fused multiply-add) so the common row needs no
-    separate pass to scale it; scale 1 gives exactly `exp_shifted`."""
-    total = shift * 0
-    for c in range(seg.shape[0]):
-        e = exp_nonpositive(seg[c] * scale - shift)
-        seg[c] = e
-        total += e
-    return total
-
-
-@njit(inline="always", cache=True, fastmath=FASTMATH)
-def exp_shifted(seg: Any, shift: Any) -> Any:
-    """seg <- exp(seg - shift) (every value <= shift); returns the sum."""
-    total = seg[0] * 0 if seg.shape[0] else shift * 0
-    for c in range(seg.shape[0]):
-        e = exp_nonpositive(seg[c] - shift)
-        seg[c] = e
-        total += e
-    return total
-
-
-@njit(inline="always", cache=True)
-def zero_outside(row: Any, lo: int, hi: int) -> None:
-    for c in range(lo):
-        row[c] = 0
-    for c in range(hi, row.shape[0]):
-        row[c] = 0
-
 
 @row_kernel(fastmath=FASTMATH, nogil=True)
 def _online_block(s: Any, m: Any, l: Any, acc: Any, i0: int, bq: int, j0: int, kl: int, sq: int, left: int,
@@ -208,48 +113,6 @@ def _store(acc: Any, l: Any, out: Any, i0: int) -> None:
         total = l[g, r]
         for k in range(d):
             o[k] = store_as(o, a[k] / total if total > 0 else total * cast_like(0, total))
-
-
-@row_kernel(fastmath=FASTMATH)
-def _decode_rows(q: Any, k: Any, v: Any, out: Any, kl: int, sq: int, left: int, right: int, scale: Any,
-                 softcap: Any, slopes: Any) -> None:
-    """A few queries over a long cache: one task per (kv head group, query) does all G heads, so each
-    live K and V row is read once per query; scores in a [G, keys] scratch, exact max, then exp."""
-    n, g, nq, d = q.shape
-    for t in prange(n * nq):
-        grp, i = t // nq, t % nq
-        lo, hi = row_window(i, 0, kl, kl, sq, left, right)
-        w = hi - lo
-        qw = np.empty((g, d), q.dtype)
-        acc = np.zeros((g, d), q.dtype)
-        s = np.empty((g, max(w, 1)), q.dtype)
-        for h in range(g):
-            qw[h] = q[grp, h, i]
-        kk, vv = k[grp], v[grp]
-        for j in range(w):
-            krow = kk[lo + j]
-            for h in range(g):
-                dot = qw[h, 0] * 0
-                for c in range(d):
-                    dot += qw[h, c] * krow[c]
-                s[h, j] = dot
-        inv = np.zeros(g, q.dtype)
-        for h in range(g):
-            seg = s[h, :w]
-            mx = transform_row(seg, i + kl - sq, lo, scale, softcap, slopes[grp, h])
-            if mx > -np.inf:
-                inv[h] = 1 / exp_shifted(seg, mx)
-            else:
-                seg[:] = 0
-        for j in range(w):
-            vrow = vv[lo + j]
-            for h in range(g):
-                pr = s[h, j]
-                for c in range(d):
-                    acc[h, c] += pr * vrow[c]
-        for h in range(g):
-            for c in range(d):
-                out[grp, h, i, c] = acc[h, c] * inv[h]
 
 
 def grouped(x: np.ndarray, hkv: int) -> np.ndarray:
@@ -333,8 +196,7 @@ def attention(p: Problem, out: np.ndarray) -> None:
     if sq <= DECODE_MAX_QUERIES or n == 1:
         p = p.part(0, n)
     if sq <= DECODE_MAX_QUERIES:
-        w = p.win
-        _decode_rows(p.q, p.k, p.v, out, w.kl, w.sq, w.left, w.right, p.scale, p.softcap, p.slopes)
+        decode(p.q, p.k, p.v, out, p.win, p.scale, p.softcap, p.slopes)
         return
 
     def block(part: Problem, g0: int, g1: int, i0: int) -> None:

@@ -24,19 +24,8 @@ import numpy as np
 from numba import prange
 
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu.attention import (
-    BK,
-    BQ,
-    FASTMATH,
-    Problem,
-    forward_block,
-    grouped,
-    problem,
-    query_block,
-    row_window,
-    transform_row,
-    zero_outside,
-)
+from fuel.dispatch.cpu.attention import BK, BQ, Problem, forward_block, grouped, problem, query_block
+from fuel.dispatch.cpu.attention_rows import FASTMATH, row_window, transform_row, zero_outside
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import narrow_into, widened
 from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive

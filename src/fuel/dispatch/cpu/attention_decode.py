@@ -1,0 +1,126 @@
+"""FlashAttn's decode path: a few queries (Sq <= DECODE_MAX_QUERIES) over a long cache, as a task on the
+spinning pool (`fuel.dispatch.spin`).
+
+A decode step's attention is 20-500 µs of work, too little for Numba's pool and too much for one core
+beside an idle one. One item is one (batch, kv head) group and one query: it does all G query heads
+that share the kv head, so each live K and V row is read once per query, with the scores in a
+[G, keys] scratch, their exact max, then exp and P·V. Items are independent and each is computed
+whole by one thread in one fixed order, so the bytes never depend on the part count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import carray, njit
+
+from fuel.dispatch import spin
+from fuel.dispatch.cpu.atomics import pointer
+from fuel.dispatch.cpu.attention_rows import FASTMATH, Window, exp_shifted, row_window, transform_row
+from fuel.errors import KernelError
+
+DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
+FLOPS_PER_SECOND = 30e9  # one core, this path's vectorised dot products (measured 30-37 G)
+ARGS = 17  # argv: 5 addresses, 9 sizes and mask bounds, scale and softcap as float64 bits, head chunks
+ITEMS = 16  # a group's heads are cut into chunks until a call has about this many items (of one head or more)
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _item(q: Any, k: Any, v: Any, out: Any, grp: int, i: int, h0: int, h1: int, kl: int, sq: int, left: int,
+          right: int, scale: Any, softcap: Any, slopes: Any) -> None:
+    """out[grp, h0:h1, i]: query i of heads [h0, h1) of group grp over their live keys (each head's
+    arithmetic is its own, whichever heads share the item)."""
+    d = q.shape[3]
+    g = h1 - h0
+    lo, hi = row_window(i, 0, kl, kl, sq, left, right)
+    w = hi - lo
+    qw = np.empty((g, d), q.dtype)
+    acc = np.zeros((g, d), q.dtype)
+    s = np.empty((g, max(w, 1)), q.dtype)
+    for h in range(g):
+        qw[h] = q[grp, h0 + h, i]
+    kk, vv = k[grp], v[grp]
+    for j in range(w):
+        krow = kk[lo + j]
+        for h in range(g):
+            dot = qw[h, 0] * 0
+            for c in range(d):
+                dot += qw[h, c] * krow[c]
+            s[h, j] = dot
+    inv = np.zeros(g, q.dtype)
+    for h in range(g):
+        seg = s[h, :w]
+        mx = transform_row(seg, i + kl - sq, lo, scale, softcap, slopes[grp, h0 + h])
+        if mx > -np.inf:
+            inv[h] = 1 / exp_shifted(seg, mx)
+        else:
+            seg[:] = 0
+    for j in range(w):
+        vrow = vv[lo + j]
+        for h in range(g):
+            pr = s[h, j]
+            for c in range(d):
+                acc[h, c] += pr * vrow[c]
+    for h in range(g):
+        for c in range(d):
+            out[grp, h0 + h, i, c] = acc[h, c] * inv[h]
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _run_part(part: int, parts: int, argv: int, like: Any) -> None:
+    """Items [part·items/parts, (part+1)·items/parts) of the job at argv, in the dtype of `like`."""
+    a = carray(pointer(argv, np.int64), (ARGS,))
+    f = carray(pointer(argv, np.float64), (ARGS,))
+    n, g, nq, d, sk = a[5], a[6], a[7], a[8], a[9]
+    q = carray(pointer(a[0], like), (n, g, nq, d))
+    k = carray(pointer(a[1], like), (n, sk, d))
+    v = carray(pointer(a[2], like), (n, sk, d))
+    out = carray(pointer(a[3], like), (n, g, nq, d))
+    slopes = carray(pointer(a[4], like), (n, g))
+    scale, softcap = like(f[14]), like(f[15])
+    hs = a[16]
+    items = n * nq * hs
+    for t in range(part * items // parts, (part + 1) * items // parts):
+        grp, i, hc = t // (nq * hs), t // hs % nq, t % hs
+        _item(q, k, v, out, grp, i, hc * g // hs, (hc + 1) * g // hs, a[10], a[11], a[12], a[13], scale, softcap,
+              slopes)
+
+
+@spin.task(fastmath=FASTMATH, error_model="numpy")
+def _decode_f32(part: int, parts: int, argv: int) -> None:
+    _run_part(part, parts, argv, np.float32)
+
+
+@spin.task(fastmath=FASTMATH, error_model="numpy")
+def _decode_f64(part: int, parts: int, argv: int) -> None:
+    _run_part(part, parts, argv, np.float64)
+
+
+@njit(cache=True)
+def _fill(q: Any, k: Any, v: Any, out: Any, slopes: Any, kl: int, sq: int, left: int, right: int, scale: float,
+          softcap: float, argv: Any) -> int:
+    """argv <- the job `_run_part` reads; returns its item count."""
+    n, g, nq, d = q.shape
+    argv[0], argv[1], argv[2], argv[3], argv[4] = q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data, \
+        slopes.ctypes.data
+    argv[5], argv[6], argv[7], argv[8], argv[9] = n, g, nq, d, k.shape[1]
+    argv[10], argv[11], argv[12], argv[13] = kl, sq, left, right
+    f = argv.view(np.float64)
+    f[14], f[15] = scale, softcap
+    hs = min(g, max(1, -(-ITEMS // max(n * nq, 1))))
+    argv[16] = hs
+    return n * nq * hs
+
+
+def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, win: Window, scale: Any, softcap: Any,
+           slopes: np.ndarray) -> None:
+    """out [n, G, nq, D] <- attention of q [n, G, nq, D] over k, v [n, Sk, D] (f32 or f64, C-contiguous,
+    one dtype; slopes [n, G]) under the mask `win`."""
+    if not all(x.flags.c_contiguous and x.dtype == q.dtype for x in (k, v, out, slopes)):
+        raise KernelError("flash_attn: the decode path reads C-contiguous arrays of one dtype")
+    argv = np.empty(ARGS, np.int64)
+    items = _fill(q, k, v, out, slopes, win.kl, win.sq, win.left, win.right, float(scale), float(softcap), argv)
+    n, g, nq, d = q.shape
+    seconds = 4 * n * nq * g * win.kl * d / FLOPS_PER_SECOND
+    spin.run(_decode_f64 if q.dtype == np.float64 else _decode_f32, argv, spin.parts_for(seconds, items))
