@@ -84,7 +84,7 @@ def _silu_kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.
     """SiLU straight into `out` where it can (the same operations as `_silu`, in its buffer): a prefill's
     [128, 1536] no longer allocates a temporary and copies it."""
     x = xs[0]
-    if out is None or n.dtype.is_half or x.dtype != out.dtype or np.shares_memory(x, out):
+    if out is None or n.dtype.is_half or x.dtype != out.dtype or np.may_share_memory(x, out):
         return _copy_into(_store(_silu(_work(x, n.dtype)), n), out)
     np.negative(x, out=out)
     np.exp(out, out=out)
