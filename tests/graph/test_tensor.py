@@ -44,6 +44,15 @@ def test_unary_ops_match_numpy(rng: np.random.Generator, name: str) -> None:
     np.testing.assert_allclose(getattr(fl.tensor(x), name)().numpy(), ref, rtol=2e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("name", ["silu", "sigmoid"])
+def test_exp_based_unary_ops_on_a_0d_tensor(name: str) -> None:
+    x = np.array(-1.5, np.float32)
+    ref = {"silu": x / (1 + np.exp(-x)), "sigmoid": 1 / (1 + np.exp(-x))}[name]
+    got = getattr(fl.tensor(x), name)().numpy()
+    assert got.shape == ()
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
 def test_reductions_match_numpy(rng: np.random.Generator) -> None:
     x = _arr(rng, 2, 3, 4)
     t = fl.tensor(x)
