@@ -188,12 +188,15 @@ def test_gemv_bytes_do_not_depend_on_the_part_count(two_threads: None, forced_pa
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize(("b", "hq", "hkv", "sq", "kl"), [(1, 9, 3, 1, 37), (2, 8, 2, 3, 50), (1, 4, 1, 1, 1)])
+@pytest.mark.parametrize(("b", "hq", "hkv", "sq", "kl", "d"), [(1, 9, 3, 1, 37, 32), (2, 8, 2, 3, 50, 64),
+                                                               (1, 4, 1, 1, 1, 80), (1, 6, 2, 2, 45, 20)])
 def test_flash_attn_decode_bytes_do_not_depend_on_the_part_count(two_threads: None, forced_parts: Any, dtype: Any,
                                                                  b: int, hq: int, hkv: int, sq: int,
-                                                                 kl: int) -> None:
+                                                                 kl: int, d: int) -> None:
+    """Head sizes of whole 64-column register blocks (64), 16-lane vectors only (32), both (80) and
+    neither (20, the plain loops), against a float64 reference."""
     rng = np.random.default_rng(5)
-    d, cap = 32, 64
+    cap = 64
     q = rng.standard_normal((b, hq, sq, d)).astype(dtype)
     k, v = (rng.standard_normal((b, hkv, cap, d)).astype(dtype) for _ in range(2))
 
