@@ -256,6 +256,11 @@ def test_jit_replay_of_a_decode_step_equals_realize() -> None:
 def test_paths_and_cost() -> None:
     """The cost counts the weight's real bytes and the products (decoding rides along with them)."""
     assert kernel_module.tile_rows(4096) == 64 and kernel_module.tile_rows(32) == 256
+    # given n (of at least 16 rows a group), a tile count divisible by TILE_GROUPS, no tile larger than without n
+    for n, k, rows in [(576, 576, 144), (3072, 576, 256), (960, 576, 240), (17, 32, 16), (1, 32, 16)]:
+        t = kernel_module.tile_rows(k, n)
+        assert t == rows and t % 16 == 0 and t <= kernel_module.tile_rows(k)
+        assert n < 16 * kernel_module.TILE_GROUPS or -(-n // t) % kernel_module.TILE_GROUPS == 0
     impl = fl.kernels().lookup(14, "cpu", (DType.F32, DType.U32, DType.F32))
     assert impl is not None and impl.precision.bit_stable_on_same_hardware
     p = QMatMulParams(QuantType.Q4_0, 4096, 4096)

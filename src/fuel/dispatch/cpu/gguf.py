@@ -44,6 +44,7 @@ from fuel.graph.registry.qmatmul import QMatMulParams, weight_bytes
 from fuel.quant import QuantType
 
 TILE_BYTES = 1 << 20  # f32 bytes of one dequantised tile (fits L2)
+TILE_GROUPS = 4  # tile counts are multiples of this, so 2 or 4 threads get equal shares
 
 
 def _scratch(rows: int, k: int) -> np.ndarray:
@@ -51,9 +52,17 @@ def _scratch(rows: int, k: int) -> np.ndarray:
     return POOL.empty((rows, k), np.dtype(np.float32))
 
 
-def tile_rows(k: int) -> int:
-    """Rows of W per dequantised tile: about TILE_BYTES of f32, a multiple of 16, 16..256."""
-    return min(256, max(16, TILE_BYTES // (4 * max(k, 1)) // 16 * 16))
+def tile_rows(k: int, n: int | None = None) -> int:
+    """Rows of W per dequantised tile: at most about TILE_BYTES of f32, a multiple of 16, 16..256. Given
+    the weight's n rows, the tiles are evened out to a count divisible by TILE_GROUPS (fixed by the shape,
+    never by the thread count): [576, 576] in three tiles of 256, 256, 64 left one of two threads idle a
+    third of the time, in four of 144 neither."""
+    most = min(256, max(16, TILE_BYTES // (4 * max(k, 1)) // 16 * 16))
+    if n is None or n <= 0:
+        return most
+    tiles = math.ceil(n / most)
+    tiles += -tiles % TILE_GROUPS
+    return min(most, 16 * math.ceil(math.ceil(n / tiles) / 16))
 
 
 def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> None:
@@ -78,7 +87,7 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
 def _tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:
     """o2 <- a2 @ dequant(W)ᵀ by tiles of W rows: dequantise a tile, one sgemm into its columns."""
     n, k = raw.shape[0], a2.shape[1]
-    t = tile_rows(k)
+    t = tile_rows(k, n)
 
     def part(tiles: range) -> None:
         tile = _scratch(t, k)
