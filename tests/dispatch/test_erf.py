@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import fuel as fl
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Op
+from fuel.testing.check import ulp_error
 
 # |fuel - erf| / ulp(erf) at most: f32 is the rounding of a 2.6e-9-relative f64 value (0.55 ulp measured);
 # bf16/f16 round that f32 once more; f64 is libm's erf, torch's another implementation.
@@ -23,17 +24,6 @@ SPECIAL = [0.0, -0.0, 1e-30, -1e-38, 1e-45, 0.25, -0.5, 1.0, 2.0, 3.0, 3.9, -3.9
 def oracle(x: np.ndarray, dt: DType) -> np.ndarray:
     """torch's float64 erf of the values fuel sees (x already in dt)."""
     return torch.erf(torch.from_numpy(np.asarray(x, np.float64))).numpy()
-
-
-def ulp_error(got: np.ndarray, ref: np.ndarray, dt: DType) -> float:
-    """Worst |got - ref| in units of the dtype's spacing at ref; NaN where ref is NaN must be NaN too."""
-    g = np.asarray(got, np.float64)
-    nan = np.isnan(ref)
-    assert np.array_equal(np.isnan(g), nan), "NaN where the reference is not (or the reverse)"
-    r, g = ref[~nan], g[~nan]
-    spacing = np.spacing(np.abs(r)) if dt is DType.F64 else np.spacing(np.abs(r).astype(dt.np)).astype(np.float64)
-    spacing = np.where(spacing > 0, spacing, np.finfo(np.float64).tiny)
-    return float((np.abs(g - r) / spacing).max()) if r.size else 0.0
 
 
 @pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)

@@ -71,3 +71,19 @@ def excess(out: np.ndarray, ref: np.ndarray, scale: np.ndarray, max_relative: fl
     err = np.abs(o - r)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(err == 0, 0.0, err / allowed)
+
+
+def ulp_error(got: Any, ref: np.ndarray, dt: Any) -> float:
+    """Worst |got - ref| in units of the spacing of `dt` (a fuel DType) at ref, ref in float64; NaN must sit
+    exactly where ref has NaN (AssertionError otherwise). Where the spacing is 0 the smallest f64 stands in."""
+    g = np.asarray(got, np.float64)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(g), nan), "NaN where the reference is not (or the reverse)"
+    r, g = ref[~nan], g[~nan]
+    at = np.abs(r) if dt.np == np.float64 else np.abs(r).astype(dt.np)
+    with np.errstate(invalid="ignore"):  # an infinity's spacing, and inf - inf: handled by the where()s
+        spacing = np.spacing(at).astype(np.float64)
+        spacing = np.where(spacing > 0, spacing, np.finfo(np.float64).tiny)
+        err = np.where(g == r, 0.0, np.abs(g - r) / spacing)
+    return float(err.max()) if r.size else 0.0
+

@@ -15,6 +15,7 @@ import numpy as np
 
 from fuel.dispatch.cpu.erf import erf_into
 from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, gemv
+from fuel.dispatch.cpu.logistic import sigmoid_f32, silu_f32
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
 from fuel.graph.node import Op, OpSpec
@@ -44,11 +45,15 @@ def _one_plus_exp_neg(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarra
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
+    if x.dtype == np.float32:
+        return sigmoid_f32(x)
     d = _one_plus_exp_neg(x)
     return np.divide(1, d, out=d)
 
 
 def _silu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    if x.dtype == np.float32 and (out is None or out.flags.c_contiguous):
+        return silu_f32(x, out)
     d = _one_plus_exp_neg(x, out)
     return np.divide(x, d, out=d)
 

@@ -147,13 +147,19 @@ EXP_LOW = np.float32(-87.33)
 
 
 @njit(inline="always", cache=True)
+def expf_parts(t: Any) -> tuple[Any, Any]:
+    """(p, fx) with exp(t) = p·2^fx, p in [0.7, 1.5], fx integral (float32 t <= 0; Cephes reduction and
+    polynomial): a caller may scale by 2^fx in steps, past where 2^fx alone leaves the normal range."""
+    fx = np.floor(t * _LOG2E + _HALF)
+    r = t - fx * _C1
+    r = r - fx * _C2
+    return ((((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * (r * r) + r) + _ONE, fx
+
+
+@njit(inline="always", cache=True)
 def expf_nonpositive(t: Any) -> Any:
     """exp(t) in float32 for t <= 0 (Cephes expf polynomial, ~1 ulp); 0 below -87.33; NaN stays NaN."""
-    tc = EXP_LOW if t < EXP_LOW else t
-    fx = np.floor(tc * _LOG2E + _HALF)
-    r = tc - fx * _C1
-    r = r - fx * _C2
-    p = ((((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5) * (r * r) + r) + _ONE
+    p, fx = expf_parts(EXP_LOW if t < EXP_LOW else t)
     e = p * pow2_f32(fx)
     return _ZERO if t < EXP_LOW else e
 
