@@ -15,19 +15,12 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from fuel.dispatch.cpu.simd16 import bytes16, codes, f16_at, muls, muls2, vstore
+from fuel.dispatch.cpu.simd16 import bytes16, codes, f16_at, muls, muls2, u32_at, vstore
 
 Z = np.float32(0)
 
 
-@njit(inline="always", cache=True)
-def _b(row: Any, i: int) -> Any:
-    return np.int64(row[i])
-
-
-@njit(inline="always", cache=True)
-def _u32le(row: Any, o: int) -> Any:
-    return _b(row, o) | (_b(row, o + 1) << 8) | (_b(row, o + 2) << 16) | (_b(row, o + 3) << 24)
+_u32le = u32_at  # the little-endian word at a byte offset (hosts Numba targets are little-endian)
 
 
 # ---- unit j of the block (or K-quant super-block) at byte o: (codes of elements 0-15, of 16-31, their scales s,

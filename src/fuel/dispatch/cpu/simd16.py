@@ -148,6 +148,18 @@ def _f16_intrinsic(typingctx: Any, row: Any, off: Any) -> Any:
 
 
 @intrinsic
+def _u32_intrinsic(typingctx: Any, row: Any, off: Any) -> Any:
+    """The little-endian 32-bit word at row[off:off + 4] (uint8 row, unchecked), zero-extended to int64:
+    one load, where four indexed byte reads cost a wraparound test each (Q5_0's high bits, per block)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        word = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], _I32), align=1)
+        return builder.zext(word, ir.IntType(64))
+
+    return types.int64(row, off), codegen
+
+
+@intrinsic
 def _muls(typingctx: Any, v: Any, s: Any) -> Any:
     """v * s (a scalar)."""
 
@@ -325,6 +337,7 @@ def _stack_f32_intrinsic(typingctx: Any, size: Any) -> Any:
 codes: Any = _codes
 bytes16: Any = _bytes16
 f16_at: Any = _f16_intrinsic
+u32_at: Any = _u32_intrinsic
 muls: Any = _muls
 muls2: Any = _muls2
 adds: Any = _adds
