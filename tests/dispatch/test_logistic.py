@@ -64,7 +64,11 @@ def test_special_values(dt: DType) -> None:
 def test_layouts_and_sizes(name: str) -> None:
     rng = np.random.default_rng(1)
     base = (rng.standard_normal((5, 7)) * 6).astype(np.float32)
-    for x in (base.T, base[:, ::2], np.broadcast_to(base[:1], (4, 7)), base[:0], np.float32(-1.75)):
+    wide = (rng.standard_normal((2, 6, 16)) * 6).astype(np.float32)
+    # transposed, strided, broadcast rows, empty, 0-d, and rows of unit stride that are not adjacent (a
+    # stacked projection's half, 2-D and 3-D)
+    for x in (base.T, base[:, ::2], np.broadcast_to(base[:1], (4, 7)), base[:0], np.float32(-1.75),
+              wide[0, :, 3:10], wide[:, 1:, 8:], wide[:, :, :0]):
         got = getattr(fl.tensor(x), name)().numpy()
         assert got.shape == np.shape(x)
         assert ulp_error(got, oracle(name, np.asarray(x)), DType.F32) <= ULPS[DType.F32]
