@@ -87,3 +87,18 @@ def test_serial_mode_is_per_python_thread() -> None:
         t.join()
         assert numba.get_num_threads() == 1
     assert seen == [fl.get_num_threads()] and numba.get_num_threads() == fl.get_num_threads()
+
+
+@pytest.mark.parametrize("total", [1, 3])
+def test_split_work_runs_every_part_on_one_blas_thread(total: int) -> None:
+    """Also when it runs its parts in the calling thread (one task, or inside a serial step): a BLAS worker
+    woken there would spin on after the call, holding a core the next steps' threads need."""
+    before = fl.get_num_threads()
+    seen: list[int | None] = []
+    try:
+        fl.set_num_threads(2)
+        threads.split_work(lambda tasks: seen.append(threads.blas_num_threads()), total)
+        assert threads.blas_num_threads() == 2  # restored
+    finally:
+        fl.set_num_threads(before)
+    assert seen and set(seen) == {1}

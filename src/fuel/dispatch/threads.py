@@ -306,7 +306,8 @@ def split_work(fn: Callable[[range], None], total: int, strided: bool = False) -
     """
     n = min(_THREADS or 1, total)
     if n <= 1 or MODE.inline:
-        fn(range(total))
+        with one_blas_thread():  # as in a part; a BLAS worker woken here would spin on after it
+            fn(range(total))
         return
     parts = [range(k, total, n) if strided else range(k * total // n, (k + 1) * total // n) for k in range(n)]
 

@@ -336,3 +336,14 @@ def test_same_bytes_at_any_fuel_thread_count(hkv: int) -> None:
     finally:
         fl.set_num_threads(before)
     assert len(set(results)) == 1
+
+
+def test_one_group_is_cut_into_query_blocks_by_its_length_only() -> None:
+    """A call with one (batch, kv head) group splits its queries into at least QUERY_TASKS blocks of a
+    multiple of 16 rows (a 128-token prefill with one kv head was one block: one thread ran it)."""
+    from fuel.dispatch.cpu.attention import BQ, QUERY_TASKS, query_rows
+
+    for sq in (5, 16, 64, 100, 128, 300, 512, 4096):
+        rows = query_rows(sq)
+        assert rows % 16 == 0 and 16 <= rows <= BQ
+        assert -(-sq // rows) >= min(QUERY_TASKS, -(-sq // 16))

@@ -56,6 +56,7 @@ from fuel.graph.registry import FusedOps
 
 BQ = 128  # queries per block, per head
 BK = 512  # keys per block
+QUERY_TASKS = 4  # query blocks a one-group call is cut into at least (`query_rows`)
 # Groups per step: a step's scores [groups, G·BQ, BK] stay about this size so they are still in L2 when
 # the row pass and P·V read them (all 8 groups of a thread at once, 2 MiB, ran ~10% slower on a 1 MiB L2).
 SCORE_BYTES = 512 * 1024
@@ -191,6 +192,14 @@ def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndar
     return acc, m, l
 
 
+def query_rows(sq: int) -> int:
+    """Queries per block of a call with one (batch, kv head) group, whose query blocks are its only
+    independent work: at least QUERY_TASKS blocks (a multiple of 16 rows, up to BQ), fixed by the length
+    and never by the thread count. Gemma-3's 128-token prefill was one block of 128: one thread ran it,
+    through a two-thread BLAS whose idle worker then spun against the next steps' threads."""
+    return min(BQ, max(16, 16 * -(-sq // (16 * QUERY_TASKS))))
+
+
 def attention(p: Problem, out: np.ndarray) -> None:
     """out `[n, G, Sq, D]` (accumulation type) <- attention of every query block."""
     sq = p.q.shape[2]
@@ -201,8 +210,10 @@ def attention(p: Problem, out: np.ndarray) -> None:
         decode(p.q, p.k, p.v, out, p.win, p.scale, p.softcap, p.slopes)
         return
 
+    bq = query_rows(sq) if n == 1 else BQ
+
     def block(part: Problem, g0: int, g1: int, i0: int) -> None:
-        i1 = min(sq, i0 + BQ)
+        i1 = min(sq, i0 + bq)
         acc, _, l = forward_block(part, i0, i1, query_block(part.q, i0, i1))
         _store(acc, l, out[g0:g1], i0)
 
@@ -210,21 +221,21 @@ def attention(p: Problem, out: np.ndarray) -> None:
         for g0 in range(tasks.start, tasks.stop, chunk):
             g1 = min(tasks.stop, g0 + chunk)
             part = p.part(g0, g1)
-            for i0 in range(0, sq, BQ):
+            for i0 in range(0, sq, bq):
                 block(part, g0, g1, i0)
 
     def query_blocks(tasks: range) -> None:
         for t in tasks:
-            block(p, 0, 1, t * BQ)
+            block(p, 0, 1, t * bq)
 
     # A step's scores are [groups, G·rows, keys] with the block sizes clipped to the problem: short
     # sequences (BERT's 32 tokens) put hundreds of groups in one step. Groups are independent, so the
     # count never changes the bytes.
     lo, hi = p.win.keys(0, sq)
-    score = g * min(sq, BQ) * max(1, min(hi - lo, BK)) * p.slopes.dtype.itemsize
+    score = g * min(sq, bq) * max(1, min(hi - lo, BK)) * p.slopes.dtype.itemsize
     chunk = max(1, SCORE_BYTES // score)
     if n == 1:  # one (batch, kv head) group: its query blocks are the independent work
-        split_work(query_blocks, -(-sq // BQ), strided=True)
+        split_work(query_blocks, -(-sq // bq), strided=True)
     else:
         split_work(groups, n)
 
