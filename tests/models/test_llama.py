@@ -88,6 +88,27 @@ def test_smollm2_greedy_matches_transformers(smol: tuple[LlamaModel, GGUFTokeniz
     assert got == want, f"{tok.decode(got)!r} != {tok.decode(want)!r}"
 
 
+@pytest.mark.parametrize("runs", [(1,), (2,), (9,), (130,), (100, 20), (250, 5)], ids=str)
+def test_prefill_logits_are_those_of_one_token_at_a_time(smol: tuple[LlamaModel, GGUFTokenizer, Any],
+                                                         runs: tuple[int, ...]) -> None:
+    """prefill's logits (its last chunk runs the last layer past the cache writes for its last live row
+    only) against decoding the same tokens one by one; consecutive prefills continue the sequence, and
+    one near the cache's end (no room for a padded chunk) decodes token by token."""
+    model, _, _ = smol
+    ids = [int(t) for t in np.random.default_rng(sum(runs)).integers(100, 40000, sum(runs))]
+    model.reset()
+    for t in ids[:-1]:
+        model.decode(t)
+    want = model.decode(ids[-1])
+    model.reset()
+    start = 0
+    for n in runs:
+        got = model.prefill(ids[start:start + n])
+        start += n
+    assert model.pos == len(ids) and got.shape == want.shape
+    assert_logits_close(got, want, rel=1e-5)
+
+
 def test_generate_streams_the_greedy_text(smol: tuple[LlamaModel, GGUFTokenizer, Any]) -> None:
     """The public API: pieces concatenate to the decode of the greedy ids, stopping at <|im_end|>; a
     second turn reuses the cached conversation and runs only its new tokens."""
