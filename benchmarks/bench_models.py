@@ -82,7 +82,8 @@ def _fuel_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
     from fuel.models.llama import LlamaModel
 
     m = LlamaModel.load(bundled_gguf(model), capacity=len(ids) + n_decode + 8)
-    m.prefill(ids)  # capture the steps this prompt uses (and load Numba's kernels)
+    m.prefill(ids)  # capture the steps this prompt uses (and load Numba's kernels), and the decode step
+    m.decode(0)
     m.reset()
     start = time.perf_counter()
     logits = m.prefill(ids)

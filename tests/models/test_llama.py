@@ -109,6 +109,18 @@ def test_prefill_logits_are_those_of_one_token_at_a_time(smol: tuple[LlamaModel,
     assert_logits_close(got, want, rel=1e-5)
 
 
+def test_warm_up_captures_every_step_a_timed_run_uses() -> None:
+    """The reported speeds are those of replayed steps: the warm-up captures the prompt's prefill chunk
+    (which gives the logits itself) and the decode step, and leaves the cache empty."""
+    model = LlamaModel.load(bundled_gguf("smollm2"), capacity=64)
+    gen.warm_up(model, 37, io.StringIO())
+    assert model.pos == 0
+    assert model._prefill_last.captures == 1 and model._decode.captures == 1
+    model.prefill(list(range(100, 137)))
+    model.decode(5)
+    assert model._prefill_last.captures == 1 and model._decode.captures == 1  # nothing captured anew
+
+
 def test_generate_streams_the_greedy_text(smol: tuple[LlamaModel, GGUFTokenizer, Any]) -> None:
     """The public API: pieces concatenate to the decode of the greedy ids, stopping at <|im_end|>; a
     second turn reuses the cached conversation and runs only its new tokens."""
