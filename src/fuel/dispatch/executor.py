@@ -12,59 +12,26 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu.prims import PRIM_KERNELS, PrimKernel
-from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, JointKernel, default_kernel_registry
+from fuel.dispatch.fused import FusedKernelRegistry, default_kernel_registry
+from fuel.dispatch.plan import Plan, Step, build, dyn_names
+from fuel.dispatch.plan import destructive_of as _destructive
 from fuel.errors import KernelError, ShapeError, StaleInput
-from fuel.graph.node import DynScalar, Node, Op, OpSpec, topo_order
+from fuel.graph.node import Node, Op, OpSpec, topo_order
 from fuel.graph.passes import arg_key
-from fuel.graph.passes.cse import cse
-from fuel.graph.passes.fuse import fuse
-from fuel.graph.passes.lower import lower
-from fuel.graph.passes.order import alias_root, schedule
-from fuel.graph.prims import DESTRUCTIVE_PRIMS, slots_of
+from fuel.graph.passes.order import alias_root
 from fuel.graph.registry import FusedOpRegistry, default_registry
 
 if TYPE_CHECKING:
     from fuel.graph.tensor import Tensor
 
-BACKEND = "cpu"
 PLAN_CACHE_SIZE = 512
-
-
-@dataclass(frozen=True)
-class Step:
-    spec: OpSpec
-    prim: PrimKernel | None
-    impl: BackendImpl | None
-    params: Any  # a fused node's params, or a primitive's arg, as built (DynScalars unresolved)
-    dyn_fields: tuple[str, ...]  # the params fields that are DynScalars, resolved per run
-    destructive: int | None
-    serial: bool  # below the Numba pool's threshold: the kernel runs on one Numba thread
-    inline: bool  # below the workers' threshold too: split_work runs its parts in the calling thread
-    inputs: tuple[int, ...]
-    output: int
-    free_after: tuple[int, ...]
-    name: str  # the impl (or primitive) that runs it, as a trace shows it
-    slots: tuple[tuple[tuple[int, ...], np.dtype[Any]], ...] | None = None  # a multi-output step's outputs
-    joint: JointKernel | None = None  # runs this step's siblings too (same inputs and params)
-    siblings: tuple[tuple[int, int, OpSpec], ...] = ()  # (entry id, slot, spec) of each sibling's output
-
-
-@dataclass
-class Plan:
-    n_slots: int
-    leaf_slots: tuple[int, ...]  # per leaf of the realised graph, in topological order (-1: unused)
-    baked: dict[int, np.ndarray]  # constants the passes made (never the user's arrays)
-    steps: list[Step]
-    outputs: tuple[int, ...]
-    destroys: bool = False  # some step writes an input in place
 
 
 @dataclass
@@ -207,13 +174,6 @@ def _drop_stale(roots: list[Node], env: dict[str, int]) -> None:
         stack.extend(n.inputs)
 
 
-def dyn_names(params: Any) -> tuple[str, ...]:
-    """The fields of a params dataclass that hold DynScalars."""
-    if not is_dataclass(params) or isinstance(params, type):
-        return ()
-    return tuple(f.name for f in fields(params) if isinstance(getattr(params, f.name), DynScalar))
-
-
 def _bindings(order: list[Node], env: dict[str, int] | None) -> dict[Node, dict[str, int]]:
     """Per node, the DynScalar bindings its value depends on (only nodes that depend on some)."""
     if not env:
@@ -248,25 +208,12 @@ def _structure_key(order: list[Node], roots: list[Node], fuse_on: bool) -> objec
     return tuple(parts)
 
 
-def _destructive(registry: FusedOpRegistry) -> Any:
-    def destructive(n: Node) -> int | None:
-        if n.op is not Op.FUSED:
-            return DESTRUCTIVE_PRIMS.get(n.op)
-        entry = registry.get(n.arg[0])
-        return None if entry is None else entry.destructive_input
-    return destructive
-
-
-def _impl_for(n: Node, kernels: FusedKernelRegistry) -> BackendImpl | None:
-    return kernels.lookup(n.arg[0], BACKEND, (*(i.dtype for i in n.inputs), n.dtype))
-
-
-def _thread_use(n: Node, impl: BackendImpl | None) -> tuple[bool, bool]:
-    """(serial, inline) of a step by its impl's cost: one Numba thread, and no worker threads either."""
-    if impl is None:
-        return False, False
-    cost = impl.cost([*(i.shape for i in n.inputs), n.shape], [*(i.dtype for i in n.inputs), n.dtype], n.arg[1])
-    return threads.thread_use(cost.flops, cost.bytes_moved)
+def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
+               registry: FusedOpRegistry, kernels: FusedKernelRegistry) -> Plan:
+    """`fuel.dispatch.plan.build`, counted in every open trace."""
+    for tr in _TRACE:
+        tr.plans_built += 1
+    return build(roots, leaves, fuse_on, registry, kernels)
 
 
 def _serial_now(step: Step, params: Any) -> tuple[bool, bool]:
@@ -277,80 +224,6 @@ def _serial_now(step: Step, params: Any) -> tuple[bool, bool]:
     spec = step.spec
     cost = step.impl.cost([*spec.in_shapes, spec.shape], [*spec.in_dtypes, spec.dtype], params)
     return threads.thread_use(cost.flops, cost.bytes_moved)
-
-
-def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
-               registry: FusedOpRegistry, kernels: FusedKernelRegistry) -> Plan:
-    for tr in _TRACE:
-        tr.plans_built += 1
-    destructive = _destructive(registry)
-    graph = cse(roots, destructive)
-    if fuse_on:
-        graph = cse(fuse(graph, registry), destructive)
-    graph = lower(graph, registry, lambda n: _impl_for(n, kernels) is not None)
-    order = schedule(graph, destructive)
-    slot = {n: i for i, n in enumerate(order)}
-    leaf_slots = tuple(slot.get(leaf, -1) for leaf in leaves)
-    known = set(leaves)
-    baked = {slot[n]: n.value for n in order if n.value is not None and n not in known}
-    last_use: dict[int, int] = {}
-    for step_index, n in enumerate(order):
-        if n.value is None:
-            for i in n.inputs:
-                last_use[slot[i]] = step_index
-    keep = {slot[r] for r in graph}
-    frees: dict[int, list[int]] = {}
-    for s, step_index in last_use.items():
-        if s not in keep:
-            frees.setdefault(step_index, []).append(s)
-    steps = []
-    for step_index, n in enumerate(order):
-        if n.value is not None:
-            continue
-        fused = n.op is Op.FUSED
-        impl = _impl_for(n, kernels) if fused else None
-        params = n.arg[1] if fused else n.arg
-        slots = slots_of(n)
-        serial, inline = _thread_use(n, impl)
-        steps.append(Step(
-            spec=n.spec(), prim=None if fused else PRIM_KERNELS[n.op], impl=impl, params=params,
-            dyn_fields=dyn_names(params), destructive=destructive(n),
-            serial=serial, inline=inline,
-            inputs=tuple(slot[i] for i in n.inputs), output=slot[n], free_after=tuple(frees.get(step_index, ())),
-            name=impl.name if impl is not None else f"prim:{n.op.name.lower()}",
-            slots=None if slots is None else tuple((shape, dtype.np) for shape, dtype in slots)))
-    return Plan(len(order), leaf_slots, baked, join_siblings(steps, kernels), tuple(slot[r] for r in graph),
-                destroys=any(st.destructive is not None for st in steps))
-
-
-def join_siblings(steps: list[Step], kernels: FusedKernelRegistry) -> list[Step]:
-    """Fused steps that one joint kernel serves, over the same input slots and params, run as one: the
-    first computes every sibling's output and the others are dropped (their frees move to the step
-    before them, which is then the last reader of what they read)."""
-    groups: dict[object, tuple[JointKernel, list[int]]] = {}
-    for k, st in enumerate(steps):
-        joint = None if st.impl is None else kernels.joint_for(st.impl.op_id, BACKEND)
-        if joint is not None and st.impl is not None:
-            key = (id(joint), st.inputs, arg_key(st.params), st.impl.dtypes[:-1])
-            groups.setdefault(key, (joint, []))[1].append(k)
-    dropped: set[int] = set()
-    for joint, members in groups.values():
-        if len(members) < 2:
-            continue
-        first, rest = steps[members[0]], [steps[m] for m in members[1:]]
-        siblings = tuple((s.impl.op_id, s.output, s.spec) for s in rest if s.impl is not None)
-        steps[members[0]] = replace(first, joint=joint, siblings=siblings,
-                                    name=" + ".join([first.name, *(s.name for s in rest)]))
-        dropped.update(members[1:])
-    if not dropped:
-        return steps
-    kept: list[Step] = []
-    for k, st in enumerate(steps):
-        if k not in dropped:
-            kept.append(st)
-        elif st.free_after:
-            kept[-1] = replace(kept[-1], free_after=kept[-1].free_after + st.free_after)
-    return kept
 
 
 def _copy_with(obj: Any, changes: dict[str, Any]) -> Any:

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from fuel.dispatch import executor, threads
-from fuel.dispatch.executor import Plan, Step
 from fuel.dispatch.fused import default_kernel_registry
+from fuel.dispatch.plan import Plan, Step
 from fuel.dtype import from_numpy
 from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, topo_order

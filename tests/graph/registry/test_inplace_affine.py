@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fuel as fl
-from fuel.dispatch.executor import _destructive
+from fuel.dispatch.plan import destructive_of as _destructive
 from fuel.dtype import DType
 from fuel.graph.node import Node
 from fuel.graph.passes.cse import cse
