@@ -173,6 +173,12 @@ def _set(ctl: Any, i: int, v: int) -> None:
 
 
 @njit(cache=True)
+def _address(a: Any) -> int:
+    """a's data address: 0.2 µs, where `a.ctypes.data` costs 1 µs of Python (a ctypes object a call)."""
+    return a.ctypes.data
+
+
+@njit(cache=True)
 def _now() -> int:
     return cycles()
 
@@ -287,7 +293,7 @@ def parts_for(seconds: float, most: int) -> int:
 
 def run(fn: Task, argv: np.ndarray, parts: int) -> None:
     """Run task `fn` (from `@task`) over `parts` parts with argv (int64, alive until this returns)."""
-    address, args = fn.address, argv.ctypes.data
+    address, args = fn.address, _address(argv)
     if parts <= 1:
         _run_here(address, args, 1)
         return
