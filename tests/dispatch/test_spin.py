@@ -215,3 +215,27 @@ def test_flash_attn_decode_bytes_do_not_depend_on_the_part_count(two_threads: No
     p /= p.sum(-1, keepdims=True)
     ref, size = p @ vr, p @ np.abs(vr)
     assert (np.abs(got - ref) <= 64 * np.finfo(dtype).eps * size).all()
+
+
+def test_a_replaced_pool_ends_its_workers(two_threads: None) -> None:
+    """A pool of another worker count (another thread count) replaces the current one, which ends its
+    workers instead of leaving them asleep for the life of the process."""
+    def alive() -> int:
+        return sum(t.name.startswith("fuel-spin-") and t.is_alive() for t in threading.enumerate())
+
+    _counts_after(8)
+    old = spin._pool(1)
+    replaced = [old]
+    for workers in (2, 1, 2, 1):
+        replaced.append(spin._pool(workers))
+        assert (_counts_after(16) == 1).all()
+    deadline = time.monotonic() + 2.0
+    ended = [t for p in replaced[:-1] for t in p.threads]
+    while any(t.is_alive() for t in ended) and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert not any(t.is_alive() for t in ended)
+    assert alive() == 1  # the current pool's one worker
+    counts = np.zeros(4, np.int64)
+    argv = np.array([counts.ctypes.data, counts.size], np.int64)
+    old.run(_count_parts.address, argv.ctypes.data, 4)
+    assert (counts == 1).all()  # a closed pool runs a job in the posting thread

@@ -216,6 +216,7 @@ class SpinPool:
         self.workers = workers
         self.limit = int(SPIN_SECONDS * _cycles_per_second())
         self.lock = threading.Lock()
+        self.closed = False
         self.events = [threading.Event() for _ in range(workers)]
         self.cores = worker_cores(workers)
         self.current_cpu = _cpu_reader() if self.cores else None
@@ -234,6 +235,8 @@ class SpinPool:
         while True:
             self.events[w].wait()
             self.events[w].clear()
+            if self.closed:
+                return
             _set(self.ctl, AWAKE + w, 1)
             _serve(self.ctl, w, self.limit)
 
@@ -242,6 +245,9 @@ class SpinPool:
             _run_here(fn, argv, parts)
             return
         try:
+            if self.closed:
+                _run_here(fn, argv, parts)
+                return
             if self.current_cpu is not None and self.current_cpu() in self.cores:
                 self._step_aside()
             sleeping = _post(self.ctl, fn, argv, parts, self.workers)
@@ -254,6 +260,15 @@ class SpinPool:
 
     def park(self) -> None:
         _set(self.ctl, PARK, 1)
+
+    def close(self) -> None:
+        """End the workers (a pool replaced for a new thread count): parked, then woken to return. A job
+        posted after this runs in the posting thread."""
+        with self.lock:
+            self.closed = True
+            self.park()
+            for e in self.events:
+                e.set()
 
     def _step_aside(self) -> None:
         """Move the posting thread off a worker's core (it would share it with that worker, spinning in its
@@ -276,7 +291,7 @@ def _pool(workers: int) -> SpinPool:
     with _POOL_LOCK:
         if _POOL is None or pid != _POOL_PID or _POOL.workers != workers:
             if _POOL is not None and pid == _POOL_PID:
-                _POOL.park()  # the old workers sleep for good: nothing posts to them again
+                _POOL.close()
             _POOL, _POOL_PID = SpinPool(workers), pid
             threads.PARK_HOOKS[:] = [_POOL.park]
         return _POOL
