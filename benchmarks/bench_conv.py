@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 import fuel as fl
-from benchmarks.bench_attention import compare, timed_ms
+from benchmarks.attention_harness import compare, timed_ms
 from benchmarks.bench_ops import blas_info, machine_limits
 
 # torch's OpenMP pool waits passively, as fuel's does (set before torch loads).

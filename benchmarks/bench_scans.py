@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 import fuel as fl
-from benchmarks.bench_attention import compare, timed_ms
+from benchmarks.attention_harness import compare, timed_ms
 from benchmarks.bench_conv import plot
 from benchmarks.bench_ops import blas_info, machine_limits
 from fuel.graph.node import Op

@@ -15,6 +15,8 @@ import pytest
 import torch  # noqa: F401  (the reference every fuel result is checked against)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import attention_cases as cases
+from benchmarks import attention_harness as harness
 from benchmarks import bench_attention as ba
 
 from fuel import cli
@@ -50,7 +52,7 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
     # and takes the roofline from that impl's own cost.
     for key, op in [(("forward", "f32"), FusedOps.FLASH_ATTN), (("backward", "f32"), FusedOps.FLASH_ATTN_BACKWARD_Q),
                     (("decode", "f32"), FusedOps.FLASH_ATTN), (("paged", "f32"), FusedOps.PAGED_ATTN)]:
-        if ba.has_impl(op, DType.F32) and results[key]["skipped"] is None:
+        if harness.has_impl(op, DType.F32) and results[key]["skipped"] is None:
             assert results[key]["roofline_source"] == "impl cost" and results[key]["impls"], key
     assert results["forward", "f32"]["shape"] == f"B1 H{TINY.heads} S{TINY.seq} D{TINY.head_dim} causal"
     for key in [("forward", "bf16"), ("paged", "f32")]:  # these two skip when their kernel is missing
@@ -71,16 +73,16 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
 
 def test_fuel_agrees_with_torch_on_gqa_decode_and_causal_forward() -> None:
     """The case functions on their own, at other tiny sizes (odd lengths, grouped heads)."""
-    fwd = ba.case_forward(LIMITS, 1, False, batch=2, heads=3, seq=19, head_dim=8)
-    dec = ba.case_decode(LIMITS, 1, False, hq=6, hkv=2, capacity=33, k_len=17, head_dim=8)
-    bwd = ba.case_backward(LIMITS, 1, False, batch=1, heads=2, seq=13, head_dim=8)
+    fwd = cases.case_forward(LIMITS, 1, False, batch=2, heads=3, seq=19, head_dim=8)
+    dec = cases.case_decode(LIMITS, 1, False, hq=6, hkv=2, capacity=33, k_len=17, head_dim=8)
+    bwd = cases.case_backward(LIMITS, 1, False, batch=1, heads=2, seq=13, head_dim=8)
     for r in (fwd, dec, bwd):
         _check_timed(r)
     assert fwd["analytic_flops"] == 2 * 2 * 2 * 3 * 19 * 19 * 8 // 2
 
 
 def test_paged_case_runs_or_skips_with_a_note() -> None:
-    r = ba.case_paged(LIMITS, 1, False, batch=2, hq=4, hkv=2, head_dim=8, block_size=4, context=10)
+    r = cases.case_paged(LIMITS, 1, False, batch=2, hq=4, hkv=2, head_dim=8, block_size=4, context=10)
     if r["skipped"] is None:
         _check_timed(r)
         assert r["torch_gather_ms"] > 0
@@ -89,18 +91,18 @@ def test_paged_case_runs_or_skips_with_a_note() -> None:
 
 
 def test_memory_case_skips_without_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ba, "has_impl", lambda op_id, dt: False)
-    r = ba.case_memory(seq=16384, heads=1)
+    monkeypatch.setattr(cases, "has_impl", lambda op_id, dt: False)
+    r = cases.case_memory(seq=16384, heads=1)
     assert r["skipped"] and "score matrix" in r["skipped"] and r["ways"] == {}
     assert r["score_matrix_mib"] == pytest.approx(1024.0)
 
 
 def test_compare_flags_a_mismatch() -> None:
     a = np.ones((2, 3), np.float32)
-    assert ba.compare([a], [a + 1e-6], 1e-4, 2e-5)["ok"]
-    bad = ba.compare([a], [a + 1.0], 1e-4, 2e-5)
+    assert harness.compare([a], [a + 1e-6], 1e-4, 2e-5)["ok"]
+    bad = harness.compare([a], [a + 1.0], 1e-4, 2e-5)
     assert not bad["ok"] and bad["max_abs"] == pytest.approx(1.0)
-    assert not ba.compare([a], [a[:1]], 1e-4, 2e-5)["ok"]
+    assert not harness.compare([a], [a[:1]], 1e-4, 2e-5)["ok"]
 
 
 def test_cli_flag_reaches_the_harness(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

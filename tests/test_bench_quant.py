@@ -19,6 +19,7 @@ import torch  # noqa: F401  (the reference every fuel result is checked against)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_quant as bq
+from benchmarks import quant_cases as qc
 
 from fuel import cli
 
@@ -63,15 +64,15 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
 def test_check_flags_a_mismatch() -> None:
     want = np.ones((2, 3))
     scale = np.full((2, 3), 100.0)
-    assert bq.check(want + 1e-4, want, scale)["ok"]
-    bad = bq.check(want + 1e-2, want, scale)
+    assert qc.check(want + 1e-4, want, scale)["ok"]
+    bad = qc.check(want + 1e-2, want, scale)
     assert not bad["ok"] and bad["max_abs"] == pytest.approx(1e-2)
-    assert not bq.check(want[:1], want, scale)["ok"]
-    assert not bq.check(want * np.nan, want, scale)["ok"]
+    assert not qc.check(want[:1], want, scale)["ok"]
+    assert not qc.check(want * np.nan, want, scale)["ok"]
 
 
 def test_read_bandwidth_is_measured() -> None:
-    bw = bq.read_bandwidth(repeat=1, nbytes=8 << 20)
+    bw = qc.read_bandwidth(repeat=1, nbytes=8 << 20)
     assert bw["read_gbs"] == max(bw["read_numba_gbs"], bw["read_numpy_gbs"]) > 0
 
 

@@ -1,0 +1,296 @@
+"""The measuring side of bench_quant: the machine's read bandwidth, cold-cache interleaved timing, the
+quantized weights in fuel's and torch's forms, and one case's timed and checked record.
+
+Ways, each timed interleaved (one call of each per round, medians):
+- fuel: `fl.ops.qmatmul` / `fl.ops.nf4_matmul` on prebuilt input tensors, graph built and realised
+  each call; fuel_jit: the same through `fl.jit` (the weight captured, x the argument).
+- fuel_jit_warm (reported only): fuel_jit again right after it with no flush (the weight in L3).
+- torch_deq_mm (the base of the fuel/torch ratio): what torch needs to do the same from the same bytes,
+  dequantise then matmul, timed together: GGUF `torch.from_numpy(gguf.quants.dequantize(raw, type))`
+  then `x @ W.T`; NF4 `bitsandbytes.functional.dequantize_4bit` then `x @ W.T`.
+- torch_mm (reported, not a ratio base of the targets): `x @ W.T` with W dequantised beforehand (f32,
+  4x-8x the bytes of the quantized weight).
+- bnb_4bit (NF4 only): `bitsandbytes.matmul_4bit(x, q.t(), quant_state)`.
+Every timed call starts from a cold cache: a 64 MiB read (twice the L3 here), untimed, runs before it,
+so a 9-18 MB weight is read from memory as in a real model's decode, not from the L3 the previous way
+left it in.
+
+Roofline: floor = weight bytes (+ NF4's absmax) / read bandwidth, the read bandwidth measured here (a
+two-thread Numba sum and a NumPy sum over 256 MiB, the faster; bytes read / time). Copy bandwidth
+(read + write bytes, `bench_ops.machine_limits`) is reported beside it; at M = 64 the floor is the
+larger of that and 2·M·N·K flops over the measured sgemm peak. Reported as floor / fuel's best time.
+Targets each record is judged by: fuel ≤ 0.5x torch_deq_mm, and ≥ 50% of the roofline at M = 1.
+Correctness: fuel's output (both ways) against torch_deq_mm's, per element
+|fuel - torch| ≤ 1e-5·(|x| @ |W|ᵀ) (f32 contraction noise over K terms), recorded in the JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+import fuel as fl
+from benchmarks.bench_ops import machine_limits
+from fuel.quant import QuantType
+from fuel.quant.nf4 import nf4_quantize
+from fuel.testing.reference.qmatmul import as_words, random_weight
+
+# As in attention_harness: torch's OpenMP pool waits passively (set before torch loads).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+WAYS = ("fuel", "fuel_jit", "torch_deq_mm", "torch_mm", "bnb_4bit")
+# Reported beside them, never a ratio base nor fuel's best: fuel_jit again straight after fuel_jit, no
+# flush, so the weight is in L3 (how much of the cold time is memory and how much compute/overhead).
+WARM_WAY = "fuel_jit_warm"
+FUEL_WAYS = ("fuel", "fuel_jit")
+NF4_BLOCK = 64
+RTOL = 1e-5  # per element, relative to |x| @ |W|ᵀ
+TARGET_RATIO = 0.5  # fuel / torch_deq_mm at most
+TARGET_ROOF = 0.5  # floor / fuel at M = 1 at least
+FLUSH_BYTES = 64 << 20
+
+
+# ---------------------------------------------------------------------------------------------- machine
+
+@njit(parallel=True, cache=True)
+def _parallel_sum(a: np.ndarray) -> float:  # pragma: no cover (compiled)
+    chunks = 64
+    step = a.size // chunks
+    part = np.zeros(chunks)
+    for c in prange(chunks):
+        s = 0.0
+        for i in range(c * step, (c + 1) * step):
+            s += a[i]
+        part[c] = s
+    return float(part.sum())
+
+
+def _median_s(fn: Callable[[], Any], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(repeat: int = 5, nbytes: int = 256 << 20) -> dict[str, float]:
+    """Read-only bandwidth (bytes read / time) of a two-thread Numba sum and a NumPy sum over `nbytes`."""
+    a = np.ones(nbytes // 8, np.float64)
+    numba_s = _median_s(lambda: _parallel_sum(a), repeat)
+    numpy_s = _median_s(lambda: np.add.reduce(a), repeat)
+    return {"read_numba_gbs": a.nbytes / numba_s / 1e9, "read_numpy_gbs": a.nbytes / numpy_s / 1e9,
+            "read_gbs": a.nbytes / min(numba_s, numpy_s) / 1e9}
+
+
+def measure_limits() -> dict[str, float]:
+    """read_gbs (the roofline's), copy bandwidth_gbs (read + write bytes) and the sgemm peak."""
+    limits = dict(machine_limits())
+    limits.update(read_bandwidth())
+    return limits
+
+
+_FLUSH: list[np.ndarray] = []
+
+
+def flush_cache() -> None:
+    """Read FLUSH_BYTES (twice this machine's L3) so the next call finds its weight in memory, not cache."""
+    if not _FLUSH:
+        _FLUSH.append(np.ones(FLUSH_BYTES // 4, np.float32))
+    np.add.reduce(_FLUSH[0])
+
+
+def timed_ms(fns: dict[str, Callable[[], Any]], repeat: int, budget_s: float = 60.0,
+             cold: bool = True, warm: frozenset[str] = frozenset()) -> tuple[dict[str, float], int]:
+    """(median ms per call of each fn, rounds). Each round runs every fn once, each after an untimed
+    cache flush (`cold`, except the names in `warm`); one warm-up round first, which also sizes the run:
+    `repeat` rounds, fewer (at least 3) when those would take over `budget_s`."""
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    round_s = time.perf_counter() - start
+    rounds = max(1, min(repeat, max(3, int(budget_s / max(round_s, 1e-9)))))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if cold and name not in warm:
+                flush_cache()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, rounds
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+def check(got: Any, want: np.ndarray, scale: np.ndarray, rtol: float = RTOL) -> dict[str, Any]:
+    """Per element |got - want| ≤ rtol·scale (scale = |x| @ |W|ᵀ), with the worst |diff| / scale."""
+    g = np.asarray(got.numpy() if hasattr(got, "numpy") else got, np.float64)
+    if g.shape != want.shape:
+        return {"ok": False, "max_abs": float("nan"), "max_rel_to_scale": float("nan"), "rtol": rtol,
+                "error": f"shape {list(g.shape)} != torch's {list(want.shape)}"}
+    diff = np.abs(g - want)
+    rel = diff / np.maximum(scale, np.finfo(np.float32).tiny)
+    ok = bool(np.all(diff <= rtol * scale)) and bool(np.all(np.isfinite(g)))
+    return {"ok": ok, "max_abs": float(diff.max(initial=0.0)), "max_rel_to_scale": float(rel.max(initial=0.0)),
+            "rtol": rtol}
+
+
+def _ggml(name: str) -> Any:
+    import gguf
+
+    return gguf.GGMLQuantizationType[QuantType.of(name, "bench_quant").ggml_name]
+
+
+def build_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> dict[str, Any]:
+    """The quantized weight in fuel's and torch's forms, its dequantised f32 W and its byte count.
+
+    Q4_0/Q8_0: `gguf.quants.quantize` of normal values; Q4_K/Q6_K: random valid blocks (random bytes,
+    finite f16 scales: `fuel.testing.reference.qmatmul.random_weight`); NF4: `nf4_quantize` of normal
+    values (byte for byte bitsandbytes' `quantize_4bit`), given to bitsandbytes through its own call."""
+    import gguf
+    import torch
+
+    if qtype == "NF4":
+        import bitsandbytes.functional as bnbf
+
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        packed, absmax = nf4_quantize(w, NF4_BLOCK)
+        q, state = bnbf.quantize_4bit(torch.from_numpy(w), blocksize=NF4_BLOCK, quant_type="nf4")
+        same = bool(np.array_equal(q.numpy().reshape(-1), packed.reshape(-1))
+                    and np.array_equal(state.absmax.numpy().reshape(-1), absmax.reshape(-1)))
+        deq = bnbf.dequantize_4bit(q, state).numpy()
+        return {"fuel": (fl.tensor(packed), fl.tensor(absmax)), "bnb": (q, state), "w": deq,
+                "bytes": packed.nbytes + absmax.nbytes, "bnb_bytes_identical": same}
+    qt = QuantType.of(qtype, "bench_quant")
+    raw = random_weight(rng, qt, n, k)
+    deq = np.asarray(gguf.quants.dequantize(raw, _ggml(qtype)), np.float32).reshape(n, k)
+    return {"fuel": (fl.tensor(as_words(raw)),), "raw": raw, "w": deq, "bytes": raw.nbytes}
+
+
+def floor_ms(nbytes: int, flops: int, limits: dict[str, float]) -> float:
+    return max(nbytes / (limits["read_gbs"] * 1e6), flops / (limits["gemm_gflops"] * 1e6))
+
+
+def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[str, float],
+             k: int, n: int, seed: int = 0) -> dict[str, Any]:
+    """Time every way of `x[m, k] @ dequant(W)ᵀ` for one weight, check fuel against torch, assemble the record."""
+    import gguf
+    import torch
+
+    rng = np.random.default_rng(seed + m)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    tx = torch.from_numpy(x)
+    xt = fl.tensor(x)
+    tw = torch.from_numpy(wt["w"])
+    fns: dict[str, Callable[[], Any]] = {}
+    if qtype == "NF4":
+        import bitsandbytes as bnb
+        import bitsandbytes.functional as bnbf
+
+        packed, absmax = wt["fuel"]
+        q, state = wt["bnb"]
+
+        def build() -> fl.Tensor:
+            return fl.ops.nf4_matmul(xt, packed, absmax, block_size=NF4_BLOCK)
+
+        jitted = fl.jit(lambda a: fl.ops.nf4_matmul(a, packed, absmax, block_size=NF4_BLOCK))
+
+        def torch_deq_mm() -> Any:
+            return tx @ bnbf.dequantize_4bit(q, state).T
+
+        fns["bnb_4bit"] = lambda: bnb.matmul_4bit(tx, q.t(), state)
+    else:
+        (words,) = wt["fuel"]
+        raw, ggml = wt["raw"], _ggml(qtype)
+
+        def build() -> fl.Tensor:
+            return fl.ops.qmatmul(xt, words, qtype, k, n)
+
+        jitted = fl.jit(lambda a: fl.ops.qmatmul(a, words, qtype, k, n))
+
+        def torch_deq_mm() -> Any:
+            return tx @ torch.from_numpy(gguf.quants.dequantize(raw, ggml)).T
+
+    with torch.inference_mode():
+        want = torch_deq_mm().numpy().astype(np.float64)
+        mm_out = (tx @ tw.T).numpy()
+        extra = {w: fns[w]().numpy() for w in fns}
+    scale = np.abs(x).astype(np.float64) @ np.abs(wt["w"]).astype(np.float64).T
+    correctness = {"fuel": check(fl.realize(build())[0], want, scale),
+                   "fuel_jit": check(jitted(x), want, scale),
+                   "torch_mm": check(mm_out, want, scale)}
+    correctness.update({w: check(v, want, scale) for w, v in extra.items()})
+
+    def torch_mm() -> Any:
+        with torch.inference_mode():
+            return tx @ tw.T
+
+    def deq_mm() -> Any:
+        with torch.inference_mode():
+            return torch_deq_mm()
+
+    timed: dict[str, Callable[[], Any]] = {"fuel": lambda: fl.realize(build()), "fuel_jit": lambda: jitted(x),
+                                           WARM_WAY: lambda: jitted(x), "torch_deq_mm": deq_mm, "torch_mm": torch_mm}
+    for w, fn in fns.items():
+        timed[w] = _in_inference_mode(fn)
+    medians, rounds = timed_ms(timed, repeat, warm=frozenset({WARM_WAY}))
+    ms: dict[str, float | None] = {w: medians.get(w) for w in (*WAYS, WARM_WAY)}
+    best_way = min(FUEL_WAYS, key=lambda w: medians[w])
+    fuel_ms = medians[best_way]
+    flops = 2 * m * n * k
+    roof_ms = floor_ms(wt["bytes"], flops if m > 1 else 0, limits)
+    impls = _impls(build)
+    return {
+        "type": qtype, "m": m, "k": k, "n": n, "shape": f"x[{m}, {k}] W[{n}, {k}]", "ms": ms, "rounds": rounds,
+        "fuel_best_way": best_way, "fuel_ms": fuel_ms,
+        "fuel_over_torch_deq_mm": fuel_ms / medians["torch_deq_mm"],
+        "fuel_over_torch_mm": fuel_ms / medians["torch_mm"],
+        "fuel_over_bnb_4bit": fuel_ms / medians["bnb_4bit"] if "bnb_4bit" in medians else None,
+        "weight_bytes": wt["bytes"], "dequantised_bytes": 4 * n * k, "flops": flops,
+        "roofline_ms": roof_ms, "roofline_fraction": roof_ms / fuel_ms,
+        "roofline_basis": "weight bytes / read bandwidth" + (" or flops / sgemm peak, the larger" if m > 1 else ""),
+        "meets_ratio_target": fuel_ms / medians["torch_deq_mm"] <= TARGET_RATIO,
+        "meets_roofline_target": (roof_ms / fuel_ms >= TARGET_ROOF) if m == 1 else None,
+        "impls": impls, "correctness": correctness,
+        "bnb_bytes_identical": wt.get("bnb_bytes_identical"), "skipped": None,
+    }
+
+
+def _in_inference_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
+    import torch
+
+    def call() -> Any:
+        with torch.inference_mode():
+            return fn()
+
+    return call
+
+
+def _impls(build: Callable[[], fl.Tensor]) -> list[str]:
+    """The kernels realising `build()` runs (prim: entries when fuel fell back to a decomposition)."""
+    with fl.trace() as t:
+        fl.realize(build())
+    names: list[str] = []
+    for r in t.records:
+        if r.impl not in names:
+            names.append(r.impl)
+    return names
+
+
+def skipped(qtype: str, m: int, k: int, n: int, reason: str) -> dict[str, Any]:
+    print(f"  {qtype} M={m}: skipped: {reason}", flush=True)
+    return {"type": qtype, "m": m, "k": k, "n": n, "shape": f"x[{m}, {k}] W[{n}, {k}]",
+            "ms": {w: None for w in (*WAYS, WARM_WAY)}, "fuel_best_way": None, "fuel_ms": None,
+            "fuel_over_torch_deq_mm": None,
+            "fuel_over_torch_mm": None, "fuel_over_bnb_4bit": None, "roofline_ms": None,
+            "roofline_fraction": None, "meets_ratio_target": None, "meets_roofline_target": None, "impls": [],
+            "correctness": None, "skipped": reason}
