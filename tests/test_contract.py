@@ -11,8 +11,9 @@ from fuel.dispatch.fused import BackendImpl
 from fuel.dtype import DType
 from fuel.graph.node import Op
 from fuel.graph.passes.fuse import fuse
-from fuel.graph.prims import slots_of, views
+from fuel.graph.prims import views
 from fuel.graph.registry import FusedOpEntry, default_registry, fused_node
+from fuel.graph.slots import slots_of
 from fuel.testing.check import excess, nonfinite_mismatch, row_max_scale
 from fuel.testing.contract import output_bytes, output_for, verify_impl
 from fuel.testing.reference import Case, cases, has_reference, reference

@@ -22,8 +22,9 @@ from fuel.graph.passes.cse import cse
 from fuel.graph.passes.fuse import fuse
 from fuel.graph.passes.lower import lower
 from fuel.graph.passes.order import schedule
-from fuel.graph.prims import DESTRUCTIVE_PRIMS, slots_of
+from fuel.graph.prims import DESTRUCTIVE_PRIMS
 from fuel.graph.registry import FusedOpRegistry
+from fuel.graph.slots import slots_of
 
 BACKEND = "cpu"
 

@@ -9,10 +9,11 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from fuel.errors import DTypeError, NotDifferentiable, ShapeError
+from fuel.graph.functions import where
 from fuel.graph.node import Node, Op, topo_order
 from fuel.graph.prims import COMPARE, make, views
 from fuel.graph.registry import default_registry, snake_name
-from fuel.graph.tensor import Tensor, full, tensor, where, zeros
+from fuel.graph.tensor import Tensor, full, tensor, zeros
 
 Grads = list[Tensor | None]
 PrimVjp = Callable[[list[Tensor], Node, Tensor, Tensor], Grads]

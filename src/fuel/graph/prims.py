@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +10,8 @@ from typing import Any
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.node import DynScalar, Node, Op, Shape
+from fuel.graph.shapes import broadcast_shapes, check_dims, reduce_to_axes
+from fuel.graph.slots import PRIM_SLOTS, slots_of
 
 Rule = Callable[[tuple[Node, ...], Any], tuple[Shape, DType]]
 
@@ -31,46 +32,6 @@ def _name(op: Op) -> str:
 def _arity(op: Op, inputs: tuple[Node, ...], n: int) -> None:
     if len(inputs) != n:
         raise ShapeError(f"{_name(op)}: takes {n} input(s), got {len(inputs)}")
-
-
-def as_int(op: str, value: Any, what: str) -> int:
-    """A size, axis or width the user gave, as an int. These fix shapes when the graph is built, so a
-    DynScalar (bound only at realize) cannot stand for one."""
-    if isinstance(value, DynScalar):
-        raise ParamError(f"{op}: a DynScalar ({value.name!r}) is not supported as {what}; {what} is fixed "
-                         f"when the graph is built")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise ShapeError(f"{op}: {what} must be an integer, got {value!r}") from None
-
-
-def check_dims(op: str, dims: Shape) -> Shape:
-    """`dims` if no dimension is negative, else a ShapeError."""
-    for d in dims:
-        if d < 0:
-            raise ShapeError(f"{op}: dimension {d} of {list(dims)} is negative")
-    return dims
-
-
-def norm_axis(op: str, axis: int, rank: int, extra: int = 0) -> int:
-    """Resolve a possibly negative axis against `rank` (+`extra` for insert positions)."""
-    axis = as_int(op, axis, "an axis")
-    n = rank + extra
-    if not -n <= axis < n:
-        raise ShapeError(f"{op}: axis {axis} is out of range for rank {rank}")
-    return axis % n if n else 0
-
-
-def broadcast_shapes(op: str, a: Shape, b: Shape) -> Shape:
-    out: list[int] = []
-    for i in range(1, max(len(a), len(b)) + 1):
-        da = a[-i] if i <= len(a) else 1
-        db = b[-i] if i <= len(b) else 1
-        if da != db and da != 1 and db != 1:
-            raise ShapeError(f"{op}: shapes {list(a)} and {list(b)} do not broadcast (axis -{i}: {da} vs {db})")
-        out.append(db if da == 1 else da)
-    return tuple(reversed(out))
 
 
 def _unary(op: Op) -> Rule:
@@ -131,22 +92,6 @@ def _cast(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     if not isinstance(arg, DType):
         raise ParamError(f"cast: target must be a DType, got {arg!r}")
     return inputs[0].shape, arg
-
-
-def reduce_to_axes(op: str, src: Shape, target: Shape) -> tuple[int, ...]:
-    """Axes of `src` reduced to reach `target` (right-aligned, target dims equal or 1)."""
-    if len(target) > len(src):
-        raise ShapeError(f"{op}: target {list(target)} has more axes than input {list(src)}")
-    lead = len(src) - len(target)
-    axes = list(range(lead))
-    for i, t in enumerate(target):
-        s = src[lead + i]
-        if t == s:
-            continue
-        if t != 1:
-            raise ShapeError(f"{op}: target {list(target)} does not fit input {list(src)} at axis {lead + i}")
-        axes.append(lead + i)
-    return tuple(axes)
 
 
 def _reduce_to(op: Op) -> Rule:
@@ -357,27 +302,6 @@ def _view(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     return tuple(shape), dtype
 
 
-Slots = list[tuple[Shape, DType]]
-
-
-def _input_grads(op: Op, n_wrt: int) -> Callable[[tuple[Node, ...], Any], Slots]:
-    """Slots of a gradient kernel whose inputs are the forward's `n_wrt` inputs then its cotangents:
-    one gradient per forward input, with that input's shape and dtype."""
-    def slots(inputs: tuple[Node, ...], arg: Any) -> Slots:
-        if len(inputs) < n_wrt:
-            raise ShapeError(f"{_name(op)}: takes the forward's {n_wrt} inputs and its cotangents, got "
-                             f"{len(inputs)} inputs")
-        return [(i.shape, i.dtype) for i in inputs[:n_wrt]]
-    return slots
-
-
-# Multi-output primitives: the node's own shape and dtype are slot 0's; VIEW nodes project the slots.
-PRIM_SLOTS: dict[Op, Callable[[tuple[Node, ...], Any], Slots]] = {
-    Op.SELECTIVE_SCAN_GRAD: _input_grads(Op.SELECTIVE_SCAN_GRAD, 5),
-    Op.SSD_CHUNK_SCAN_GRAD: _input_grads(Op.SSD_CHUNK_SCAN_GRAD, 5),
-}
-
-
 def _multi(op: Op) -> Rule:
     def rule(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
         return PRIM_SLOTS[op](inputs, arg)[0]
@@ -387,20 +311,6 @@ def _multi(op: Op) -> Rule:
 def _cross_entropy_grad(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     _arity(Op.CROSS_ENTROPY_GRAD, inputs, 3)  # logits, targets, the loss's cotangent
     return inputs[0].shape, inputs[0].dtype
-
-
-def slots_of(node: Node) -> Slots | None:
-    """The (shape, dtype) of each output of a multi-output node, or None for a single-output one."""
-    if node.op is Op.FUSED:
-        from fuel.graph.registry import default_registry
-
-        entry = default_registry().get(node.arg[0])
-        if entry is None or entry.output_views is None:
-            return None
-        return entry.output_views(tuple(i.shape for i in node.inputs), tuple(i.dtype for i in node.inputs),
-                                  node.arg[1])
-    rule = PRIM_SLOTS.get(node.op)
-    return None if rule is None else rule(node.inputs, node.arg)
 
 
 def _no_rule(op: Op) -> Rule:

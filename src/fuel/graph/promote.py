@@ -20,7 +20,8 @@ import numpy as np
 from fuel.dtype import DEFAULT_FLOAT, DType, from_numpy
 from fuel.errors import DTypeError, ParamError
 from fuel.graph.node import Node, Op, Shape
-from fuel.graph.prims import COMPARE, broadcast_shapes, make
+from fuel.graph.prims import COMPARE, make
+from fuel.graph.shapes import broadcast_shapes
 
 PyScalar = bool | int | float
 # A binary op's operand: a graph node, a NumPy scalar (typed) or a Python scalar (weak).

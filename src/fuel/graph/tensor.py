@@ -11,8 +11,9 @@ import numpy as np
 from fuel.dtype import DEFAULT_FLOAT, DType, as_dtype, from_numpy
 from fuel.errors import DTypeError, ParamError, RankZeroError, ShapeError
 from fuel.graph.node import DynScalar, Node, Op, Shape
-from fuel.graph.prims import CacheWriteArg, as_int, broadcast_shapes, check_dims, make, norm_axis
-from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, promote_pair, result_dtype
+from fuel.graph.prims import make
+from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, result_dtype
+from fuel.graph.shapes import as_int, check_dims, norm_axis
 
 Scalar = int | float
 TensorLike = Union["Tensor", np.ndarray, Scalar]
@@ -188,8 +189,15 @@ class Tensor:
     def __ne__(self, other: object) -> Tensor: return binary(Op.NE, self, other)  # type: ignore[override,arg-type]
     __hash__ = object.__hash__
 
-    def __matmul__(self, other: TensorLike) -> Tensor: return matmul(self, other)
-    def __rmatmul__(self, other: TensorLike) -> Tensor: return matmul(other, self)
+    def __matmul__(self, other: TensorLike) -> Tensor:
+        from fuel.graph.functions import matmul  # that module imports this one: bound on first use
+
+        return matmul(self, other)
+
+    def __rmatmul__(self, other: TensorLike) -> Tensor:
+        from fuel.graph.functions import matmul
+
+        return matmul(other, self)
 
     def cast(self, dtype: DType | str) -> Tensor:
         """This tensor as `dtype`. Float to integer saturates: values above the integer range give its
@@ -368,7 +376,7 @@ def as_tensor(x: TensorLike, like: Tensor | None = None) -> Tensor:
     return tensor(x)
 
 
-def _operand(x: Any) -> Operand:
+def to_operand(x: Any) -> Operand:
     """A binary op's operand: a tensor's node, a scalar as it is (promotion needs to know weak from typed),
     anything else (an array, a list) as a new leaf."""
     if isinstance(x, Tensor):
@@ -378,76 +386,4 @@ def _operand(x: Any) -> Operand:
 
 def binary(op: Op, a: TensorLike, b: TensorLike) -> Tensor:
     """Elementwise op with NumPy 2 promotion (fuel.graph.promote) and broadcasting."""
-    return Tensor(elementwise(op, _operand(a), _operand(b)))
-
-
-def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> Tensor:
-    """`a` where cond is non-zero, else `b` (all three broadcast)."""
-    tc = as_tensor(cond)
-    if tc.dtype is not DType.U8:
-        raise DTypeError(f"where: condition must be u8 (a comparison's result), got {tc.dtype.value}")
-    na, nb = promote_pair("where", _operand(a), _operand(b))
-    shape = broadcast_shapes("where", broadcast_shapes("where", tc.shape, na.shape), nb.shape)
-    nodes = (tc.broadcast_to(shape).node, broadcast(na, shape), broadcast(nb, shape))
-    return Tensor(make(Op.WHERE, nodes))
-
-
-def matmul(a: TensorLike, b: TensorLike) -> Tensor:
-    """NumPy matmul semantics: 1-D operands promote, batch dims broadcast, dtypes promote."""
-    ta, tb = as_tensor(a), as_tensor(b)
-    if ta.dtype != tb.dtype:
-        na, nb = promote_pair("matmul", ta.node, tb.node)
-        ta, tb = Tensor(na), Tensor(nb)
-    if ta.ndim == 0 or tb.ndim == 0:
-        raise ShapeError(f"matmul: operands need rank >= 1, got {list(ta.shape)} and {list(tb.shape)}")
-    va, vb = ta.ndim == 1, tb.ndim == 1
-    if va:
-        ta = ta.unsqueeze(0)
-    if vb:
-        tb = tb.unsqueeze(1)
-    if ta.shape[-1] != tb.shape[-2]:
-        raise ShapeError(f"matmul: a has K={ta.shape[-1]} but b has K={tb.shape[-2]} "
-                         f"({list(ta.shape)} @ {list(tb.shape)})")
-    batch = broadcast_shapes("matmul", ta.shape[:-2], tb.shape[:-2])
-    ta = ta.broadcast_to(batch + ta.shape[-2:])
-    tb = tb.broadcast_to(batch + tb.shape[-2:])
-    out = Tensor(make(Op.MATMUL, (ta.node, tb.node)))
-    if va:
-        out = out.squeeze(-2)
-    if vb:
-        out = out.squeeze(-1)
-    return out
-
-
-def concat(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:
-    ts = [as_tensor(t) for t in tensors]
-    if not ts:
-        raise ShapeError("concat: needs at least one tensor")
-    if len(ts) == 1:
-        return ts[0]
-    dt = ts[0].dtype
-    for t in ts[1:]:
-        dt = result_dtype("concat", dt, t.dtype)
-    ts = [t.cast(dt) for t in ts]
-    return Tensor(make(Op.CONCAT, tuple(t.node for t in ts), norm_axis("concat", axis, ts[0].ndim)))
-
-
-def pad(x: TensorLike, widths: Sequence[tuple[int, int]], value: float = 0.0) -> Tensor:
-    t = as_tensor(x)
-    w = tuple((as_int("pad", b, "a pad width"), as_int("pad", a, "a pad width")) for b, a in widths)
-    if not is_number(value):
-        raise ParamError(f"pad: the fill value must be a number, got {value!r}")
-    return Tensor(make(Op.PAD, (t.node,), (w, float(value))))
-
-
-def cache_write(cache: TensorLike, rows: TensorLike, offset: DynScalar | int, axis: int = -2) -> Tensor:
-    """Write `rows` into `cache` in place at positions [offset, offset + n) of `axis`, and return the
-    cache (the same memory). The one destructive primitive: a KV cache `[B, H, capacity, D]` takes a
-    step's new rows at `offset = fl.dyn("pos")`, so one captured decode step serves every token.
-    Readers of `cache` built before the write run before it; read the returned tensor to see the new
-    rows. An offset outside the cache is an error (at build for an int, at realize for a DynScalar)."""
-    tc, tr = as_tensor(cache), as_tensor(rows)
-    ax = norm_axis("cache_write", axis, tc.ndim)
-    if not isinstance(offset, DynScalar):
-        offset = as_int("cache_write", offset, "the offset")
-    return Tensor(make(Op.CACHE_WRITE, (tc.node, tr.node), CacheWriteArg(ax, offset)))
+    return Tensor(elementwise(op, to_operand(a), to_operand(b)))

@@ -8,8 +8,8 @@ import torch
 
 import fuel as fl
 from fuel.dtype import DType
-from fuel.graph.prims import reduce_to_axes
 from fuel.graph.registry.reduce_max_to_backward import ReduceMaxToBackwardParams, decompose
+from fuel.graph.shapes import reduce_to_axes
 from fuel.testing.oracle import assert_close_rowwise
 
 # (x shape, target): last axis keepdim (softmax's max), last two axes, leading axes dropped, a middle

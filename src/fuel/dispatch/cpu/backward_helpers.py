@@ -37,8 +37,8 @@ from fuel.dispatch.fused import (
     revision_of,
 )
 from fuel.dtype import FLOAT_DTYPES, DType
-from fuel.graph.prims import reduce_to_axes
 from fuel.graph.registry import FusedOps
+from fuel.graph.shapes import reduce_to_axes
 
 Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
 COLUMN_BLOCK = 256  # columns per task of the column kernel: 3 small scratch arrays, independent tasks

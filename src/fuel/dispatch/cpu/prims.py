@@ -19,7 +19,7 @@ from fuel.dispatch.cpu.logistic import sigmoid_f32, silu_f32
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
 from fuel.graph.node import Op, OpSpec
-from fuel.graph.prims import reduce_to_axes
+from fuel.graph.shapes import reduce_to_axes
 
 PrimKernel = Callable[[list[np.ndarray], OpSpec, np.ndarray | None], np.ndarray]
 Computed = Callable[[list[np.ndarray], OpSpec], np.ndarray]

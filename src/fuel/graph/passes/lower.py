@@ -7,8 +7,8 @@ from typing import Any
 
 from fuel.errors import KernelError, NoDecomposition
 from fuel.graph.node import Node, Op, topo_order
-from fuel.graph.prims import slots_of
 from fuel.graph.registry import FusedOpRegistry
+from fuel.graph.slots import slots_of
 
 
 def lower(roots: Sequence[Node], registry: FusedOpRegistry, served: Callable[[Node], bool]) -> list[Node]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.functions import concat, pad
 from fuel.graph.node import Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -35,7 +36,7 @@ from fuel.graph.registry import (
     FusedOps,
     fused_node,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, concat, pad, zeros
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
 NAME = "causal_conv1d"
 

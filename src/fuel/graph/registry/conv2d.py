@@ -29,6 +29,7 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
+from fuel.graph.functions import pad
 from fuel.graph.node import Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -46,7 +47,7 @@ from fuel.graph.registry.conv_geometry import (
     conv_out,
     conv_rest,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, pad, zeros
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
 NAME = "conv2d"
 

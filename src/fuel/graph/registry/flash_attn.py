@@ -18,6 +18,7 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, NoDecomposition, ParamError, ShapeError
+from fuel.graph.functions import matmul, where
 from fuel.graph.node import DynScalar, Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -26,7 +27,7 @@ from fuel.graph.registry import (
     FusedOps,
     fused_node,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, tensor, where
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, tensor
 
 
 @dataclass(frozen=True)

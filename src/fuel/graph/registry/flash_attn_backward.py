@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from fuel.dtype import DType
 from fuel.errors import ShapeError
+from fuel.graph.functions import matmul, pad
 from fuel.graph.node import DynScalar, Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -31,7 +32,7 @@ from fuel.graph.registry.flash_attn import (
     make_params,
     materialise,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, pad
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 NAMES = {FusedOps.FLASH_ATTN_BACKWARD_Q: "flash_attn_backward_q",
          FusedOps.FLASH_ATTN_BACKWARD_K: "flash_attn_backward_k",

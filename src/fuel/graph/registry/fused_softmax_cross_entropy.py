@@ -28,10 +28,11 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.functions import where
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make
 from fuel.graph.registry import DECOMPOSE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, where, zeros
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
 NAME = "fused_softmax_cross_entropy"
 REDUCTIONS = ("mean", "sum", "none")

@@ -28,6 +28,7 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.functions import concat
 from fuel.graph.node import Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -36,7 +37,7 @@ from fuel.graph.registry import (
     FusedOps,
     fused_node,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, concat, tensor
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, tensor
 from fuel.quant.nf4 import NF4
 
 OP = "nf4_matmul"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.node import Op, Shape
-from fuel.graph.prims import make, reduce_to_axes
+from fuel.graph.prims import make
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
     FusedOpEntry,
@@ -32,6 +32,7 @@ from fuel.graph.registry import (
     fused_node,
     vjp_by_decomposition,
 )
+from fuel.graph.shapes import reduce_to_axes
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 NAME = "reduce_max_to_backward"

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
+from fuel.graph.functions import concat
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import unbroadcast
 from fuel.graph.registry import (
@@ -23,7 +24,7 @@ from fuel.graph.registry import (
     Match,
     fused_node,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, concat
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 
 @dataclass(frozen=True)

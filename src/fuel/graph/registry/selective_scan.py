@@ -24,10 +24,11 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.functions import concat, where
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make, views
 from fuel.graph.registry import DECOMPOSE, FusedOpEntry, FusedOpFamily, FusedOps, fused_views
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, concat, where, zeros
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
 NAME = "selective_scan"
 

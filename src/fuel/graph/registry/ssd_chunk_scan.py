@@ -23,10 +23,11 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.functions import concat
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make, views
 from fuel.graph.registry import DECOMPOSE, FusedOpEntry, FusedOpFamily, FusedOps, fused_views
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, concat, zeros
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
 NAME = "ssd_chunk_scan"
 

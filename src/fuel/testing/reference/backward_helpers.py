@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 
 from fuel.dtype import DType
-from fuel.graph.prims import reduce_to_axes
 from fuel.graph.registry.powi_backward import PowIBackwardParams
 from fuel.graph.registry.reduce_max_to_backward import ReduceMaxToBackwardParams
+from fuel.graph.shapes import reduce_to_axes
 from fuel.testing.reference import Case, randn, register
 
 
