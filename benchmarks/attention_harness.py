@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import fuel as fl
+from benchmarks.timing import timed_ms
 from fuel.dtype import DType
 
 # torch's OpenMP pool waits passively, as fuel's does (bench_latency says why: spinning, each pool
@@ -32,24 +32,6 @@ THREADS = 2
 FUEL_WAYS = ("fuel", "fuel_jit")
 TORCH_WAYS = ("torch_eager", "torch_compile")
 WAYS = FUEL_WAYS + TORCH_WAYS
-
-
-def timed_ms(fns: dict[str, Callable[[], Any]], repeat: int, budget_s: float = 60.0) -> tuple[dict[str, float], int]:
-    """(median ms per call of each fn, rounds timed). Each round runs every fn once, so a slow patch of
-    the machine lands on all of them. One warm-up round first; it also sizes the run: at most `repeat`
-    rounds, fewer (but at least 3) when `repeat` rounds would take longer than `budget_s`."""
-    start = time.perf_counter()
-    for fn in fns.values():
-        fn()
-    round_s = time.perf_counter() - start
-    rounds = max(1, min(repeat, max(3, int(budget_s / max(round_s, 1e-9)))))
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, rounds
 
 
 def _torch_dtype(dt: DType) -> Any:

@@ -36,6 +36,7 @@ import numpy as np
 from numba import njit, prange
 
 import fuel as fl
+from benchmarks import timing
 from benchmarks.bench_ops import machine_limits
 from fuel.quant import QuantType
 from fuel.quant.nf4 import nf4_quantize
@@ -110,23 +111,11 @@ def flush_cache() -> None:
 
 def timed_ms(fns: dict[str, Callable[[], Any]], repeat: int, budget_s: float = 60.0,
              cold: bool = True, warm: frozenset[str] = frozenset()) -> tuple[dict[str, float], int]:
-    """(median ms per call of each fn, rounds). Each round runs every fn once, each after an untimed
-    cache flush (`cold`, except the names in `warm`); one warm-up round first, which also sizes the run:
-    `repeat` rounds, fewer (at least 3) when those would take over `budget_s`."""
-    start = time.perf_counter()
-    for fn in fns.values():
-        fn()
-    round_s = time.perf_counter() - start
-    rounds = max(1, min(repeat, max(3, int(budget_s / max(round_s, 1e-9)))))
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            if cold and name not in warm:
-                flush_cache()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}, rounds
+    """`timing.timed_ms` with each call after an untimed cache flush (`cold`, except the names in `warm`)."""
+    def flush(name: str) -> None:
+        if cold and name not in warm:
+            flush_cache()
+    return timing.timed_ms(fns, repeat, budget_s, flush)
 
 
 # ---------------------------------------------------------------------------------------------- cases
