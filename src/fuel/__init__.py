@@ -20,10 +20,10 @@ from fuel.errors import (
     StaleInput,
 )
 from fuel.graph.autograd import grad
-from fuel.graph.functions import cache_write, concat, matmul, pad, where
+from fuel.graph.functions import cache_write, concat, pad, where
 from fuel.graph.node import DynScalar, dyn
 from fuel.graph.registry import default_registry
-from fuel.graph.tensor import Tensor, full, ones, tensor, zeros
+from fuel.graph.tensor import Tensor, full, matmul, ones, tensor, zeros
 
 __all__ = [
     "DEFAULT_FLOAT",

@@ -1,6 +1,6 @@
-"""The ops the API offers as functions rather than Tensor methods: `fl.where`, `fl.matmul`, `fl.concat`,
-`fl.pad` and `fl.cache_write`. The constructors (`fl.tensor`, `fl.zeros`, ...) stay in fuel.graph.tensor,
-since Tensor's own methods build leaves with them."""
+"""The ops the API offers as functions rather than Tensor methods: `fl.where`, `fl.concat`, `fl.pad` and
+`fl.cache_write`. `fl.matmul` and the constructors (`fl.tensor`, `fl.zeros`, ...) stay in fuel.graph.tensor,
+since Tensor's own methods (`@`, leaves from arrays) call them."""
 
 from __future__ import annotations
 
@@ -24,33 +24,6 @@ def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> Tensor:
     shape = broadcast_shapes("where", broadcast_shapes("where", tc.shape, na.shape), nb.shape)
     nodes = (tc.broadcast_to(shape).node, broadcast(na, shape), broadcast(nb, shape))
     return Tensor(make(Op.WHERE, nodes))
-
-
-def matmul(a: TensorLike, b: TensorLike) -> Tensor:
-    """NumPy matmul semantics: 1-D operands promote, batch dims broadcast, dtypes promote."""
-    ta, tb = as_tensor(a), as_tensor(b)
-    if ta.dtype != tb.dtype:
-        na, nb = promote_pair("matmul", ta.node, tb.node)
-        ta, tb = Tensor(na), Tensor(nb)
-    if ta.ndim == 0 or tb.ndim == 0:
-        raise ShapeError(f"matmul: operands need rank >= 1, got {list(ta.shape)} and {list(tb.shape)}")
-    va, vb = ta.ndim == 1, tb.ndim == 1
-    if va:
-        ta = ta.unsqueeze(0)
-    if vb:
-        tb = tb.unsqueeze(1)
-    if ta.shape[-1] != tb.shape[-2]:
-        raise ShapeError(f"matmul: a has K={ta.shape[-1]} but b has K={tb.shape[-2]} "
-                         f"({list(ta.shape)} @ {list(tb.shape)})")
-    batch = broadcast_shapes("matmul", ta.shape[:-2], tb.shape[:-2])
-    ta = ta.broadcast_to(batch + ta.shape[-2:])
-    tb = tb.broadcast_to(batch + tb.shape[-2:])
-    out = Tensor(make(Op.MATMUL, (ta.node, tb.node)))
-    if va:
-        out = out.squeeze(-2)
-    if vb:
-        out = out.squeeze(-1)
-    return out
 
 
 def concat(tensors: Sequence[TensorLike], axis: int = 0) -> Tensor:

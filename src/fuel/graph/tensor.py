@@ -12,8 +12,8 @@ from fuel.dtype import DEFAULT_FLOAT, DType, as_dtype, from_numpy
 from fuel.errors import DTypeError, ParamError, RankZeroError, ShapeError
 from fuel.graph.node import DynScalar, Node, Op, Shape
 from fuel.graph.prims import make
-from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, result_dtype
-from fuel.graph.shapes import as_int, check_dims, norm_axis
+from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, promote_pair, result_dtype
+from fuel.graph.shapes import as_int, broadcast_shapes, check_dims, norm_axis
 
 Scalar = int | float
 TensorLike = Union["Tensor", np.ndarray, Scalar]
@@ -189,15 +189,8 @@ class Tensor:
     def __ne__(self, other: object) -> Tensor: return binary(Op.NE, self, other)  # type: ignore[override,arg-type]
     __hash__ = object.__hash__
 
-    def __matmul__(self, other: TensorLike) -> Tensor:
-        from fuel.graph.functions import matmul  # that module imports this one: bound on first use
-
-        return matmul(self, other)
-
-    def __rmatmul__(self, other: TensorLike) -> Tensor:
-        from fuel.graph.functions import matmul
-
-        return matmul(other, self)
+    def __matmul__(self, other: TensorLike) -> Tensor: return matmul(self, other)
+    def __rmatmul__(self, other: TensorLike) -> Tensor: return matmul(other, self)
 
     def cast(self, dtype: DType | str) -> Tensor:
         """This tensor as `dtype`. Float to integer saturates: values above the integer range give its
@@ -387,3 +380,30 @@ def to_operand(x: Any) -> Operand:
 def binary(op: Op, a: TensorLike, b: TensorLike) -> Tensor:
     """Elementwise op with NumPy 2 promotion (fuel.graph.promote) and broadcasting."""
     return Tensor(elementwise(op, to_operand(a), to_operand(b)))
+
+
+def matmul(a: TensorLike, b: TensorLike) -> Tensor:
+    """NumPy matmul semantics: 1-D operands promote, batch dims broadcast, dtypes promote."""
+    ta, tb = as_tensor(a), as_tensor(b)
+    if ta.dtype != tb.dtype:
+        na, nb = promote_pair("matmul", ta.node, tb.node)
+        ta, tb = Tensor(na), Tensor(nb)
+    if ta.ndim == 0 or tb.ndim == 0:
+        raise ShapeError(f"matmul: operands need rank >= 1, got {list(ta.shape)} and {list(tb.shape)}")
+    va, vb = ta.ndim == 1, tb.ndim == 1
+    if va:
+        ta = ta.unsqueeze(0)
+    if vb:
+        tb = tb.unsqueeze(1)
+    if ta.shape[-1] != tb.shape[-2]:
+        raise ShapeError(f"matmul: a has K={ta.shape[-1]} but b has K={tb.shape[-2]} "
+                         f"({list(ta.shape)} @ {list(tb.shape)})")
+    batch = broadcast_shapes("matmul", ta.shape[:-2], tb.shape[:-2])
+    ta = ta.broadcast_to(batch + ta.shape[-2:])
+    tb = tb.broadcast_to(batch + tb.shape[-2:])
+    out = Tensor(make(Op.MATMUL, (ta.node, tb.node)))
+    if va:
+        out = out.squeeze(-2)
+    if vb:
+        out = out.squeeze(-1)
+    return out

@@ -233,7 +233,7 @@ class GGUFTensor:
 
             return ops.qmatmul(a, self._words_leaf, self.quant_type, self.k, self.n)
         if self.is_float:
-            from fuel.graph.functions import matmul
+            from fuel.graph.tensor import matmul
 
             return matmul(a, self._leaf.T)
         raise self._unsupported("matmul", "quantized types " + ", ".join(q.ggml_name for q in QuantType)

@@ -18,7 +18,7 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, NoDecomposition, ParamError, ShapeError
-from fuel.graph.functions import matmul, where
+from fuel.graph.functions import where
 from fuel.graph.node import DynScalar, Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -27,7 +27,7 @@ from fuel.graph.registry import (
     FusedOps,
     fused_node,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, tensor
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, tensor
 
 
 @dataclass(frozen=True)

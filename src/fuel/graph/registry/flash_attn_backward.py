@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from fuel.dtype import DType
 from fuel.errors import ShapeError
-from fuel.graph.functions import matmul, pad
+from fuel.graph.functions import pad
 from fuel.graph.node import DynScalar, Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -32,7 +32,7 @@ from fuel.graph.registry.flash_attn import (
     make_params,
     materialise,
 )
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul
 
 NAMES = {FusedOps.FLASH_ATTN_BACKWARD_Q: "flash_attn_backward_q",
          FusedOps.FLASH_ATTN_BACKWARD_K: "flash_attn_backward_k",

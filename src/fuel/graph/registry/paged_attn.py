@@ -21,7 +21,7 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
-from fuel.graph.functions import matmul, where
+from fuel.graph.functions import where
 from fuel.graph.node import Shape
 from fuel.graph.registry import (
     NOT_DIFFERENTIABLE,
@@ -31,7 +31,7 @@ from fuel.graph.registry import (
     fused_node,
 )
 from fuel.graph.registry.flash_attn import alibi_dtype, check_dtypes, repeat_heads
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, tensor, zeros
+from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, tensor, zeros
 
 OP = "paged_attn"
 
