@@ -55,7 +55,8 @@ def _impls(y: fl.Tensor) -> list[str]:
 
 @ACTS
 @pytest.mark.parametrize(("shape", "n", "bs"), [((1, 256), 48, 64), ((3, 256), 20, 128), ((64, 128), 40, 64),
-                                                ((2, 3, 384), 24, 128), ((4, 96), 8, 32), ((5, 72), 7, 24)],
+                                                ((2, 3, 384), 24, 128), ((4, 96), 8, 32), ((5, 72), 7, 24),
+                                                ((2, 20, 128), 1040, 64)],
                          ids=str)
 def test_forward_matches_float64(dt: DType, shape: tuple[int, ...], n: int, bs: int) -> None:
     rng = np.random.default_rng(1)

@@ -9,6 +9,7 @@ import torch
 
 import fuel as fl
 from fuel.dispatch.cpu import gguf as kernel_module
+from fuel.dispatch.cpu import weight_tiles
 from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
@@ -72,6 +73,16 @@ def test_model_sized_weight(qt: QuantType, m: int) -> None:
     _, w, deq = weight(3, qt, n, k)
     a = np.random.default_rng(4).standard_normal((m, k)).astype(np.float32)
     check(qmm(a, w, qt, k, n).numpy(), a, deq)
+
+
+@pytest.mark.parametrize("qt", [QuantType.Q4_1, QuantType.Q5K], ids=lambda q: q.ggml_name)
+def test_many_weight_rows_few_activation_rows(qt: QuantType) -> None:
+    """At most FLIP_ROWS activation rows times a weight of FLIP_MIN_N rows or more: the tile is the
+    sgemm's left operand (`weight_tiles`)."""
+    k, n, m = 512, 1040, 40
+    _, w, deq = weight(5, qt, n, k)
+    a = np.random.default_rng(6).standard_normal((2, m // 2, k)).astype(np.float32)
+    check(qmm(a, w, qt, k, n).numpy().reshape(m, n), a.reshape(m, k), deq)
 
 
 @TYPES
@@ -255,12 +266,12 @@ def test_jit_replay_of_a_decode_step_equals_realize() -> None:
 
 def test_paths_and_cost() -> None:
     """The cost counts the weight's real bytes and the products (decoding rides along with them)."""
-    assert kernel_module.tile_rows(4096) == 64 and kernel_module.tile_rows(32) == 256
+    assert weight_tiles.tile_rows(16384) == 64 and weight_tiles.tile_rows(32) == 256
     # given n (of at least 16 rows a group), a tile count divisible by TILE_GROUPS, no tile larger than without n
     for n, k, rows in [(576, 576, 144), (3072, 576, 256), (960, 576, 240), (17, 32, 16), (1, 32, 16)]:
-        t = kernel_module.tile_rows(k, n)
-        assert t == rows and t % 16 == 0 and t <= kernel_module.tile_rows(k)
-        assert n < 16 * kernel_module.TILE_GROUPS or -(-n // t) % kernel_module.TILE_GROUPS == 0
+        t = weight_tiles.tile_rows(k, n)
+        assert t == rows and t % 16 == 0 and t <= weight_tiles.tile_rows(k)
+        assert n < 16 * weight_tiles.TILE_GROUPS or -(-n // t) % weight_tiles.TILE_GROUPS == 0
     impl = fl.kernels().lookup(14, "cpu", (DType.F32, DType.U32, DType.F32))
     assert impl is not None and impl.precision.bit_stable_on_same_hardware
     p = QMatMulParams(QuantType.Q4_0, 4096, 4096)

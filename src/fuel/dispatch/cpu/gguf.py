@@ -7,9 +7,9 @@ Two paths, chosen by the number of activation rows R (batch dims folded in: the 
   (see that module). No dequantised weight exists anywhere, and each output is one thread's fixed
   sequence of f32 operations: the bytes never depend on the thread count.
 - larger R: tiles of W rows are dequantised (`gguf_blocks.dequantize_rows_into`) into a reused f32
-  scratch and each goes through one OpenBLAS sgemm into its output columns; tiles are fixed by the
-  weight's shape and run on fuel's threads (`split_work`, one-thread BLAS each), so the bytes do not
-  depend on the thread count either.
+  scratch and each goes through one OpenBLAS sgemm (`weight_tiles`); tiles are fixed by the weight's
+  shape and run on fuel's threads (one-thread BLAS each), so the bytes do not depend on the thread
+  count either.
 The transposed form (the gradient, `G @ dequant(W)`) adds tile products `G[:, tile] @ tile` in order.
 
 Both paths use gguf-py's dequantised values bit for bit (the decode path's factored form is the same
@@ -28,6 +28,7 @@ from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into
 from fuel.dispatch.cpu.gguf_decode import gemv
 from fuel.dispatch.cpu.gguf_gemv import DECODE_ROWS
+from fuel.dispatch.cpu.weight_tiles import F32, tile_rows, tiled_product
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -36,33 +37,11 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
-from fuel.dispatch.threads import split_work
 from fuel.dtype import DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 from fuel.graph.registry.qmatmul import QMatMulParams, weight_bytes
 from fuel.quant import QuantType
-
-TILE_BYTES = 1 << 20  # f32 bytes of one dequantised tile (fits L2)
-TILE_GROUPS = 4  # tile counts are multiples of this, so 2 or 4 threads get equal shares
-
-
-def _scratch(rows: int, k: int) -> np.ndarray:
-    """A float32 [rows, k] tile buffer (from the shared pool, which reuses large buffers once free)."""
-    return POOL.empty((rows, k), np.dtype(np.float32))
-
-
-def tile_rows(k: int, n: int | None = None) -> int:
-    """Rows of W per dequantised tile: at most about TILE_BYTES of f32, a multiple of 16, 16..256. Given
-    the weight's n rows, the tiles are evened out to a count divisible by TILE_GROUPS (fixed by the shape,
-    never by the thread count): [576, 576] in three tiles of 256, 256, 64 left one of two threads idle a
-    third of the time, in four of 144 neither."""
-    most = min(256, max(16, TILE_BYTES // (4 * max(k, 1)) // 16 * 16))
-    if n is None or n <= 0:
-        return most
-    tiles = math.ceil(n / most)
-    tiles += -tiles % TILE_GROUPS
-    return min(most, 16 * math.ceil(math.ceil(n / tiles) / 16))
 
 
 def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> None:
@@ -85,25 +64,15 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
 
 
 def _tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:
-    """o2 <- a2 @ dequant(W)ᵀ by tiles of W rows: dequantise a tile, one sgemm into its columns."""
-    n, k = raw.shape[0], a2.shape[1]
-    t = tile_rows(k, n)
-
-    def part(tiles: range) -> None:
-        tile = _scratch(t, k)
-        for i in tiles:
-            r0, r1 = i * t, min(n, i * t + t)
-            dequantize_rows_into(raw, qt, r0, r1, tile)
-            np.matmul(a2, tile[:r1 - r0].T, out=o2[:, r0:r1])
-
-    split_work(part, -(-n // t))
+    """o2 <- a2 @ dequant(W)ᵀ by tiles of W rows (`weight_tiles`: dequantise a tile, one sgemm)."""
+    tiled_product(a2, raw.shape[0], lambda r0, r1, tile: dequantize_rows_into(raw, qt, r0, r1, tile), o2)
 
 
 def _transposed(qt: QuantType, g2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:
     """o2 <- g2 @ dequant(W) (g2 [R, n], o2 [R, k]): the tiles' products added in tile order."""
     n, k = raw.shape[0], o2.shape[1]
     t = tile_rows(k)
-    tile = _scratch(t, k)
+    tile = POOL.empty((t, k), F32)
     part = np.empty_like(o2)
     for r0 in range(0, n, t):
         r1 = min(n, r0 + t)

@@ -12,8 +12,8 @@ Two paths, chosen by shape:
   once into their even and odd k, then each output column streams its packed weight row once and
   accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
   tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks.
-- tiles (more rows): rows of W are dequantised in k order into an L2-sized f32 tile, each tile one
-  one-thread OpenBLAS GEMM, the tiles split over fuel's threads (`_forward`). The transposed product
+- tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile one
+  one-thread OpenBLAS GEMM, the tiles split over fuel's threads (`weight_tiles`). The transposed product
   `g @ W` of the gradient dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each
   one multi-threaded GEMM. Every output element is one BLAS dot product, which OpenBLAS never splits
   over K, so the bytes do not depend on the thread count.
@@ -42,6 +42,7 @@ from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
+from fuel.dispatch.cpu.weight_tiles import tiled_product
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -50,7 +51,6 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
-from fuel.dispatch.threads import split_work
 from fuel.dtype import DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
@@ -58,7 +58,6 @@ from fuel.quant.nf4 import NF4
 
 DECODE_MAX_ROWS = 4  # up to this many activation rows, the fused decode path (no dequantised tile)
 TILE_BYTES = 8 << 20  # f32 scratch per dequantised tile of the transposed product (the gradient)
-FORWARD_TILE_BYTES = 1 << 20  # f32 per dequantised tile of the forward GEMM path (fits L2)
 _LUT = np.array(NF4, np.float32)  # a writable copy: Numba types it as a plain array
 
 _I32 = ir.IntType(32)
@@ -282,27 +281,17 @@ def _scratch(rows: int, cols: int, buf: np.ndarray | None) -> np.ndarray:
 
 
 def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
-    """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous: tiles of about FORWARD_TILE_BYTES (in
-    L2), each dequantised and multiplied by one one-thread GEMM, the tiles split over fuel's threads (as
-    QMatMul's tiles). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took 1.8x as long
-    at 4096 x 4096, M = 64. Each output element is one GEMM's dot over all of K, whatever the tiling."""
+    """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous: the decode path, or tiles each
+    dequantised and multiplied by one one-thread GEMM, the tiles split over fuel's threads (`weight_tiles`,
+    as QMatMul's). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took 1.8x as long at
+    4096 x 4096, M = 64. Each output element is one GEMM's dot over all of K, whatever the tiling."""
     rows, k = x.shape
     n = w.shape[0]
     if rows <= DECODE_MAX_ROWS and bs % 32 == 0:
         _decode_rows(x, w, absmax, bs, out)
         return
-    t = min(n, max(16, FORWARD_TILE_BYTES // (4 * max(k, 1)) // 16 * 16))
     nb = k // bs
-
-    def part(tiles: range) -> None:
-        buf = POOL.empty((t * k,), np.dtype(np.float32))
-        for i in tiles:
-            n0, n1 = i * t, min(n, i * t + t)
-            tile = _scratch(n1 - n0, k, buf)
-            _dequant_tile(w, absmax, _LUT, bs, n0, n1, 0, nb, tile)
-            np.matmul(x, tile.T, out=out[:, n0:n1])
-
-    split_work(part, -(-n // t))
+    tiled_product(x, n, lambda n0, n1, tile: _dequant_tile(w, absmax, _LUT, bs, n0, n1, 0, nb, tile), out)
 
 
 def _transposed(g: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
