@@ -1,18 +1,23 @@
 """The tiled product of a compressed weight's rows (QMatMul's and Nf4Matmul's many-row path), in both
-operand orders, against torch float64."""
+operand orders, on the spinning pool and on Python threads, against torch float64."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 from threadpoolctl import threadpool_limits
 
 import fuel as fl
-from fuel.dispatch.cpu import weight_tiles
+from fuel.dispatch import threads
+from fuel.dispatch.cpu import gguf_tiles, weight_tiles
+from fuel.dispatch.cpu.sgemm import sgemm_nt
 from fuel.dtype import DType
+from fuel.quant import QuantType
 from fuel.testing.contract import numba_threads, thread_counts
 from fuel.testing.oracle import assert_close_contraction
+from fuel.testing.reference.qmatmul import as_words, random_weight
 
 
 def _product(a: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -59,3 +64,42 @@ def test_same_bytes_on_any_thread_count(rows: int, rng: np.random.Generator) -> 
     finally:
         fl.set_num_threads(before)
     assert len(set(outs)) == 1
+
+
+def test_sgemm_called_from_jitted_code_matches_numpy(rng: np.random.Generator) -> None:
+    assert threads.blas_sgemm_address(), "NumPy's OpenBLAS exports no ILP64 cblas_sgemm"
+    a = rng.standard_normal((7, 33)).astype(np.float32)
+    b = rng.standard_normal((5, 33)).astype(np.float32)
+    c = np.full((7, 5), np.nan, np.float32)
+    sgemm_nt(threads.blas_sgemm_address(), a, b, c)
+    with threadpool_limits(1, "blas"):
+        np.testing.assert_array_equal(c, a @ b.T)
+
+
+@pytest.mark.parametrize("qt", [QuantType.Q4_1, QuantType.Q6K], ids=lambda q: q.ggml_name)
+@pytest.mark.parametrize("rows", [17, 64, 65], ids=str)
+def test_pool_tasks_and_python_threads_agree(qt: QuantType, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """QMatMul's tiles on the spinning pool (sgemm called from jitted code) and, where NumPy's BLAS offers
+    no such sgemm, on `split_work`'s threads: both within the contraction bound, on any thread count."""
+    k, n = 512, 1100
+    raw = random_weight(np.random.default_rng(rows), qt, n, k)
+    deq = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt.ggml_name]))
+    a = np.random.default_rng(1).standard_normal((rows, k)).astype(np.float32)
+    a64, w64 = torch.from_numpy(a.astype(np.float64)), torch.from_numpy(deq.astype(np.float64))
+    want, scale = (a64 @ w64.T).numpy(), (a64.abs() @ w64.abs().T).numpy()
+    outs, before = [], fl.get_num_threads()
+    for threads_n in thread_counts():
+        out = np.full((rows, n), np.nan, np.float32)
+        fl.set_num_threads(threads_n)
+        try:
+            assert gguf_tiles.tiled(qt, a, raw, out)
+        finally:
+            fl.set_num_threads(before)
+        outs.append(out.tobytes())
+        assert_close_contraction(out, want, scale, DType.F32)
+    assert len(set(outs)) == 1
+    monkeypatch.setattr(threads, "blas_sgemm_address", lambda: 0)
+    out = np.full((rows, n), np.nan, np.float32)
+    assert not gguf_tiles.tiled(qt, a, raw, out) and np.isnan(out).all()
+    got = fl.ops.qmatmul(a, as_words(raw), qt, k, n).numpy()
+    assert_close_contraction(got, want, scale, DType.F32)

@@ -121,14 +121,18 @@ _BLAS_SET_NAMES = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_
                    "openblas_set_num_threads64_", "openblas_set_num_threads")
 _BLAS_GET_NAMES = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
                    "openblas_get_num_threads64_", "openblas_get_num_threads")
+# cblas_sgemm with 64-bit integers (the ILP64 build NumPy's wheels carry), for jitted code to call
+_BLAS_SGEMM_NAMES = ("scipy_cblas_sgemm64_", "cblas_sgemm64_")
 
 
 class _Blas:
-    """The thread-count functions of the OpenBLAS NumPy loaded, or nothing where none is found."""
+    """The thread-count functions of the OpenBLAS NumPy loaded, or nothing where none is found, and the
+    address of its ILP64 `cblas_sgemm` (0 where it has none)."""
 
     def __init__(self) -> None:
         self.set: Callable[[int], None] | None = None
         self.get: Callable[[], int] | None = None
+        self.sgemm = 0
         import numpy as np  # loads NumPy's BLAS
 
         np.dot(np.ones(2), np.ones(2))
@@ -149,6 +153,8 @@ class _Blas:
                 setter.argtypes, setter.restype = [ctypes.c_int], None
                 getter.argtypes, getter.restype = [], ctypes.c_int
                 self.set, self.get = setter, getter
+                sgemm = next((getattr(lib, n) for n in _BLAS_SGEMM_NAMES if hasattr(lib, n)), None)
+                self.sgemm = 0 if sgemm is None else ctypes.cast(sgemm, ctypes.c_void_p).value or 0
                 return
 
 
@@ -188,6 +194,11 @@ def one_blas_thread() -> Iterator[None]:
     finally:
         if prev != 1 and blas.set is not None:
             blas.set(prev)
+
+
+def blas_sgemm_address() -> int:
+    """The address of the controlled OpenBLAS's ILP64 `cblas_sgemm`, or 0 where there is none."""
+    return _blas().sgemm
 
 
 def blas_num_threads() -> int | None:

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu import gguf_tiles
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into
 from fuel.dispatch.cpu.gguf_decode import gemv
 from fuel.dispatch.cpu.gguf_gemv import DECODE_ROWS
@@ -65,7 +66,8 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
 
 def _tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:
     """o2 <- a2 @ dequant(W)ᵀ by tiles of W rows (`weight_tiles`: dequantise a tile, one sgemm)."""
-    tiled_product(a2, raw.shape[0], lambda r0, r1, tile: dequantize_rows_into(raw, qt, r0, r1, tile), o2)
+    if not gguf_tiles.tiled(qt, a2, raw, o2):
+        tiled_product(a2, raw.shape[0], lambda r0, r1, tile: dequantize_rows_into(raw, qt, r0, r1, tile), o2)
 
 
 def _transposed(qt: QuantType, g2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:

@@ -42,7 +42,19 @@ from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.weight_tiles import tiled_product
+from fuel.dispatch.cpu.weight_tiles import (
+    WEIGHT,
+    N,
+    claim_slot,
+    job,
+    multiply_tile,
+    part_tiles,
+    post_tiles,
+    release_slot,
+    tile_of,
+    tile_span,
+    tiled_product,
+)
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -274,6 +286,26 @@ def _dequant_tile(w: Any, absmax: Any, lut: Any, bs: int, n0: int, n1: int, b0: 
                 row[at + 1] = lut[byte & 15] * scale
 
 
+@spin.task()
+def _tiles(part: int, parts: int, argv: int) -> None:
+    """Part `part` of the many-row product on the spinning pool (`weight_tiles`): its tiles of W rows
+    dequantised into a scratch slot, each multiplied by one sgemm. W's fields: w, K/2, absmax, blocks, LUT."""
+    v = job(argv)
+    f = carray(pointer(argv, np.int64), (WEIGHT + 5,))
+    n, kh, nb = v[N], f[WEIGHT + 1], f[WEIGHT + 3]
+    w = carray(pointer(f[WEIGHT], np.uint8), (n, kh))
+    absmax = carray(pointer(f[WEIGHT + 2], np.float32), (n, nb))
+    lut = carray(pointer(f[WEIGHT + 4], np.float32), (16,))
+    slot = claim_slot(v)
+    tile = tile_of(v, slot)
+    i0, i1 = part_tiles(v, part, parts)
+    for i in range(i0, i1):
+        r0, r1 = tile_span(v, i)
+        _dequant_tile(w, absmax, lut, 2 * kh // nb, r0, r1, 0, nb, tile)
+        multiply_tile(v, slot, r0, r1)
+    release_slot(v, slot)
+
+
 def _scratch(rows: int, cols: int, buf: np.ndarray | None) -> np.ndarray:
     """A contiguous [rows, cols] f32 view of the tile buffer (one per call, reused by every tile)."""
     assert buf is not None
@@ -291,7 +323,8 @@ def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.
         _decode_rows(x, w, absmax, bs, out)
         return
     nb = k // bs
-    tiled_product(x, n, lambda n0, n1, tile: _dequant_tile(w, absmax, _LUT, bs, n0, n1, 0, nb, tile), out)
+    if not post_tiles(_tiles, x, n, out, (w.ctypes.data, w.shape[1], absmax.ctypes.data, nb, _LUT.ctypes.data)):
+        tiled_product(x, n, lambda n0, n1, tile: _dequant_tile(w, absmax, _LUT, bs, n0, n1, 0, nb, tile), out)
 
 
 def _transposed(g: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:

@@ -18,11 +18,16 @@ Tiles of about `TILE_BYTES` (at most 256 rows): at K = 4096, 4 MiB tiles (in L3)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+from numba import carray, njit
 
+from fuel.dispatch import spin, threads
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu.atomics import compare_exchange, pointer, store
+from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.threads import split_work
 
 TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile
@@ -31,6 +36,10 @@ FLIP_ROWS = 64  # activation rows up to which the tile is the left operand ...
 FLIP_MIN_N = 1024  # ... for weights of at least this many rows
 
 F32 = np.dtype(np.float32)
+FLOPS_PER_SECOND = 60e9  # one core's sgemm rate at these shapes, for the pool's part count
+
+# The job's argv (int64) as the tile tasks read it: the generic fields, then the weight's own from WEIGHT.
+A, ROWS, K, A_T, N, OUT, TILE, TILES, SCRATCH, FLIP_SCRATCH, SLOTS, CLAIMS, SGEMM, WEIGHT = range(14)
 
 # fill(r0, r1, tile): dequantise W rows [r0, r1) into tile[:r1 - r0] (a C-contiguous f32 [rows, k] buffer)
 Fill = Callable[[int, int, np.ndarray], None]
@@ -74,3 +83,88 @@ def tiled_product(a2: np.ndarray, n: int, fill: Fill, out: np.ndarray) -> None:
                 out[:, r0:r1] = flip_out[:r1 - r0].T
 
     split_work(part, -(-n // t))
+
+
+# ---- the same product as a task of the spinning pool (no Python between the tiles) -------------------
+
+def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight: Sequence[int]) -> bool:
+    """out [R, n] <- a2 [R, k] @ dequant(W)ᵀ by `task`, W's own fields (addresses, sizes) at argv[WEIGHT:]
+    (the arrays they address alive until this returns); False, doing nothing, where NumPy's OpenBLAS has
+    no ILP64 sgemm to call (the caller then runs `tiled_product`)."""
+    address = threads.blas_sgemm_address()
+    if not address:
+        return False
+    rows, k = a2.shape
+    t = tile_rows(k, n)
+    tiles = -(-n // t)
+    parts = spin.parts_for(2 * rows * n * k / FLOPS_PER_SECOND, tiles)
+    slots = min(parts, threads.get_num_threads())
+    a_t = np.ascontiguousarray(a2.T) if flipped(rows, n) else None
+    scratch = POOL.empty((slots, t, k), F32)
+    flip_scratch = POOL.empty((slots, t, rows), F32) if a_t is not None else scratch
+    claims = np.zeros(slots, np.int64)
+    argv = np.empty(WEIGHT + len(weight), np.int64)
+    argv[:WEIGHT] = (a2.ctypes.data, rows, k, 0 if a_t is None else a_t.ctypes.data, n, out.ctypes.data, t,
+                     tiles, scratch.ctypes.data, flip_scratch.ctypes.data, slots, claims.ctypes.data, address)
+    argv[WEIGHT:] = weight
+    with threads.one_blas_thread():
+        spin.run(task, argv, parts)
+    return True
+
+
+@njit(inline="always", cache=True)
+def job(argv: int) -> Any:
+    """The generic fields of a tile job (int64 [WEIGHT + weight fields], read through its address)."""
+    return carray(pointer(argv, np.int64), (WEIGHT,))
+
+
+@njit(inline="always", cache=True)
+def claim_slot(v: Any) -> int:
+    """A scratch slot no other running part holds (there are as many as threads can run parts at once)."""
+    claims = carray(pointer(v[CLAIMS], np.int64), (v[SLOTS],))
+    while True:
+        for s in range(v[SLOTS]):
+            if compare_exchange(claims, s, 0, 1):
+                return s
+
+
+@njit(inline="always", cache=True)
+def release_slot(v: Any, slot: int) -> None:
+    store(carray(pointer(v[CLAIMS], np.int64), (v[SLOTS],)), slot, 0)
+
+
+@njit(inline="always", cache=True)
+def tile_of(v: Any, slot: int) -> Any:
+    """The f32 [TILE, K] scratch tile of a slot."""
+    t, k = v[TILE], v[K]
+    return carray(pointer(v[SCRATCH] + 4 * slot * t * k, np.float32), (t, k))
+
+
+@njit(inline="always", cache=True)
+def multiply_tile(v: Any, slot: int, r0: int, r1: int) -> None:
+    """out[:, r0:r1] <- a @ tile[:r1 - r0]ᵀ: straight into the output columns, or (flipped) tile @ aᵀ
+    into the slot's [rows, R] scratch, then stored transposed."""
+    rows, k, n, t = v[ROWS], v[K], v[N], v[TILE]
+    tile = v[SCRATCH] + 4 * slot * t * k
+    if v[A_T] == 0:
+        sgemm(v[SGEMM], 1, rows, r1 - r0, k, v[A], k, tile, k, v[OUT] + 4 * r0, n)
+        return
+    at = v[FLIP_SCRATCH] + 4 * slot * t * rows
+    sgemm(v[SGEMM], 0, r1 - r0, rows, k, tile, k, v[A_T], rows, at, rows)
+    flip = carray(pointer(at, np.float32), (t, rows))
+    out = carray(pointer(v[OUT], np.float32), (rows, n))
+    for i in range(rows):
+        for j in range(r1 - r0):
+            out[i, r0 + j] = flip[j, i]
+
+
+@njit(inline="always", cache=True)
+def part_tiles(v: Any, part: int, parts: int) -> tuple[int, int]:
+    """The tiles [i0, i1) of part `part` of `parts` (fixed by the shape: the bytes never depend on them)."""
+    return part * v[TILES] // parts, (part + 1) * v[TILES] // parts
+
+
+@njit(inline="always", cache=True)
+def tile_span(v: Any, i: int) -> tuple[int, int]:
+    """The W rows [r0, r1) of tile i."""
+    return i * v[TILE], min(v[N], (i + 1) * v[TILE])
