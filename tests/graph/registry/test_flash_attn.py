@@ -347,3 +347,36 @@ def test_one_group_is_cut_into_query_blocks_by_its_length_only() -> None:
         rows = query_rows(sq)
         assert rows % 16 == 0 and 16 <= rows <= BQ
         assert -(-sq // rows) >= min(QUERY_TASKS, -(-sq // 16))
+
+
+@pytest.mark.parametrize("opts", [{"causal": True}, {"causal": True, "softcap": 8.0, "alibi": True, "k_len": 190,
+                                                      "window_size": (100, None)}, {"window_size": (None, 3)}],
+                         ids=["causal", "softcap-alibi-window", "right-window"])
+@pytest.mark.parametrize("hkv", [1, 3], ids=str)
+def test_f32_pool_tasks_and_numpy_steps_both_match(opts: dict[str, Any], hkv: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """f32 runs as spinning-pool tasks calling OpenBLAS's sgemm from jitted code; where NumPy's BLAS has no
+    such sgemm, as NumPy steps on Python threads. Both against the float64 reference."""
+    from fuel.dispatch import threads
+
+    opts = dict(opts)
+    x = make_inputs(12, DType.F32, 1, 3 * hkv, hkv, 200, 600, 64, alibi=opts.pop("alibi", False))
+    window = opts.get("window_size", (None, None))
+    ref, s = reference(x, 0.125, opts.get("causal", False), window, opts.get("softcap"), opts.get("k_len"))
+    assert threads.blas_sgemm_address()
+    pool = run(x, softmax_scale=0.125, **opts)
+    monkeypatch.setattr(threads, "blas_sgemm_address", lambda: 0)
+    steps = run(x, softmax_scale=0.125, **opts)
+    for got in (pool, steps):
+        assert_close_rowwise(got, ref, DType.F32, scale=s)
+
+
+def test_pool_items_are_fixed_by_the_shape() -> None:
+    """At least ITEMS (group, query block) items where the groups are fewer, a multiple of 16 queries each."""
+    from fuel.dispatch.cpu.attention_tasks import ITEMS, item_rows
+
+    for n in (1, 3, 8, 40):
+        for sq in (5, 16, 128, 300, 4096):
+            rows = item_rows(n, sq, 128)
+            assert rows % 16 == 0 and 16 <= rows <= 128
+            assert n * -(-sq // rows) >= min(ITEMS, n * -(-sq // 16))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llvmlite import binding, ir
-from numba import types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -134,3 +135,19 @@ pause: Any = _pause
 cycles: Any = _cycles
 call_task: Any = _call_task
 pointer: Any = _pointer
+
+
+@njit(inline="always", cache=True)
+def claim_slot(claims: int, slots: int) -> int:
+    """A slot of an int64 [slots] claim array (by address) that no one holds, now held: a part's scratch
+    slot, when at most `slots` parts run at once (it spins until one is free)."""
+    words = carray(pointer(claims, np.int64), (slots,))
+    while True:
+        for s in range(slots):
+            if compare_exchange(words, s, 0, 1):
+                return s
+
+
+@njit(inline="always", cache=True)
+def release_slot(claims: int, slots: int, slot: int) -> None:
+    store(carray(pointer(claims, np.int64), (slots,)), slot, 0)

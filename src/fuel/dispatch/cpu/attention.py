@@ -9,7 +9,9 @@ keys it may see (the union of its rows' windows) are visited in blocks of BK:
   2. one Numba pass per row: scale, softcap, ALiBi, mask, the running max and sum, the rescaling of
      the accumulator, and `P = exp(S − max)` in place;
   3. `acc += P·V` on BLAS.
-Memory is O(rows·BK) per step whatever the sequence length. Block sizes are constants and each
+Memory is O(rows·BK) per step whatever the sequence length. In f32 the same steps run as a task of the
+spinning pool (`attention_tasks`: no Python between them); the steps below are the other dtypes' path,
+and f32's where NumPy's BLAS offers no sgemm to call from jitted code. Block sizes are constants and each
 row's arithmetic is fixed by them, so results are the same bytes at any thread count (OpenBLAS
 splits a product over M and N, never over K). A row with no admissible key gives 0.
 
@@ -28,19 +30,10 @@ from numba import prange
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.attention_decode import DECODE_MAX_QUERIES, decode
-from fuel.dispatch.cpu.attention_rows import (
-    FASTMATH,
-    Window,
-    exp_scaled,
-    row_max,
-    row_window,
-    transform_row,
-    window_of,
-    zero_outside,
-)
+from fuel.dispatch.cpu.attention_rows import FASTMATH, Window, online_row, store_row, window_of
+from fuel.dispatch.cpu.attention_tasks import attend
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive, store_as
 from fuel.dispatch.fused import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -64,56 +57,19 @@ SCORE_BYTES = 512 * 1024
 @row_kernel(fastmath=FASTMATH, nogil=True)
 def _online_block(s: Any, m: Any, l: Any, acc: Any, i0: int, bq: int, j0: int, kl: int, sq: int, left: int,
                   right: int, scale: Any, softcap: Any, slopes: Any) -> None:
-    """One key block of the online softmax. s `[n, rows, cols]` holds raw q·k and leaves holding P;
-    m, l `[n, rows]` are the running max and sum; acc `[n, rows, D]` is rescaled to the new max."""
-    n, rows, cols = s.shape
+    """One key block of the online softmax, rows in parallel (`online_row`)."""
+    n, rows, _ = s.shape
     for t in prange(n * rows):
-        g, r = t // rows, t % rows
-        i = i0 + r % bq
-        row = s[g, r]
-        lo, hi = row_window(i, j0, cols, kl, sq, left, right)
-        zero_outside(row, lo, hi)
-        if lo == hi:
-            continue
-        seg = row[lo:hi]
-        slope = slopes[g, r // bq]
-        # The common row: max(x·scale) = max(x)·scale, so one read-only max pass and the scaling folded
-        # into exp (measured 2.5x faster than scaling in place first, ~0.4 ns per score).
-        if softcap <= 0 and scale > 0 and slope == 0:
-            mx = row_max(seg, scale) * scale
-            sc = scale
-        else:
-            mx = transform_row(seg, i + kl - sq, j0 + lo, scale, softcap, slope)
-            sc = cast_like(1, scale)
-        old = m[g, r]
-        new = mx if mx > old else old
-        if new == -np.inf:
-            seg[:] = 0
-            continue
-        total = exp_scaled(seg, sc, new)
-        alpha = exp_nonpositive(old - new)
-        if alpha != 1:
-            a = acc[g, r]
-            for d in range(a.shape[0]):
-                a[d] *= alpha
-        m[g, r] = new
-        l[g, r] = l[g, r] * alpha + total
+        online_row(s, m, l, acc, t, i0, bq, j0, kl, sq, left, right, scale, softcap, slopes)
 
 
 @row_kernel(fastmath=FASTMATH, nogil=True)
 def _store(acc: Any, l: Any, out: Any, i0: int) -> None:
-    """out[:, r // bq, i0 + r % bq] <- acc[:, r] / l[:, r] in out's storage (f32, f64, or bf16 bits rounded
-    once); rows that saw no admissible key (l = 0) become 0. One pass: no normalised copy of acc, no
-    f32 scratch for a bf16 output."""
-    n, rows, d = acc.shape
-    bq = rows // out.shape[1]
+    """out[:, r // bq, i0 + r % bq] <- acc[:, r] / l[:, r] (`store_row`), rows in parallel. One pass: no
+    normalised copy of acc, no f32 scratch for a bf16 output."""
+    n, rows, _ = acc.shape
     for t in prange(n * rows):
-        g, r = t // rows, t % rows
-        a = acc[g, r]
-        o = out[g, r // bq, i0 + r % bq]
-        total = l[g, r]
-        for k in range(d):
-            o[k] = store_as(o, a[k] / total if total > 0 else total * cast_like(0, total))
+        store_row(acc, l, out, i0, t)
 
 
 def grouped(x: np.ndarray, hkv: int) -> np.ndarray:
@@ -210,6 +166,9 @@ def attention(p: Problem, out: np.ndarray) -> None:
         decode(p.q, p.k, p.v, out, p.win, p.scale, p.softcap, p.slopes)
         return
 
+    f32 = np.dtype(np.float32)
+    if p.q.dtype == p.k.dtype == p.v.dtype == out.dtype == f32 and attend(p, out, BQ, BK):
+        return
     bq = query_rows(sq) if n == 1 else BQ
 
     def block(part: Problem, g0: int, g1: int, i0: int) -> None:

@@ -26,7 +26,9 @@ from numba import carray, njit
 
 from fuel.dispatch import spin, threads
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu.atomics import compare_exchange, pointer, store
+from fuel.dispatch.cpu.atomics import claim_slot as claim
+from fuel.dispatch.cpu.atomics import pointer
+from fuel.dispatch.cpu.atomics import release_slot as release
 from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.threads import split_work
 
@@ -121,16 +123,12 @@ def job(argv: int) -> Any:
 @njit(inline="always", cache=True)
 def claim_slot(v: Any) -> int:
     """A scratch slot no other running part holds (there are as many as threads can run parts at once)."""
-    claims = carray(pointer(v[CLAIMS], np.int64), (v[SLOTS],))
-    while True:
-        for s in range(v[SLOTS]):
-            if compare_exchange(claims, s, 0, 1):
-                return s
+    return claim(v[CLAIMS], v[SLOTS])
 
 
 @njit(inline="always", cache=True)
 def release_slot(v: Any, slot: int) -> None:
-    store(carray(pointer(v[CLAIMS], np.int64), (v[SLOTS],)), slot, 0)
+    release(v[CLAIMS], v[SLOTS], slot)
 
 
 @njit(inline="always", cache=True)
@@ -147,10 +145,10 @@ def multiply_tile(v: Any, slot: int, r0: int, r1: int) -> None:
     rows, k, n, t = v[ROWS], v[K], v[N], v[TILE]
     tile = v[SCRATCH] + 4 * slot * t * k
     if v[A_T] == 0:
-        sgemm(v[SGEMM], 1, rows, r1 - r0, k, v[A], k, tile, k, v[OUT] + 4 * r0, n)
+        sgemm(v[SGEMM], 1, 0, rows, r1 - r0, k, v[A], k, tile, k, v[OUT] + 4 * r0, n)
         return
     at = v[FLIP_SCRATCH] + 4 * slot * t * rows
-    sgemm(v[SGEMM], 0, r1 - r0, rows, k, tile, k, v[A_T], rows, at, rows)
+    sgemm(v[SGEMM], 0, 0, r1 - r0, rows, k, tile, k, v[A_T], rows, at, rows)
     flip = carray(pointer(at, np.float32), (t, rows))
     out = carray(pointer(v[OUT], np.float32), (rows, n))
     for i in range(rows):
