@@ -119,6 +119,22 @@ def test_parked_workers_go_to_sleep(two_threads: None) -> None:
     assert (_counts_after(8) == 1).all()  # and a later job still runs every part
 
 
+def test_a_threaded_blas_product_parks_the_workers_first(two_threads: None) -> None:
+    """FusedLinear and large matmuls run on the BLAS's threads: the pool's spinners go to sleep before
+    them; inside a serial step (one thread, no BLAS threads to make room for) they keep spinning."""
+    pool = spin._pool(1)
+    _counts_after(8)  # a posted job clears the park flag
+    assert pool.ctl[spin.PARK] == 0
+    with threads.serial():
+        threads.before_threaded_blas()
+        assert pool.ctl[spin.PARK] == 0
+    threads.use_serial(False)
+    threads.before_threaded_blas()
+    assert pool.ctl[spin.PARK] == 1
+    x = np.ones((64, 64), np.float32)
+    assert (fl.ops.fused_linear(x, x, np.ones(64, np.float32)).numpy() == 65).all()
+
+
 def test_workers_are_pinned_each_to_a_core_the_poster_keeps_free(two_threads: None) -> None:
     allowed = sorted(os.sched_getaffinity(0))
     assert spin.worker_cores(1) == allowed[1:2]

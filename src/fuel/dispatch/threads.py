@@ -89,6 +89,14 @@ def _park() -> None:
         hook()
 
 
+def before_threaded_blas() -> None:
+    """Call before a BLAS product that may run on the BLAS's own threads (outside serial steps and
+    `split_work`'s parts): the spinning pool's workers go to sleep rather than share a core with them for
+    up to `spin.SPIN_SECONDS` after the pool's last job (an attention task then a projection, in MiniLM)."""
+    if not MODE.serial and not MODE.nested:
+        _park()
+
+
 def use_serial(flag: bool, inline: bool | None = None) -> None:
     """Run the next kernels of this Python thread on one Numba thread (flag) or on fuel's thread count;
     `inline` (default: flag) also keeps `split_work` from starting worker threads."""

@@ -35,6 +35,7 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
+from fuel.dispatch.threads import before_threaded_blas
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
@@ -91,6 +92,7 @@ def _operands(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[np.ndarray
 def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """out <- a @ b + bias for f32/f64 (out has the inputs' dtype)."""
     va, vb, vo = _operands(a, b, out)
+    before_threaded_blas()
     np.matmul(va, vb, out=vo)
     np.add(out, bias, out=out)
 

@@ -16,6 +16,7 @@ import numpy as np
 from fuel.dispatch.cpu.erf import erf_into
 from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, gemv
 from fuel.dispatch.cpu.logistic import sigmoid_f32, silu_f32
+from fuel.dispatch.threads import before_threaded_blas
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
 from fuel.graph.node import Op, OpSpec
@@ -236,8 +237,10 @@ def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarr
             gemv(a.reshape(rows, a.shape[-1]), b, flat)
             y = flat.reshape(n.shape)
         else:
+            before_threaded_blas()
             y = np.matmul(a.reshape(rows, a.shape[-1]), b, out=flat).reshape(n.shape)
     else:
+        before_threaded_blas()
         y = np.matmul(a, b, out=direct)
     return y if direct is not None else _copy_into(_store(y, n), out)
 
