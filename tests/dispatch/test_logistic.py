@@ -10,6 +10,7 @@ import torch
 import fuel as fl
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.testing.check import ulp_error
+from fuel.testing.contract import thread_counts
 
 # |fuel - ref| / ulp(ref) at most where the result is a normal number: f32 is the Cephes exponential
 # (~1 ulp) and three roundings; bf16/f16 round that f32 once more; f64 is NumPy's four-pass spelling.
@@ -87,3 +88,22 @@ def test_input_not_mutated_and_jit_replays_into_the_arena(name: str) -> None:
     eager = [getattr(fl.tensor(v * 2), name)().numpy() + np.float32(1) for v in (x, y)]
     np.testing.assert_array_equal(first, eager[0])
     np.testing.assert_array_equal(second, eager[1])
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+@pytest.mark.parametrize("shape", [(1, 50000), (96, 1536)], ids=str)
+def test_large_tensors_split_over_threads_give_the_same_bytes(name: str, shape: tuple[int, int]) -> None:
+    """A prefill-sized tensor runs on the spinning pool, by rows (here a stacked projection's strided
+    half) or one row by chunks; each value alone, so any thread count gives the same bytes."""
+    rng = np.random.default_rng(3)
+    stacked = (rng.standard_normal((shape[0], 2 * shape[1])) * 6).astype(np.float32)
+    x = stacked[:, :shape[1]]
+    before, outs = fl.get_num_threads(), []
+    try:
+        for n in thread_counts():
+            fl.set_num_threads(n)
+            outs.append(getattr(fl.tensor(x), name)().numpy())
+    finally:
+        fl.set_num_threads(before)
+    assert outs[0].tobytes() == outs[-1].tobytes()
+    assert ulp_error(outs[-1], oracle(name, x), DType.F32) <= ULPS[DType.F32]
