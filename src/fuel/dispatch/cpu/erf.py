@@ -11,8 +11,8 @@ elementwise passes (a polynomial for erfc, an exp, the products). Here:
   on every seventh f32 bit pattern of [2^-30, 4]). Branch-free, so LLVM vectorises the loop.
 - f64: libm's erf per element (`math.erf`), which the rational function is not accurate enough for.
 
-NaN stays NaN, ±inf gives ±1, and −0 gives −0. One pass, in the calling thread or, for a large f32
-tensor, in fixed slices over the spinning pool; the same input bytes always give the same output bytes.
+NaN stays NaN, ±inf gives ±1, and −0 gives −0. One pass in the calling thread, like the NumPy ufuncs
+of the other unary primitives; the same input bytes always give the same output bytes.
 """
 
 from __future__ import annotations
@@ -21,10 +21,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import carray, njit
-
-from fuel.dispatch import spin
-from fuel.dispatch.cpu.atomics import pointer
+from numba import njit
 
 P0 = 2 / math.sqrt(math.pi)  # erf'(0), fixed in the fit: small arguments get it exactly
 P1, P2, P3 = 0.1853327427406865, 0.05435244858587421, 0.0038575623439003268
@@ -52,28 +49,8 @@ def _erf_f64(x: Any, out: Any) -> None:
         out[i] = math.erf(x[i])
 
 
-SECONDS_PER_VALUE = 0.5e-9  # f32, one core
-
-
-@spin.task()
-def _erf_part(part: int, parts: int, argv: int) -> None:
-    """Part `part` of `parts` of argv [x, out, size] (f32): its fixed slice."""
-    v = carray(pointer(argv, np.int64), (3,))
-    x, out = carray(pointer(v[0], np.float32), (v[2],)), carray(pointer(v[1], np.float32), (v[2],))
-    lo, hi = part * v[2] // parts, (part + 1) * v[2] // parts
-    _erf_f32(x[lo:hi], out[lo:hi])
-
-
 def erf_into(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out <- erf(x) for f32 or f64 x (out: same shape and dtype, C-contiguous); returns out. A large f32
-    tensor is cut into fixed slices over the spinning pool's threads (each value alone: the same bytes)."""
+    """out <- erf(x) for f32 or f64 x (out: same shape and dtype, C-contiguous); returns out."""
     flat = np.ascontiguousarray(x).reshape(-1)
-    if x.dtype == np.float64:
-        _erf_f64(flat, out.reshape(-1))
-        return out
-    parts = spin.parts_for(flat.size * SECONDS_PER_VALUE, max(1, flat.size // 4096))
-    if parts <= 1:
-        _erf_f32(flat, out.reshape(-1))
-    else:
-        spin.run(_erf_part, np.array([flat.ctypes.data, out.ctypes.data, flat.size], np.int64), parts)
+    (_erf_f64 if x.dtype == np.float64 else _erf_f32)(flat, out.reshape(-1))
     return out
