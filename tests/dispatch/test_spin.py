@@ -120,16 +120,14 @@ def test_parked_workers_go_to_sleep(two_threads: None) -> None:
 
 
 def test_a_threaded_blas_product_parks_the_workers_first(two_threads: None) -> None:
-    """FusedLinear and large matmuls run on the BLAS's threads: the pool's spinners go to sleep before
-    them; inside a serial step (one thread, no BLAS threads to make room for) they keep spinning."""
+    """FusedLinear and matmuls large enough for OpenBLAS's threads (m·n·k >= 2^18) send the pool's
+    spinners to sleep first; smaller ones, which OpenBLAS runs on one thread, leave them spinning."""
     pool = spin._pool(1)
     _counts_after(8)  # a posted job clears the park flag
     assert pool.ctl[spin.PARK] == 0
-    with threads.serial():
-        threads.before_threaded_blas()
-        assert pool.ctl[spin.PARK] == 0
-    threads.use_serial(False)
-    threads.before_threaded_blas()
+    threads.before_threaded_blas(32, 32, 32)  # one BLAS thread runs this: nothing to make room for
+    assert pool.ctl[spin.PARK] == 0
+    threads.before_threaded_blas(64, 64, 64)
     assert pool.ctl[spin.PARK] == 1
     x = np.ones((64, 64), np.float32)
     assert (fl.ops.fused_linear(x, x, np.ones(64, np.float32)).numpy() == 65).all()

@@ -89,11 +89,17 @@ def _park() -> None:
         hook()
 
 
-def before_threaded_blas() -> None:
-    """Call before a BLAS product that may run on the BLAS's own threads (outside serial steps and
-    `split_work`'s parts): the spinning pool's workers go to sleep rather than share a core with them for
-    up to `spin.SPIN_SECONDS` after the pool's last job (an attention task then a projection, in MiniLM)."""
-    if not MODE.serial and not MODE.nested:
+# OpenBLAS runs a product on one thread below this m·n·k (its SMP_THRESHOLD_MIN times
+# GEMM_MULTITHREAD_THRESHOLD); at or above it, on its own threads too.
+BLAS_THREADED_MNK = 65536 * 4
+
+
+def before_threaded_blas(m: int, n: int, k: int) -> None:
+    """Call before a BLAS product of [m, k] @ [k, n] outside `split_work`'s parts (whose BLAS is at one
+    thread): where OpenBLAS will run it on its own threads, the spinning pool's workers go to sleep rather
+    than share a core with them for up to `spin.SPIN_SECONDS` after the pool's last job (an attention task
+    then a projection, in MiniLM). Numba's serial mode does not matter here: the BLAS keeps its threads."""
+    if not MODE.nested and m * n * k >= BLAS_THREADED_MNK:
         _park()
 
 

@@ -372,11 +372,14 @@ def test_f32_pool_tasks_and_numpy_steps_both_match(opts: dict[str, Any], hkv: in
 
 
 def test_pool_items_are_fixed_by_the_shape() -> None:
-    """At least ITEMS (group, query block) items where the groups are fewer, a multiple of 16 queries each."""
+    """At least ITEMS (group, query block) items where the groups are fewer, a multiple of 16 queries each;
+    whole groups (up to 128 queries) where there are enough of them."""
     from fuel.dispatch.cpu.attention_tasks import ITEMS, item_rows
 
-    for n in (1, 3, 8, 40):
+    for n in (1, 3, 7):
         for sq in (5, 16, 128, 300, 4096):
             rows = item_rows(n, sq, 128)
             assert rows % 16 == 0 and 16 <= rows <= 128
             assert n * -(-sq // rows) >= min(ITEMS, n * -(-sq // 16))
+    for n in (ITEMS, 40):  # enough groups: whole groups of up to 128 queries
+        assert [item_rows(n, sq, 128) for sq in (5, 20, 128, 300)] == [5, 20, 128, 128]

@@ -10,7 +10,10 @@ its queries of every head in the group are stacked into one `[G·bq, D]` operand
 BK keys `S = Q·Kᵀ` (sgemm), the row pass (`attention_rows.online_row`) and `acc += P·V` (sgemm, beta 1),
 then the rows are normalised into the output (`attention_rows.store_row`). Items are cut finer than
 `attention`'s (at least ITEMS of them, by the call's shape only), so that a few groups still spread
-over the threads. Which thread runs an item never changes its bytes; the item size can, by ulps (OpenBLAS
+over the threads. A step the executor runs inline (estimated under 150 µs: MiniLM at batch 1) runs its
+items here, one after another: after a projection on OpenBLAS's threads their spinning worker would
+share a core with the pool's (MiniLM batch 1, 16 sentences: attention 12.2 ms before, 14-18 on the
+pool, 10-12 inline). Which thread runs an item never changes its bytes; the item size can, by ulps (OpenBLAS
 picks its kernels by the product's size), and it is fixed by the shape. Measured on 2 cores, f32, against
 the NumPy steps on `split_work`: SmolLM2's prefill (3 groups of 3 heads, 128 queries, D 64) 803 -> 449 µs,
 Gemma-3's (1 group of 4 heads, D 256) 819 -> 522 µs, MiniLM's batch of 32 (384 groups of 24) 931 -> 780 µs.
@@ -39,8 +42,11 @@ FLOPS_PER_SECOND = 30e9  # one core's rate at these sizes (products and row pass
 
 
 def item_rows(n: int, sq: int, most: int) -> int:
-    """Queries per item for n groups of sq queries: at least ITEMS items in all where the groups are
-    fewer, a multiple of 16 up to `most`; fixed by the shape, never by the thread count."""
+    """Queries per item for n groups of sq queries: where the groups are fewer than ITEMS, a multiple of
+    16 that makes at least ITEMS items in all; otherwise whole groups of up to `most` queries. Fixed by
+    the shape, never by the thread count."""
+    if n >= ITEMS:
+        return min(most, sq)
     blocks = -(-ITEMS // n)
     return min(most, max(16, 16 * (sq // (16 * blocks))))
 
@@ -57,7 +63,7 @@ def attend(p: Problem, out: np.ndarray, bq_most: int, bk: int) -> bool:
     qblocks = -(-sq // bq)
     lo, hi = p.win.keys(0, sq)
     work = 4.0 * n * g * sq * max(1, hi - lo) * d
-    parts = spin.parts_for(work / FLOPS_PER_SECOND, n * qblocks)
+    parts = 1 if threads.MODE.inline else spin.parts_for(work / FLOPS_PER_SECOND, n * qblocks)
     slots = min(parts, threads.get_num_threads())
     rows = g * bq
     slot_floats = 2 * rows * d + 2 * rows + rows * min(bk, max(1, hi - lo))

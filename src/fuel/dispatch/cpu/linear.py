@@ -92,7 +92,7 @@ def _operands(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[np.ndarray
 def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """out <- a @ b + bias for f32/f64 (out has the inputs' dtype)."""
     va, vb, vo = _operands(a, b, out)
-    before_threaded_blas()
+    before_threaded_blas(va.shape[-2], vb.shape[-1], vb.shape[-2])
     np.matmul(va, vb, out=vo)
     np.add(out, bias, out=out)
 

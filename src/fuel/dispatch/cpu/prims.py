@@ -237,10 +237,10 @@ def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarr
             gemv(a.reshape(rows, a.shape[-1]), b, flat)
             y = flat.reshape(n.shape)
         else:
-            before_threaded_blas()
+            before_threaded_blas(rows, b.shape[1], b.shape[0])
             y = np.matmul(a.reshape(rows, a.shape[-1]), b, out=flat).reshape(n.shape)
     else:
-        before_threaded_blas()
+        before_threaded_blas(a.shape[-2], b.shape[-1], b.shape[-2])
         y = np.matmul(a, b, out=direct)
     return y if direct is not None else _copy_into(_store(y, n), out)
 
