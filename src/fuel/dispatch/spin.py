@@ -300,8 +300,10 @@ def _pool(workers: int) -> SpinPool:
 def parts_for(seconds: float, most: int) -> int:
     """How many parts to cut a job of this estimated one-core time into: 1 (run here) for small work, with
     one thread, inside `threads.serial()` or inside another pool's part."""
+    if seconds < SPIN_MIN_SECONDS:  # first: the common decode-sized call asks nothing else
+        return 1
     n = threads.get_num_threads()
-    if n <= 1 or seconds < SPIN_MIN_SECONDS or threads.MODE.forced or threads.MODE.nested:
+    if n <= 1 or threads.MODE.forced or threads.MODE.nested:
         return 1
     return max(1, min(most, PARTS_PER_THREAD * n))
 

@@ -29,9 +29,16 @@ class Window:
 
     def keys(self, i0: int, i1: int) -> tuple[int, int]:
         """Keys [lo, hi) some query in [i0, i1) may attend to (hi <= lo: none)."""
-        lo = 0 if self.left < 0 else max(0, i0 + self.kl - self.sq - self.left)
-        hi = self.kl if self.right < 0 else min(self.kl, i1 - 1 + self.kl - self.sq + self.right + 1)
-        return lo, hi
+        return window_keys(i0, i1, self.kl, self.sq, self.left, self.right)
+
+
+@njit(inline="always", cache=True)
+def window_keys(i0: int, i1: int, kl: int, sq: int, left: int, right: int) -> tuple[int, int]:
+    """Keys [lo, hi) some query in [i0, i1) may attend to, for kl live keys, sq queries and window sides
+    (-1: unbounded): `Window.keys`, callable from jitted code too."""
+    lo = 0 if left < 0 else max(0, i0 + kl - sq - left)
+    hi = kl if right < 0 else min(kl, i1 - 1 + kl - sq + right + 1)
+    return lo, hi
 
 
 def window_of(params: Any, sq: int, sk: int) -> Window:

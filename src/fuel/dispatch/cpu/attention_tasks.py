@@ -29,7 +29,7 @@ from numba import carray, njit
 from fuel.dispatch import spin, threads
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.atomics import claim_slot, pointer, release_slot
-from fuel.dispatch.cpu.attention_rows import FASTMATH, online_row, store_row
+from fuel.dispatch.cpu.attention_rows import FASTMATH, online_row, store_row, window_keys
 from fuel.dispatch.cpu.sgemm import sgemm
 
 if TYPE_CHECKING:
@@ -81,14 +81,6 @@ def attend(p: Problem, out: np.ndarray, bq_most: int, bk: int) -> bool:
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
-def _keys(i0: int, i1: int, kl: int, sq: int, left: int, right: int) -> tuple[int, int]:
-    """`Window.keys`: keys [lo, hi) some query in [i0, i1) may attend to."""
-    lo = 0 if left < 0 else max(0, i0 + kl - sq - left)
-    hi = kl if right < 0 else min(kl, i1 - 1 + kl - sq + right + 1)
-    return lo, hi
-
-
-@njit(inline="always", cache=True, fastmath=FASTMATH)
 def _item(v: Any, scale: Any, softcap: Any, base: int, grp: int, i0: int) -> None:
     """The item (group grp, queries [i0, i0 + bq)) in the scratch slot at `base`."""
     n, g, sq, sk, d, kl, left, right = v[GROUPS], v[HEADS], v[SQ], v[SK], v[D], v[KL], v[LEFT], v[RIGHT]
@@ -107,7 +99,7 @@ def _item(v: Any, scale: Any, softcap: Any, base: int, grp: int, i0: int) -> Non
     m[:] = -np.inf
     l[:] = 0
     slopes = carray(pointer(v[SLOPES], np.float32), (n, g))[grp:grp + 1]
-    lo, hi = _keys(i0, i1, kl, sq, left, right)
+    lo, hi = window_keys(i0, i1, kl, sq, left, right)
     for j0 in range(lo, hi, v[BK]):
         cols = min(hi, j0 + v[BK]) - j0
         rows_at = 4 * (grp * sk + j0) * d

@@ -44,15 +44,15 @@ from fuel.quant import QuantType
 def _tiles(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv: int) -> None:
     """Part `part` of the job at argv: its tiles, each dequantised row by row, then multiplied."""
     v = job(argv)
-    raw = carray(pointer(argv, np.int64), (WEIGHT + 2,))
-    rows = carray(pointer(raw[WEIGHT], np.uint8), (v[N], raw[WEIGHT + 1]))
+    fields = carray(pointer(argv, np.int64), (WEIGHT + 2,))  # W's own: its bytes' address, row bytes
+    raw = carray(pointer(fields[WEIGHT], np.uint8), (v[N], fields[WEIGHT + 1]))
     slot = claim_slot(v)
     tile = tile_of(v, slot)
     i0, i1 = part_tiles(v, part, parts)
     for i in range(i0, i1):
         r0, r1 = tile_span(v, i)
         for r in range(r0, r1):
-            dequant_row(block_fn, blk, bpb, rows[r], tile[r - r0])
+            dequant_row(block_fn, blk, bpb, raw[r], tile[r - r0])
         multiply_tile(v, slot, r0, r1)
     release_slot(v, slot)
 

@@ -132,7 +132,7 @@ def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: spin.Task) 
     if out is None:
         out = np.empty(np.shape(x), np.float32)
     flat, rows, cols, stride = _rows_of(x)
-    parts = spin.parts_for(rows * cols * SECONDS_PER_VALUE, rows if rows > 1 else max(1, cols // 4096))
+    parts = spin.parts_for(rows * cols * SECONDS_PER_VALUE, rows if rows > 1 else cols // 4096)
     if parts <= 1:
         kernel(flat, rows, cols, stride, out.reshape(-1))
         return out

@@ -65,11 +65,15 @@ def flipped(rows: int, n: int) -> bool:
     return rows <= FLIP_ROWS and n >= FLIP_MIN_N
 
 
+def _layout(a2: np.ndarray, n: int) -> tuple[int, int, int, np.ndarray | None]:
+    """(rows, k, tile rows, Aᵀ made contiguous where the tile is the left operand, else None)."""
+    rows, k = a2.shape
+    return rows, k, tile_rows(k, n), np.ascontiguousarray(a2.T) if flipped(rows, n) else None
+
+
 def tiled_product(a2: np.ndarray, n: int, fill: Fill, out: np.ndarray) -> None:
     """out [R, n] <- a2 [R, k] @ dequant(W)ᵀ, all f32 (a2 and out C-contiguous), W's rows from `fill`."""
-    rows, k = a2.shape
-    t = tile_rows(k, n)
-    a_t = np.ascontiguousarray(a2.T) if flipped(rows, n) else None
+    rows, k, t, a_t = _layout(a2, n)
 
     def part(tiles: range) -> None:
         tile = POOL.empty((t, k), F32)
@@ -96,12 +100,10 @@ def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight:
     address = threads.blas_sgemm_address()
     if not address:
         return False
-    rows, k = a2.shape
-    t = tile_rows(k, n)
+    rows, k, t, a_t = _layout(a2, n)
     tiles = -(-n // t)
     parts = spin.parts_for(2 * rows * n * k / FLOPS_PER_SECOND, tiles)
     slots = min(parts, threads.get_num_threads())
-    a_t = np.ascontiguousarray(a2.T) if flipped(rows, n) else None
     scratch = POOL.empty((slots, t, k), F32)
     flip_scratch = POOL.empty((slots, t, rows), F32) if a_t is not None else scratch
     claims = np.zeros(slots, np.int64)
