@@ -43,7 +43,11 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
         assert r["fuel_ms"] == ms[r["fuel_best_way"]] == min(ms["fuel"], ms["fuel_jit"])
         assert r["fuel_over_torch_deq_mm"] == pytest.approx(r["fuel_ms"] / ms["torch_deq_mm"])
         assert r["fuel_over_torch_mm"] == pytest.approx(r["fuel_ms"] / ms["torch_mm"])
-        assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["fuel_ms"])
+        assert ms["fuel_jit_weight_cold"] > 0
+        assert r["roofline_fraction_full_flush"] == pytest.approx(r["roofline_ms"] / r["fuel_ms"])
+        roof_ways = ("fuel", "fuel_jit", "fuel_jit_weight_cold") if m == 1 else ("fuel", "fuel_jit")
+        assert r["roofline_way"] in roof_ways
+        assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / min(ms[w] for w in roof_ways))
         assert isinstance(r["meets_ratio_target"], bool)
         assert (r["meets_roofline_target"] is None) == (m != 1)
         assert r["impls"] and not any(i.startswith("prim:") for i in r["impls"]), r["impls"]
@@ -69,6 +73,14 @@ def test_check_flags_a_mismatch() -> None:
     assert not bad["ok"] and bad["max_abs"] == pytest.approx(1e-2)
     assert not qc.check(want[:1], want, scale)["ok"]
     assert not qc.check(want * np.nan, want, scale)["ok"]
+
+
+def test_evict_leaves_values_alone() -> None:
+    a = np.arange(1000, dtype=np.float32)
+    b = np.arange(7, dtype=np.uint8)
+    before = a.copy(), b.copy()
+    qc.evict(a, b, np.empty(0, np.float32))
+    assert np.array_equal(a, before[0]) and np.array_equal(b, before[1])
 
 
 def test_read_bandwidth_is_measured() -> None:
