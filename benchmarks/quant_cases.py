@@ -133,7 +133,7 @@ def _x86_call(builder: Any, name: str, args: list[Any]) -> None:
 
 
 @intrinsic
-def _clflush(typingctx: Any, address: Any) -> Any:
+def _clflush_intrinsic(typingctx: Any, address: Any) -> Any:
     """Write back and drop the cache line holding the byte at `address`, from every level."""
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         _x86_call(builder, "clflush", [builder.inttoptr(args[0], _I8P)])
@@ -143,7 +143,7 @@ def _clflush(typingctx: Any, address: Any) -> Any:
 
 
 @intrinsic
-def _mfence(typingctx: Any) -> Any:
+def _mfence_intrinsic(typingctx: Any) -> Any:
     """Order the flushes before what follows."""
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         _x86_call(builder, "mfence", [])
@@ -152,6 +152,8 @@ def _mfence(typingctx: Any) -> Any:
     return types.void(), codegen
 
 
+_clflush: Any = _clflush_intrinsic  # Numba intrinsics, typed for their jitted callers only
+_mfence: Any = _mfence_intrinsic
 _CLFLUSH = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -257,7 +259,7 @@ def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[s
         import bitsandbytes.functional as bnbf
 
         packed, absmax = wt["fuel"]
-        weight_arrays = (packed.numpy(), absmax.numpy())
+        weight_arrays: tuple[np.ndarray, ...] = (packed.numpy(), absmax.numpy())
         q, state = wt["bnb"]
 
         def build() -> fl.Tensor:
