@@ -9,7 +9,8 @@ import torch
 
 import fuel as fl
 from fuel.dispatch.cpu import gguf as kernel_module
-from fuel.dispatch.cpu import weight_tiles
+from fuel.dispatch.cpu import gguf_decode, weight_tiles
+from fuel.dispatch.cpu.simd16 import LUT16
 from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
@@ -250,6 +251,31 @@ def test_decode_kernel_same_bytes_on_any_threads(qt: QuantType, m: int) -> None:
             kernel_module.gemv(qt, a, raw, out)
             results.append(out.tobytes())
     assert len(set(results)) == 1
+
+
+@pytest.mark.parametrize("qt", [QuantType.Q4_0, QuantType.Q4_1], ids=lambda q: q.ggml_name)
+@pytest.mark.parametrize("tables", [False, True] if LUT16 else [False])
+def test_table_and_portable_decoders_both_match(qt: QuantType, tables: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-row decoding by table (AVX-512 hosts: lanes in another order, the activations permuted to it)
+    and by the portable widening both match float64, exact on identity rows, bit-stable across threads."""
+    monkeypatch.setattr(gguf_decode, "USE_TABLES", tables)
+    k, n = 4096 + 64, 37
+    raw, _, deq = weight(23, qt, n, k)
+    a = np.random.default_rng(24).standard_normal((1, k)).astype(np.float32)
+    results = []
+    for threads in thread_counts():
+        with numba_threads(threads):
+            out = np.zeros((1, n), np.float32)
+            kernel_module.gemv(qt, a, raw, out)
+            results.append(out.tobytes())
+    assert len(set(results)) == 1
+    check(out, a, deq)
+    for i in (0, 5, 16, 31, 40, k - 1):
+        unit = np.zeros((1, k), np.float32)
+        unit[0, i] = 1
+        kernel_module.gemv(qt, unit, raw, out)
+        np.testing.assert_array_equal(out[0], deq[:, i])
 
 
 def test_jit_replay_of_a_decode_step_equals_realize() -> None:

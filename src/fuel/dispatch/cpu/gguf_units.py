@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from fuel.dispatch.cpu.simd16 import bytes16, codes, f16_at, muls, muls2, u32_at, vstore
+from fuel.dispatch.cpu.simd16 import bytes16, codes, f16_at, muls, muls2, nibble_codes, nibble_lanes, u32_at, vstore
 
 Z = np.float32(0)
 
@@ -33,6 +33,24 @@ _u32le = u32_at  # the little-endian word at a byte offset (hosts Numba targets 
 def _v_q4_0(row: Any, o: int, j: int, sc: Any) -> Any:
     d = f16_at(row, o)
     return codes(row, o + 2, 0, 15, 0, 0, 0, 0, 8, 0), codes(row, o + 2, 4, 15, 0, 0, 0, 0, 8, 0), d, d, Z, Z
+
+
+# The table decoders (`simd16.nibble_codes`, AVX-512): the same codes, scales and offsets, the lanes in
+# another order; `UNIT_ORDER_*[t]` is the element of lane t (t < 16: the first vector, else the second),
+# the order the activations are permuted into for them (Q4_0 and Q4_1 share their code layout).
+UNIT_ORDER_Q4_0 = np.array([half + b + 16 * h for half in (0, 8) for b, h in nibble_lanes()])
+
+
+@njit(inline="always", cache=True)
+def _t_q4_0(row: Any, o: int, j: int, sc: Any) -> Any:
+    d = f16_at(row, o)
+    return nibble_codes(row, o + 2, 8), nibble_codes(row, o + 10, 8), d, d, Z, Z
+
+
+@njit(inline="always", cache=True)
+def _t_q4_1(row: Any, o: int, j: int, sc: Any) -> Any:
+    d, m = f16_at(row, o), f16_at(row, o + 2)
+    return nibble_codes(row, o + 4, 0), nibble_codes(row, o + 12, 0), d, d, m, m
 
 
 @njit(inline="always", cache=True)
