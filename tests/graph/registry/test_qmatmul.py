@@ -253,14 +253,14 @@ def test_decode_kernel_same_bytes_on_any_threads(qt: QuantType, m: int) -> None:
     assert len(set(results)) == 1
 
 
-@pytest.mark.parametrize("qt", [QuantType.Q4_0, QuantType.Q4_1], ids=lambda q: q.ggml_name)
+@pytest.mark.parametrize("qt", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4K], ids=lambda q: q.ggml_name)
 @pytest.mark.parametrize("tables", [False, True] if LUT16 else [False])
 def test_table_and_portable_decoders_both_match(qt: QuantType, tables: bool,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """One-row decoding by table (AVX-512 hosts: lanes in another order, the activations permuted to it)
     and by the portable widening both match float64, exact on identity rows, bit-stable across threads."""
     monkeypatch.setattr(gguf_decode, "USE_TABLES", tables)
-    k, n = 4096 + 64, 37
+    k, n = 4096 + (64 if qt.block_elements == 32 else 256), 37
     raw, _, deq = weight(23, qt, n, k)
     a = np.random.default_rng(24).standard_normal((1, k)).astype(np.float32)
     results = []
@@ -271,7 +271,7 @@ def test_table_and_portable_decoders_both_match(qt: QuantType, tables: bool,
             results.append(out.tobytes())
     assert len(set(results)) == 1
     check(out, a, deq)
-    for i in (0, 5, 16, 31, 40, k - 1):
+    for i in (0, 5, 16, 31, 40, 63, 100, 255, k - 1):
         unit = np.zeros((1, k), np.float32)
         unit[0, i] = 1
         kernel_module.gemv(qt, unit, raw, out)

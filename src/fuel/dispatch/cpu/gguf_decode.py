@@ -20,18 +20,21 @@ from fuel.dispatch.cpu.gguf_gemv import (
     FACTOR_BIAS,
     SHARED,
     SUPER,
+    activations_as_given,
     block_sums,
     bpair,
     chunk_count,
     fill_gemv_args,
     gemv_args,
     kpair,
+    kpair_q4k_table,
     part_chunks,
     rows_many,
     rows_one,
 )
 from fuel.dispatch.cpu.gguf_units import (
     UNIT_ORDER_Q4_0,
+    UNIT_ORDER_Q4K,
     _p_none,
     _p_q2k,
     _p_q3k,
@@ -67,7 +70,7 @@ def _q4_0_one(part: int, parts: int, argv: int) -> None:
 @task()
 def _q4_0_one_table(part: int, parts: int, argv: int) -> None:
     a, w, out = gemv_args(argv)
-    sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
+    sx, x, row = block_sums(activations_as_given(a), SHARED), a.reshape(a.size), w.reshape(w.size)
     for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_t_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
 
@@ -90,7 +93,7 @@ def _q4_1_one(part: int, parts: int, argv: int) -> None:
 @task()
 def _q4_1_one_table(part: int, parts: int, argv: int) -> None:
     a, w, out = gemv_args(argv)
-    sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    sx, x, row = block_sums(activations_as_given(a), SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_t_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
 
@@ -200,6 +203,15 @@ def _q4k_one(part: int, parts: int, argv: int) -> None:
         rows_one(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, kpair)
 
 
+@task()
+def _q4k_one_table(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
+    kind = SUPER | SHARED | BIAS | FACTOR_BIAS
+    sx, x, row = block_sums(activations_as_given(a), kind), a.reshape(a.size), w.reshape(w.size)
+    for c in range(*part_chunks(part, parts, w.shape[0])):
+        rows_one(_v_q4k, _p_q45k, 144, kind, a, w, out, c, sx, x, row, kpair_q4k_table)
+
+
 @row_kernel()
 def _q4k_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
@@ -255,24 +267,26 @@ KERNELS: dict[QuantType, tuple[Any, Any]] = {
 # One-row kernels decoding 4-bit codes by table (AVX-512 hosts), with the order their lanes hold a unit's
 # elements in: they read the activations permuted to it. The same products and sums as the kernels in
 # KERNELS, each lane's elements in another order: 4096² Q4_0 at R = 1 in 0.43 ms warm and 0.53 ms from
-# memory against 0.49 and 0.59 (interleaved medians, two threads). Q4_K's codes (one nibble of 32 bytes)
-# gained nothing by table, so it keeps `codes`.
+# memory against 0.49 and 0.59 (interleaved medians, two threads). Q4_K goes by unit pairs (the low and
+# high nibbles of the same bytes: `gguf_gemv.kpair_q4k_table`).
 TABLE_KERNELS: dict[QuantType, tuple[Any, np.ndarray]] = {
     QuantType.Q4_0: (_q4_0_one_table, UNIT_ORDER_Q4_0),
     QuantType.Q4_1: (_q4_1_one_table, UNIT_ORDER_Q4_0),
+    QuantType.Q4K: (_q4k_one_table, UNIT_ORDER_Q4K),
 }
 USE_TABLES = LUT16  # tests turn it off to run the portable kernels on the same host
 
 
 @njit(cache=True)
 def _permuted(a: Any, order: Any) -> Any:
-    """a [1, k] with each 32 elements in `order` (order[t]: the element that goes to place t)."""
+    """[a with each order.size elements in `order` (order[t]: the element that goes to place t); a]."""
     x = a.reshape(a.size)
-    out = np.empty_like(a)
-    o = out.reshape(out.size)
-    for u in range(0, x.size, 32):
-        for t in range(32):
-            o[u + t] = x[u + order[t]]
+    out = np.empty((2, x.size), np.float32)
+    g = order.size
+    for u in range(0, x.size, g):
+        for t in range(g):
+            out[0, u + t] = x[u + order[t]]
+    out[1] = x
     return out
 
 
@@ -290,7 +304,7 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         return
     if USE_TABLES and qt in TABLE_KERNELS:
         one, order = TABLE_KERNELS[qt]
-        a = _permuted(a, order)
+        a = _permuted(a, order)[:1]  # the row after it, x as given, is read for the block sums
     argv = np.empty(6, np.int64)
     fill_gemv_args(a, w, out, argv)
     n = w.shape[0]

@@ -35,7 +35,22 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.dispatch.cpu.atomics import pointer
-from fuel.dispatch.cpu.simd16 import adds, fma, fmas, hi8, hsum, muls, prefetch, stack_f32, vadd, vload, vmul, vzero
+from fuel.dispatch.cpu.simd16 import (
+    adds,
+    fma,
+    fmas,
+    hi8,
+    hsum,
+    muls,
+    nibble_codes,
+    pair_scales,
+    prefetch,
+    stack_f32,
+    vadd,
+    vload,
+    vmul,
+    vzero,
+)
 
 DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
 CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
@@ -185,6 +200,39 @@ def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
 
 
 @njit(inline="always", cache=True)
+def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any,
+                     so: int) -> Any:
+    """`_super` for Q4_K by table (`simd16.nibble_codes`): its unit pairs 2p, 2p + 1 (the low and high
+    nibbles of the same 32 bytes) as four 16-lane vectors, each lane scaled by its unit's scale; x holds
+    each 64 activations in `gguf_units.UNIT_ORDER_Q4K` order."""
+    for t in range(0, 144, 64):
+        prefetch(row, o + PF + t)
+    prep(row, o, sc)
+    for p in range(4):
+        src, xp = o + 16 + 32 * p, xo + 64 * p
+        inner = vmul(nibble_codes(row, src, 0), vload(x, xp))
+        inner = fma(nibble_codes(row, src + 8, 0), vload(x, xp + 16), inner)
+        inner = fma(nibble_codes(row, src + 16, 0), vload(x, xp + 32), inner)
+        inner = fma(nibble_codes(row, src + 24, 0), vload(x, xp + 48), inner)
+        acc = fma(pair_scales(sc, 2 * p), inner, acc)
+    return acc, fma(hi8(vload(sc, 0)), vload(sx, so), mv)
+
+
+@njit(inline="always", cache=True)
+def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
+                    sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
+    """`kpair` for Q4_K by table (vals and kind unused: the decoding is `_super_q4k_table`'s)."""
+    a0 = vzero()
+    a1 = vzero()
+    m0 = vzero()
+    m1 = vzero()
+    for b in range(k // 256):
+        a0, m0 = _super_q4k_table(prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
+        a1, m1 = _super_q4k_table(prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+    return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
+
+
+@njit(inline="always", cache=True)
 def bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
            sc: Any, sc1: Any) -> tuple[Any, Any]:
     """32-element block W rows rb and rb1 dotted with x (R = 1)."""
@@ -271,6 +319,12 @@ def fill_gemv_args(a: Any, w: Any, out: Any, argv: Any) -> None:
     """argv <- the addresses and sizes `gemv_args` reads: a [1, k] f32, w [n, row bytes] u8, out [1, n] f32."""
     argv[0], argv[1], argv[2] = a.ctypes.data, a.shape[1], w.ctypes.data
     argv[3], argv[4], argv[5] = w.shape[0], w.shape[1], out.ctypes.data
+
+
+@njit(inline="always", cache=True)
+def activations_as_given(a: Any) -> Any:
+    """The row after a [1, k] in memory: the table kernels' activations in their own order, as given."""
+    return carray(pointer(a.ctypes.data + 4 * a.shape[1], np.float32), a.shape)
 
 
 @njit(inline="always", cache=True)

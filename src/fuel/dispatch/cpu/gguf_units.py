@@ -39,6 +39,9 @@ def _v_q4_0(row: Any, o: int, j: int, sc: Any) -> Any:
 # another order; `UNIT_ORDER_*[t]` is the element of lane t (t < 16: the first vector, else the second),
 # the order the activations are permuted into for them (Q4_0 and Q4_1 share their code layout).
 UNIT_ORDER_Q4_0 = np.array([half + b + 16 * h for half in (0, 8) for b, h in nibble_lanes()])
+# Q4_K by unit pairs (`gguf_gemv._super_q4k_table`): of 64 activations, byte b's low nibble meets element
+# b of the first unit, its high nibble element b of the second.
+UNIT_ORDER_Q4K = np.array([half + b + 32 * h for half in (0, 8, 16, 24) for b, h in nibble_lanes()])
 
 
 @njit(inline="always", cache=True)

@@ -149,6 +149,18 @@ def _nibble_codes(typingctx: Any, src: Any, off: Any, sub: Any) -> Any:
 
 
 @intrinsic
+def _pair_scales(typingctx: Any, sc: Any, i: Any) -> Any:
+    """sc[i] in the lanes `nibble_codes` fills from low nibbles, sc[i + 1] in those from high nibbles."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        two = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_F32, 2)),
+                           align=4)
+        return builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, _W), [h for _, h in nibble_lanes()]))
+
+    return VEC(sc, i), codegen
+
+
+@intrinsic
 def _bytes16(typingctx: Any, w0: Any, w1: Any, w2: Any, w3: Any, sub: Any) -> Any:
     """The 16 bytes of four little-endian 32-bit words, each less sub, as exact floats (8-bit lanes)."""
 
@@ -368,6 +380,7 @@ def _stack_f32_intrinsic(typingctx: Any, size: Any) -> Any:
 # Typed as Any: Numba fills in the typing context when jitted code calls an intrinsic.
 codes: Any = _codes
 nibble_codes: Any = _nibble_codes
+pair_scales: Any = _pair_scales
 bytes16: Any = _bytes16
 f16_at: Any = _f16_intrinsic
 u32_at: Any = _u32_intrinsic
