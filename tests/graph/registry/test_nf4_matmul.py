@@ -13,6 +13,7 @@ from threadpoolctl import threadpool_limits
 
 import fuel as fl
 from fuel.dispatch.cpu import nf4 as nf4_kernels
+from fuel.dispatch.cpu.nibble_tables import LUT16
 from fuel.dtype import DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.nf4_matmul import Nf4MatmulParams, decompose, dequantize
@@ -263,6 +264,33 @@ def test_same_bytes_with_one_and_two_threads(rows: int, bs: int, transpose: bool
         with numba_threads(threads), threadpool_limits(threads, "blas"):
             outs.append(output_for(ENTRY, impl, [x, packed, absmax], Nf4MatmulParams(bs, transpose)).tobytes())
     assert len(set(outs)) == 1
+
+
+@pytest.mark.parametrize("bs", [32, 64, 128])
+@pytest.mark.parametrize("table", [False, True] if LUT16 else [False])
+def test_one_row_by_table_and_portable_both_match(bs: int, table: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One activation row by table (AVX-512 hosts: codes looked up 8 bytes at a time, the activations
+    permuted to the lanes' order, each block's absmax applied to its sum) and by the portable path: both
+    match float64, give bitsandbytes' values on identity rows, and the same bytes on any thread count."""
+    monkeypatch.setattr(nf4_kernels, "USE_TABLE", table)
+    rng = np.random.default_rng(31)
+    n, k = 37, 4096 + bs
+    packed, absmax = _weight(rng, n, k, bs)
+    x = _act(rng, (1, k), DType.F32)
+    outs = []
+    for threads in thread_counts():
+        with numba_threads(threads):
+            out = np.empty((1, n), np.float32)
+            nf4_kernels._forward(x, packed, absmax, bs, out)
+            outs.append(out.tobytes())
+    assert len(set(outs)) == 1
+    check(out, x, packed, absmax, bs, DType.F32)
+    deq = np.asarray(NF4, np.float32)[nf4_codes(packed)] * np.repeat(absmax, bs, axis=1)  # bnb: one rounding
+    for i in (0, 1, 14, 15, 16, 17, bs - 1, bs, k - 2, k - 1):
+        unit = np.zeros((1, k), np.float32)
+        unit[0, i] = 1
+        nf4_kernels._forward(unit, packed, absmax, bs, out)
+        np.testing.assert_array_equal(out[0], deq[:, i])
 
 
 def test_jit_decode_step_replays_without_a_dequantised_tile(monkeypatch: pytest.MonkeyPatch) -> None:

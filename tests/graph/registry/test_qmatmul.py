@@ -10,7 +10,7 @@ import torch
 import fuel as fl
 from fuel.dispatch.cpu import gguf as kernel_module
 from fuel.dispatch.cpu import gguf_decode, weight_tiles
-from fuel.dispatch.cpu.simd16 import LUT16
+from fuel.dispatch.cpu.nibble_tables import LUT16
 from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType

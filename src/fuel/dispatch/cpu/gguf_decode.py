@@ -54,7 +54,7 @@ from fuel.dispatch.cpu.gguf_units import (
     _v_q8_0,
     _v_q8_1,
 )
-from fuel.dispatch.cpu.simd16 import LUT16
+from fuel.dispatch.cpu.nibble_tables import LUT16
 from fuel.dispatch.spin import task
 from fuel.quant import QuantType
 

@@ -35,6 +35,7 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.dispatch.cpu.atomics import pointer
+from fuel.dispatch.cpu.nibble_tables import nibble_codes, pair_scales
 from fuel.dispatch.cpu.simd16 import (
     adds,
     fma,
@@ -42,8 +43,6 @@ from fuel.dispatch.cpu.simd16 import (
     hi8,
     hsum,
     muls,
-    nibble_codes,
-    pair_scales,
     prefetch,
     stack_f32,
     vadd,

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from fuel.dispatch.cpu.simd16 import bytes16, codes, f16_at, muls, muls2, nibble_codes, nibble_lanes, u32_at, vstore
+from fuel.dispatch.cpu.nibble_tables import nibble_codes, nibble_lanes
+from fuel.dispatch.cpu.simd16 import bytes16, codes, f16_at, muls, muls2, u32_at, vstore
 
 Z = np.float32(0)
 

@@ -116,50 +116,6 @@ def _codes(typingctx: Any, src: Any, off: Any, sh: Any, mask: Any, hi: Any, hsh:
     return VEC(src, off, sh, mask, hi, hsh, hmask, hshl, sub, mode), codegen
 
 
-LUT16 = bool(binding.get_host_cpu_features().get("avx512f"))  # `nibble_codes` needs a 16-float vpermps
-
-
-def nibble_lanes() -> list[tuple[int, int]]:
-    """`nibble_codes`' lane j as (byte, nibble): which of the 8 bytes, and its low (0) or high (1) nibble."""
-    return [(4 * (j % 2) + j // 4, (j // 2) % 2) for j in range(_W)]
-
-
-@intrinsic(prefer_literal=True)
-def _nibble_codes(typingctx: Any, src: Any, off: Any, sub: Any) -> Any:
-    """The 16 four-bit codes of the 8 bytes at src[off], less sub, as exact floats, by table (AVX-512
-    only): the two 32-bit words spread over the lanes, one shift each (lane j: word j % 2 >> 4·(j // 2))
-    and one vpermps of the 16-float table, where `codes` widens bytes to 32-bit lanes and converts them
-    (two 512-bit operations). Lanes hold the codes in `nibble_lanes` order, so the activations they meet
-    are permuted to match. sub a literal."""
-    if not isinstance(sub, types.IntegerLiteral):
-        return None
-    less = int(sub.literal_value)
-    v16 = ir.VectorType(_I32, _W)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        words = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_I32, 2)),
-                             align=1)
-        spread = builder.shuffle_vector(words, words, ir.Constant(v16, [j % 2 for j in range(_W)]))
-        index = builder.lshr(spread, ir.Constant(v16, [4 * (j // 2) for j in range(_W)]))
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, v16]),
-                                            "llvm.x86.avx512.permvar.sf.512")
-        return builder.call(fn, [ir.Constant(_VF, [float(i - less) for i in range(16)]), index])
-
-    return VEC(src, off, sub), codegen
-
-
-@intrinsic
-def _pair_scales(typingctx: Any, sc: Any, i: Any) -> Any:
-    """sc[i] in the lanes `nibble_codes` fills from low nibbles, sc[i + 1] in those from high nibbles."""
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        two = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_F32, 2)),
-                           align=4)
-        return builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, _W), [h for _, h in nibble_lanes()]))
-
-    return VEC(sc, i), codegen
-
-
 @intrinsic
 def _bytes16(typingctx: Any, w0: Any, w1: Any, w2: Any, w3: Any, sub: Any) -> Any:
     """The 16 bytes of four little-endian 32-bit words, each less sub, as exact floats (8-bit lanes)."""
@@ -379,8 +335,6 @@ def _stack_f32_intrinsic(typingctx: Any, size: Any) -> Any:
 
 # Typed as Any: Numba fills in the typing context when jitted code calls an intrinsic.
 codes: Any = _codes
-nibble_codes: Any = _nibble_codes
-pair_scales: Any = _pair_scales
 bytes16: Any = _bytes16
 f16_at: Any = _f16_intrinsic
 u32_at: Any = _u32_intrinsic
