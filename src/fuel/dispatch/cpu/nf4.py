@@ -42,8 +42,8 @@ from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.nibble_tables import LUT16, nibble_lanes, nibble_lookup
-from fuel.dispatch.cpu.simd16 import fma, fmas, hsum, vload, vmul, vzero
+from fuel.dispatch.cpu.nf4_table import decode_table, table_args
+from fuel.dispatch.cpu.nibble_tables import LUT16
 from fuel.dispatch.cpu.weight_tiles import (
     WEIGHT,
     N,
@@ -255,57 +255,15 @@ def _decode(part: int, parts: int, argv: int) -> None:
 WEIGHTS_PER_SECOND = 10e9
 
 
-# An NF4 byte holds elements 2b (high nibble) and 2b + 1: the element of `nibble_lanes`' lane j, 8 bytes.
-_TABLE_ORDER = np.array([2 * b + 1 - h for b, h in nibble_lanes()])
-USE_TABLE = LUT16  # tests turn it off to run the portable one-row path on the same host
-
-
-@njit(cache=True)
-def _table_args(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: Any) -> Any:
-    """The one activation row permuted to `_TABLE_ORDER` by 16 elements, and argv as `_decode_args`'."""
-    k = a.shape[1]
-    xp = np.empty(k, np.float32)
-    for u in range(0, k, 16):
-        for t in range(16):
-            xp[u + t] = a[0, u + _TABLE_ORDER[t]]
-    argv[0], argv[1], argv[2], argv[3], argv[4] = xp.ctypes.data, 1, w.shape[1], w.ctypes.data, w.shape[0]
-    argv[5], argv[6], argv[7], argv[8], argv[9] = absmax.ctypes.data, absmax.shape[1], lut.ctypes.data, \
-        out.ctypes.data, bs
-    return xp
-
-
-@spin.task()
-def _decode_table(part: int, parts: int, argv: int) -> None:
-    """`_decode` for one activation row by table (`nibble_tables`, AVX-512): each block's codes looked up
-    8 bytes at a time, dotted with the permuted activations, the block's absmax applied once to their
-    sum (where the portable path scales every value)."""
-    v = carray(pointer(argv, np.int64), (10,))
-    kh, n, nb, bs = v[2], v[4], v[6], v[9]
-    x = carray(pointer(v[0], np.float32), (2 * kh,))
-    w = carray(pointer(v[3], np.uint8), (n * kh,))
-    absmax = carray(pointer(v[5], np.float32), (n * nb,))
-    table = vload(carray(pointer(v[7], np.float32), (16,)), 0)
-    out = carray(pointer(v[8], np.float32), (1, n))
-    chunks = chunk_count(n)
-    for c in range(part * chunks // parts, (part + 1) * chunks // parts):
-        lo, hi = chunk_bounds(c, n, chunks)
-        for r in range(lo, hi):
-            acc = vzero()
-            for b in range(nb):
-                o, xo = r * kh + b * bs // 2, b * bs
-                inner = vmul(nibble_lookup(w, o, table), vload(x, xo))
-                for s in range(1, bs // 16):
-                    inner = fma(nibble_lookup(w, o + 8 * s, table), vload(x, xo + 16 * s), inner)
-                acc = fmas(absmax[r * nb + b], inner, acc)
-            out[0, r] = hsum(acc)
+USE_TABLE = LUT16  # one row by table (`nf4_table`); tests turn it off to run the portable path here too
 
 
 def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
     """The decode path (rows <= DECODE_MAX_ROWS) on the spinning pool."""
     argv = np.empty(10, np.int64)
     if USE_TABLE and x.shape[0] == 1:
-        keep = _table_args(x, w, absmax, _LUT, out, bs, argv)
-        spin.run(_decode_table, argv, spin.parts_for(w.shape[0] * x.shape[1] / WEIGHTS_PER_SECOND,
+        keep = table_args(x, w, absmax, _LUT, out, bs, argv)  # the permuted row, alive until the job ends
+        spin.run(decode_table, argv, spin.parts_for(w.shape[0] * x.shape[1] / WEIGHTS_PER_SECOND,
                                                      chunk_count(w.shape[0])))
         del keep
         return
