@@ -3,8 +3,9 @@
 Two paths, chosen by the number of activation rows R (batch dims folded in: the weight is shared):
 - R <= DECODE_ROWS (decode): `gguf_gemv`, one pass over the weight bytes, rows of W in fixed parallel
   chunks. Each 32 weights' integer codes are widened to exact floats in registers straight from the
-  packed bytes and dotted with the activations, the block scale factored out where the block shares one
-  (see that module). No dequantised weight exists anywhere, and each output is one thread's fixed
+  packed bytes (one row of Q4_0, Q4_1 or Q4_K on an AVX-512 host: looked up by table, `nibble_tables`)
+  and dotted with the activations, the block scale factored out where the block shares one (see that
+  module). No dequantised weight exists anywhere, and each output is one thread's fixed
   sequence of f32 operations: the bytes never depend on the thread count.
 - larger R: tiles of W rows are dequantised (`gguf_blocks.dequantize_rows_into`) into a reused f32
   scratch and each goes through one OpenBLAS sgemm (`weight_tiles`); tiles are fixed by the weight's

@@ -11,7 +11,8 @@ Two paths, chosen by shape:
 - decode (at most `DECODE_MAX_ROWS` activation rows, forward only): the activation rows are split
   once into their even and odd k, then each output column streams its packed weight row once and
   accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
-  tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks.
+  tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks. One
+  activation row on an AVX-512 host goes by table instead (`nf4_table`: 0.37 against 0.54 ms warm).
 - tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile one
   one-thread OpenBLAS GEMM, the tiles split over fuel's threads (`weight_tiles`). The transposed product
   `g @ W` of the gradient dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each
