@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from fuel.dispatch import spin
 from fuel.dispatch.cpu.driver import row_kernel
@@ -54,7 +54,7 @@ from fuel.dispatch.cpu.gguf_units import (
     _v_q8_0,
     _v_q8_1,
 )
-from fuel.dispatch.cpu.nibble_tables import LUT16
+from fuel.dispatch.cpu.nibble_tables import LUT16, permuted
 from fuel.dispatch.spin import task
 from fuel.quant import QuantType
 
@@ -277,19 +277,6 @@ TABLE_KERNELS: dict[QuantType, tuple[Any, np.ndarray]] = {
 USE_TABLES = LUT16  # tests turn it off to run the portable kernels on the same host
 
 
-@njit(cache=True)
-def _permuted(a: Any, order: Any) -> Any:
-    """[a with each order.size elements in `order` (order[t]: the element that goes to place t); a]."""
-    x = a.reshape(a.size)
-    out = np.empty((2, x.size), np.float32)
-    g = order.size
-    for u in range(0, x.size, g):
-        for t in range(g):
-            out[0, u + t] = x[u + order[t]]
-    out[1] = x
-    return out
-
-
 # One core decodes and multiplies about this many weights a second at R = 1 (10-15 G measured).
 WEIGHTS_PER_SECOND = 12e9
 
@@ -304,7 +291,7 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         return
     if USE_TABLES and qt in TABLE_KERNELS:
         one, order = TABLE_KERNELS[qt]
-        a = _permuted(a, order)[:1]  # the row after it, x as given, is read for the block sums
+        a = permuted(a, order)[:1]  # the row after it, x as given, is read for the block sums
     argv = np.empty(6, np.int64)
     fill_gemv_args(a, w, out, argv)
     n = w.shape[0]

@@ -203,7 +203,7 @@ def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
 @njit(inline="always", cache=True)
 def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any,
                      so: int) -> Any:
-    """`_super` for Q4_K by table (`simd16.nibble_codes`): its unit pairs 2p, 2p + 1 (the low and high
+    """`_super` for Q4_K by table (`nibble_tables.nibble_codes`): its unit pairs 2p, 2p + 1 (the low and high
     nibbles of the same 32 bytes) as four 16-lane vectors, each lane scaled by its unit's scale; x holds
     each 64 activations in `gguf_units.UNIT_ORDER_Q4K` order."""
     for t in range(0, 144, 64):

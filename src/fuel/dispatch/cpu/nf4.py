@@ -43,8 +43,8 @@ from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.nf4_table import decode_table, table_args
-from fuel.dispatch.cpu.nibble_tables import LUT16
+from fuel.dispatch.cpu.nf4_table import TABLE_ORDER, decode_table, table_args
+from fuel.dispatch.cpu.nibble_tables import LUT16, permuted
 from fuel.dispatch.cpu.weight_tiles import (
     WEIGHT,
     N,
@@ -263,10 +263,10 @@ def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out:
     """The decode path (rows <= DECODE_MAX_ROWS) on the spinning pool."""
     argv = np.empty(10, np.int64)
     if USE_TABLE and x.shape[0] == 1:
-        keep = table_args(x, w, absmax, _LUT, out, bs, argv)  # the permuted row, alive until the job ends
+        xp = permuted(x, TABLE_ORDER)  # alive until the job ends
+        table_args(xp, w, absmax, _LUT, out, bs, argv)
         spin.run(decode_table, argv, spin.parts_for(w.shape[0] * x.shape[1] / WEIGHTS_PER_SECOND,
                                                      chunk_count(w.shape[0])))
-        del keep
         return
     split = _decode_args(x, w, absmax, _LUT, out, bs, argv)
     n = w.shape[0]

@@ -22,21 +22,15 @@ from fuel.dispatch.cpu.nibble_tables import nibble_lanes, nibble_lookup
 from fuel.dispatch.cpu.simd16 import fma, fmas, hsum, vload, vmul, vzero
 
 # An NF4 byte holds elements 2b (high nibble) and 2b + 1: the element of `nibble_lanes`' lane j, 8 bytes.
-_TABLE_ORDER = np.array([2 * b + 1 - h for b, h in nibble_lanes()])
+TABLE_ORDER = np.array([2 * b + 1 - h for b, h in nibble_lanes()])
 
 
 @njit(cache=True)
-def table_args(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: Any) -> Any:
-    """The one activation row permuted to `_TABLE_ORDER` by 16 elements, and argv as `nf4._decode_args`'."""
-    k = a.shape[1]
-    xp = np.empty(k, np.float32)
-    for u in range(0, k, 16):
-        for t in range(16):
-            xp[u + t] = a[0, u + _TABLE_ORDER[t]]
+def table_args(xp: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: Any) -> None:
+    """argv as `nf4._decode_args`' for `decode_table`, xp the activation row permuted to `TABLE_ORDER`."""
     argv[0], argv[1], argv[2], argv[3], argv[4] = xp.ctypes.data, 1, w.shape[1], w.ctypes.data, w.shape[0]
     argv[5], argv[6], argv[7], argv[8], argv[9] = absmax.ctypes.data, absmax.shape[1], lut.ctypes.data, \
         out.ctypes.data, bs
-    return xp
 
 
 @spin.task()

@@ -5,16 +5,18 @@ The portable decoders (`simd16.codes`) widen 16 code bytes to 32-bit lanes and c
 the 8 bytes holding 16 nibbles are spread over the 16 lanes as their two 32-bit words, each lane shifted
 to bring its nibble to the low 4 bits, and one vpermps (which reads only those 4 bits) looks the codes up:
 one shift and one permute for 16 codes. The lanes then hold the nibbles in `nibble_lanes` order, not
-element order, so the activations a kernel dots them with are permuted once a call to match. Every value
-is the one the portable path computes; only which lane sums which products differs.
+element order, so the activations a kernel dots them with are permuted once a call to match
+(`permuted`). GGUF's table kernels compute every value the portable path does, only which lane sums which
+products differs; NF4's applies each block's absmax to the block's sum (`nf4_table`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from llvmlite import binding, ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -26,6 +28,20 @@ LUT16 = bool(binding.get_host_cpu_features().get("avx512f"))  # the 16-float vpe
 def nibble_lanes() -> list[tuple[int, int]]:
     """`nibble_codes`' lane j as (byte, nibble): which of the 8 bytes, and its low (0) or high (1) nibble."""
     return [(4 * (j % 2) + j // 4, (j // 2) % 2) for j in range(_W)]
+
+
+@njit(cache=True)
+def permuted(a: Any, order: Any) -> Any:
+    """[a's one row with each order.size elements in `order` (order[t]: the element that goes to place t);
+    the row as given] as a [2, k] f32 array: a table kernel reads the first, and block sums the second."""
+    x = a.reshape(a.size)
+    out = np.empty((2, x.size), np.float32)
+    g = order.size
+    for u in range(0, x.size, g):
+        for t in range(g):
+            out[0, u + t] = x[u + order[t]]
+    out[1] = x
+    return out
 
 
 def _nibble_index(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:
