@@ -1,5 +1,6 @@
-"""The tiled product of a compressed weight's rows (QMatMul's and Nf4Matmul's many-row path), in both
-operand orders, on the spinning pool and on Python threads, against torch float64."""
+"""The tiled product of a compressed weight's rows (QMatMul's and Nf4Matmul's many-row path), by fuel's own
+tile kernel and by OpenBLAS in both operand orders, on the spinning pool and on Python threads, against
+torch float64. The own kernel runs on any host here (on one without AVX-512 only slower)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ def _product(a: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+@pytest.fixture(params=[True, False], ids=["own", "openblas"])
+def own(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each test once with fuel's tile kernel and once with OpenBLAS's sgemm."""
+    monkeypatch.setattr(weight_tiles, "OWN_KERNEL", request.param)
+    return bool(request.param)
+
+
 def test_operand_order_by_shape() -> None:
     assert weight_tiles.flipped(1, 4096) and weight_tiles.flipped(weight_tiles.FLIP_ROWS, weight_tiles.FLIP_MIN_N)
     assert not weight_tiles.flipped(weight_tiles.FLIP_ROWS + 1, 4096)
@@ -42,7 +50,7 @@ def test_operand_order_by_shape() -> None:
 
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 1030), (17, 96, 1040), (64, 256, 1300), (65, 256, 1300),
                                               (40, 32, 300), (3, 16384, 1024)], ids=str)
-def test_both_operand_orders_match_torch(rows: int, k: int, n: int, rng: np.random.Generator) -> None:
+def test_both_operand_orders_match_torch(rows: int, k: int, n: int, own: bool, rng: np.random.Generator) -> None:
     a = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
     got = _product(a, w)
@@ -51,7 +59,7 @@ def test_both_operand_orders_match_torch(rows: int, k: int, n: int, rng: np.rand
 
 
 @pytest.mark.parametrize("rows", [20, 80], ids=str)
-def test_same_bytes_on_any_thread_count(rows: int, rng: np.random.Generator) -> None:
+def test_same_bytes_on_any_thread_count(rows: int, own: bool, rng: np.random.Generator) -> None:
     a = rng.standard_normal((rows, 384)).astype(np.float32)
     w = rng.standard_normal((1100, 384)).astype(np.float32)
     before = fl.get_num_threads()
@@ -78,9 +86,12 @@ def test_sgemm_called_from_jitted_code_matches_numpy(rng: np.random.Generator) -
 
 @pytest.mark.parametrize("qt", [QuantType.Q4_1, QuantType.Q6K], ids=lambda q: q.ggml_name)
 @pytest.mark.parametrize("rows", [17, 64, 65], ids=str)
-def test_pool_tasks_and_python_threads_agree(qt: QuantType, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """QMatMul's tiles on the spinning pool (sgemm called from jitted code) and, where NumPy's BLAS offers
-    no such sgemm, on `split_work`'s threads: both within the contraction bound, on any thread count."""
+def test_pool_tasks_and_python_threads_agree(qt: QuantType, rows: int, own: bool,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """QMatMul's tiles on the spinning pool (the kernel called from jitted code) and on `split_work`'s
+    threads: both within the contraction bound, on any thread count. The OpenBLAS tiles need an sgemm
+    that jitted code can call and fall back to the threads without one; fuel's kernel needs none, and
+    gives the same bytes on either."""
     k, n = 512, 1100
     raw = random_weight(np.random.default_rng(rows), qt, n, k)
     deq = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt.ggml_name]))
@@ -100,6 +111,14 @@ def test_pool_tasks_and_python_threads_agree(qt: QuantType, rows: int, monkeypat
     assert len(set(outs)) == 1
     monkeypatch.setattr(threads, "blas_sgemm_address", lambda: 0)
     out = np.full((rows, n), np.nan, np.float32)
-    assert not gguf_tiles.tiled(qt, a, raw, out) and np.isnan(out).all()
+    assert gguf_tiles.tiled(qt, a, raw, out) == own
+    if own:
+        assert out.tobytes() == outs[0]
+    else:
+        assert np.isnan(out).all()
     got = fl.ops.qmatmul(a, as_words(raw), qt, k, n).numpy()
     assert_close_contraction(got, want, scale, DType.F32)
+    threaded = _product(a, deq)
+    assert_close_contraction(threaded, want, scale, DType.F32)
+    if own:
+        assert threaded.tobytes() == outs[0]

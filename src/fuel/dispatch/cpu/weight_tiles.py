@@ -1,18 +1,23 @@
 """`A @ dequant(W)ᵀ` for a weight kept compressed (GGUF blocks, NF4) when A has many rows: tiles of W's
-rows are dequantised into a reused f32 scratch and each goes through one one-thread OpenBLAS sgemm into
-its output columns. The tiles are fixed by the weight's shape and run on fuel's threads (`split_work`),
-so the bytes never depend on the thread count, and every output element is one sgemm's dot over all of K.
+rows are dequantised into a reused f32 scratch and each is multiplied into its output columns. The tiles
+are fixed by the weight's shape and run on fuel's threads (`split_work`), so the bytes never depend on the
+thread count.
 
-Which operand the tile is: for up to `FLIP_ROWS` activation rows and at least `FLIP_MIN_N` weight rows,
-the tile is the sgemm's left operand, `tile @ Aᵀ` into a [tile rows, R] scratch copied transposed into
-the output (Aᵀ made contiguous once per call); otherwise the right one, `A @ tileᵀ` straight into the
-output columns. Measured here (OpenBLAS 0.3.31, 2 threads, interleaved medians), the flipped form's time
-over the direct one's: K = N = 4096 0.67 at R = 32, 0.76-0.82 at 64, 0.86-0.91 at 128, 0.98-1.04 at 256;
-[1536, 576] (K, N) 0.80 / 0.90 / 0.95 at R = 32 / 64 / 128; [2048, 1024] 0.77 at 32, 0.95 at 64; but
-with N = 576, K = 1536-2048 1.07-1.24 at R = 64. Both forms gave the same bytes in every case measured.
+How a tile is multiplied (`MODE`):
+- OWN, on AVX-512 hosts: fuel's register-blocked kernel (`tile_gemm`), `tile @ Aᵀ` into a [tile rows, Rp]
+  scratch copied transposed into the output, Aᵀ transposed and padded once per call. Nothing is repacked
+  per tile, where OpenBLAS repacks both operands on every call: 104-114 GFLOP/s a core against OpenBLAS's
+  70-95 at R = 64-512.
+- Elsewhere one one-thread OpenBLAS sgemm a tile, every output element one sgemm's dot over all of K.
+  For up to `FLIP_ROWS` activation rows and at least `FLIP_MIN_N` weight rows the tile is the sgemm's
+  left operand (FLIPPED: `tile @ Aᵀ`, stored transposed), otherwise the right one (DIRECT: `A @ tileᵀ`
+  straight into the output columns). Measured here (OpenBLAS 0.3.31, 2 threads, interleaved medians),
+  the flipped form's time over the direct one's: K = N = 4096 0.67 at R = 32, 0.76-0.82 at 64, 0.86-0.91
+  at 128, 0.98-1.04 at 256; [1536, 576] (K, N) 0.80 / 0.90 / 0.95 at R = 32 / 64 / 128; [2048, 1024]
+  0.77 at 32, 0.95 at 64; but with N = 576, K = 1536-2048 1.07-1.24 at R = 64.
 
 Tiles of about `TILE_BYTES` (at most 256 rows): at K = 4096, 4 MiB tiles (in L3) ran 5-9% faster than
-1 MiB ones (in L2) in both forms.
+1 MiB ones (in L2) with OpenBLAS.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from fuel.dispatch.cpu.atomics import claim_slot as claim
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.atomics import release_slot as release
 from fuel.dispatch.cpu.sgemm import sgemm
+from fuel.dispatch.cpu.tile_gemm import AVAILABLE as OWN_KERNEL
+from fuel.dispatch.cpu.tile_gemm import padded_transpose, padded_width, tile_times_at
 from fuel.dispatch.threads import split_work
 
 TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile
@@ -40,8 +47,11 @@ FLIP_MIN_N = 1024  # ... for weights of at least this many rows
 F32 = np.dtype(np.float32)
 FLOPS_PER_SECOND = 60e9  # one core's sgemm rate at these shapes, for the pool's part count
 
+DIRECT, FLIPPED, OWN = range(3)  # how a tile is multiplied (the module's docstring)
+
 # The job's argv (int64) as the tile tasks read it: the generic fields, then the weight's own from WEIGHT.
-A, ROWS, K, A_T, N, OUT, TILE, TILES, SCRATCH, FLIP_SCRATCH, SLOTS, CLAIMS, SGEMM, WEIGHT = range(14)
+# A_T is Aᵀ's address ([K, A_T_COLS]; 0 in DIRECT mode), C_SCRATCH the slots' [TILE, A_T_COLS] products.
+A, ROWS, K, A_T, A_T_COLS, N, OUT, TILE, TILES, SCRATCH, C_SCRATCH, SLOTS, CLAIMS, SGEMM, MODE, WEIGHT = range(16)
 
 # fill(r0, r1, tile): dequantise W rows [r0, r1) into tile[:r1 - r0] (a C-contiguous f32 [rows, k] buffer)
 Fill = Callable[[int, int, np.ndarray], None]
@@ -65,51 +75,73 @@ def flipped(rows: int, n: int) -> bool:
     return rows <= FLIP_ROWS and n >= FLIP_MIN_N
 
 
-def _layout(a2: np.ndarray, n: int) -> tuple[int, int, int, np.ndarray | None]:
-    """(rows, k, tile rows, Aᵀ made contiguous where the tile is the left operand, else None)."""
-    rows, k = a2.shape
-    return rows, k, tile_rows(k, n), np.ascontiguousarray(a2.T) if flipped(rows, n) else None
+class _Layout:
+    """How one call multiplies its tiles: the mode, tile rows, and Aᵀ (transposed once, alive for the call)."""
+
+    def __init__(self, a2: np.ndarray, n: int) -> None:
+        self.rows, self.k = a2.shape
+        self.tile = tile_rows(self.k, n)
+        self.a_t: np.ndarray | None = None
+        if OWN_KERNEL:
+            self.mode = OWN
+            self.a_t = POOL.empty((self.k, padded_width(self.rows)), F32)
+            padded_transpose(a2, self.a_t)
+        elif flipped(self.rows, n):
+            self.mode, self.a_t = FLIPPED, np.ascontiguousarray(a2.T)
+        else:
+            self.mode = DIRECT
+        self.a_t_cols = 0 if self.a_t is None else self.a_t.shape[1]
 
 
 def tiled_product(a2: np.ndarray, n: int, fill: Fill, out: np.ndarray) -> None:
     """out [R, n] <- a2 [R, k] @ dequant(W)ᵀ, all f32 (a2 and out C-contiguous), W's rows from `fill`."""
-    rows, k, t, a_t = _layout(a2, n)
+    lay = _Layout(a2, n)
+    t, k = lay.tile, lay.k
 
     def part(tiles: range) -> None:
         tile = POOL.empty((t, k), F32)
-        flip_out = None if a_t is None else POOL.empty((t, rows), F32)
+        c = None if lay.a_t is None else POOL.empty((t, lay.a_t_cols), F32)
         for i in tiles:
             r0, r1 = i * t, min(n, i * t + t)
             fill(r0, r1, tile)
-            w = tile[:r1 - r0]
-            if a_t is None or flip_out is None:
-                np.matmul(a2, w.T, out=out[:, r0:r1])
+            if lay.a_t is None or c is None:
+                np.matmul(a2, tile[:r1 - r0].T, out=out[:, r0:r1])
+                continue
+            if lay.mode == OWN:
+                _own_product(tile, r1 - r0, lay.a_t, c)
             else:
-                np.matmul(w, a_t, out=flip_out[:r1 - r0])
-                out[:, r0:r1] = flip_out[:r1 - r0].T
+                np.matmul(tile[:r1 - r0], lay.a_t, out=c[:r1 - r0])
+            out[:, r0:r1] = c[:r1 - r0, :lay.rows].T
 
     split_work(part, -(-n // t))
+
+
+@njit(cache=True, nogil=True)
+def _own_product(tile: Any, rows: int, a_t: Any, c: Any) -> None:
+    tile_times_at(tile, rows, a_t, c)
 
 
 # ---- the same product as a task of the spinning pool (no Python between the tiles) -------------------
 
 def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight: Sequence[int]) -> bool:
     """out [R, n] <- a2 [R, k] @ dequant(W)ᵀ by `task`, W's own fields (addresses, sizes) at argv[WEIGHT:]
-    (the arrays they address alive until this returns); False, doing nothing, where NumPy's OpenBLAS has
-    no ILP64 sgemm to call (the caller then runs `tiled_product`)."""
+    (the arrays they address alive until this returns); False, doing nothing, where the tiles need
+    OpenBLAS and NumPy's has no ILP64 sgemm to call (the caller then runs `tiled_product`)."""
     address = threads.blas_sgemm_address()
-    if not address:
+    if not (address or OWN_KERNEL):
         return False
-    rows, k, t, a_t = _layout(a2, n)
+    lay = _Layout(a2, n)
+    rows, k, t = lay.rows, lay.k, lay.tile
     tiles = -(-n // t)
     parts = spin.parts_for(2 * rows * n * k / FLOPS_PER_SECOND, tiles)
     slots = min(parts, threads.get_num_threads())
     scratch = POOL.empty((slots, t, k), F32)
-    flip_scratch = POOL.empty((slots, t, rows), F32) if a_t is not None else scratch
+    c_scratch = POOL.empty((slots, t, lay.a_t_cols), F32) if lay.a_t is not None else scratch
     claims = np.zeros(slots, np.int64)
     argv = np.empty(WEIGHT + len(weight), np.int64)
-    argv[:WEIGHT] = (a2.ctypes.data, rows, k, 0 if a_t is None else a_t.ctypes.data, n, out.ctypes.data, t,
-                     tiles, scratch.ctypes.data, flip_scratch.ctypes.data, slots, claims.ctypes.data, address)
+    argv[:WEIGHT] = (a2.ctypes.data, rows, k, 0 if lay.a_t is None else lay.a_t.ctypes.data, lay.a_t_cols, n,
+                     out.ctypes.data, t, tiles, scratch.ctypes.data, c_scratch.ctypes.data, slots,
+                     claims.ctypes.data, address, lay.mode)
     argv[WEIGHT:] = weight
     with threads.one_blas_thread():
         spin.run(task, argv, parts)
@@ -142,20 +174,25 @@ def tile_of(v: Any, slot: int) -> Any:
 
 @njit(inline="always", cache=True)
 def multiply_tile(v: Any, slot: int, r0: int, r1: int) -> None:
-    """out[:, r0:r1] <- a @ tile[:r1 - r0]ᵀ: straight into the output columns, or (flipped) tile @ aᵀ
-    into the slot's [rows, R] scratch, then stored transposed."""
-    rows, k, n, t = v[ROWS], v[K], v[N], v[TILE]
+    """out[:, r0:r1] <- a @ tile[:r1 - r0]ᵀ: straight into the output columns (DIRECT), or tile @ Aᵀ into
+    the slot's [tile rows, A_T_COLS] scratch by OpenBLAS (FLIPPED) or fuel's kernel (OWN), then stored
+    transposed."""
+    rows, k, n, t, cols = v[ROWS], v[K], v[N], v[TILE], v[A_T_COLS]
     tile = v[SCRATCH] + 4 * slot * t * k
-    if v[A_T] == 0:
+    if v[MODE] == DIRECT:
         sgemm(v[SGEMM], 1, 0, rows, r1 - r0, k, v[A], k, tile, k, v[OUT] + 4 * r0, n)
         return
-    at = v[FLIP_SCRATCH] + 4 * slot * t * rows
-    sgemm(v[SGEMM], 0, 0, r1 - r0, rows, k, tile, k, v[A_T], rows, at, rows)
-    flip = carray(pointer(at, np.float32), (t, rows))
+    at = v[C_SCRATCH] + 4 * slot * t * cols
+    c = carray(pointer(at, np.float32), (t, cols))
+    if v[MODE] == OWN:
+        tile_times_at(carray(pointer(tile, np.float32), (t, k)), r1 - r0,
+                      carray(pointer(v[A_T], np.float32), (k, cols)), c)
+    else:
+        sgemm(v[SGEMM], 0, 0, r1 - r0, rows, k, tile, k, v[A_T], cols, at, cols)
     out = carray(pointer(v[OUT], np.float32), (rows, n))
     for i in range(rows):
         for j in range(r1 - r0):
-            out[i, r0 + j] = flip[j, i]
+            out[i, r0 + j] = c[j, i]
 
 
 @njit(inline="always", cache=True)
