@@ -36,7 +36,7 @@ from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.atomics import release_slot as release
 from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.cpu.tile_gemm import AVAILABLE as OWN_KERNEL
-from fuel.dispatch.cpu.tile_gemm import padded_transpose, padded_width, tile_times_at
+from fuel.dispatch.cpu.tile_gemm import padded_transpose, padded_width, tile_times_at, transpose_into
 from fuel.dispatch.threads import split_work
 
 TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile
@@ -189,10 +189,7 @@ def multiply_tile(v: Any, slot: int, r0: int, r1: int) -> None:
                       carray(pointer(v[A_T], np.float32), (k, cols)), c)
     else:
         sgemm(v[SGEMM], 0, 0, r1 - r0, rows, k, tile, k, v[A_T], cols, at, cols)
-    out = carray(pointer(v[OUT], np.float32), (rows, n))
-    for i in range(rows):
-        for j in range(r1 - r0):
-            out[i, r0 + j] = c[j, i]
+    transpose_into(c.reshape(-1), 0, cols, r1 - r0, rows, carray(pointer(v[OUT], np.float32), (rows * n,)), r0, n)
 
 
 @njit(inline="always", cache=True)
