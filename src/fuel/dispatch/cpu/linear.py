@@ -158,7 +158,7 @@ def linear_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -
 # at least the unit roundoff of the output. The half types widen exactly and run sgemm, so their
 # absolute part is the f32 impl's.
 LINEAR_PRECISION = {
-    DType.F32: PrecisionGuarantee(True, None, 6.6e-7, 4.1e-7, "sgemm or the tile kernel, f32 accumulation; bias added after"),
+    DType.F32: PrecisionGuarantee(True, None, 6.6e-7, 4.1e-7, "sgemm or tile kernel, f32 accumulation, bias after"),
     DType.F64: PrecisionGuarantee(True, None, 2.3e-16, 7.7e-16, "OpenBLAS dgemm, f64 accumulation"),
     DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, 4.1e-7, "exact widening, sgemm, one RNE rounding on store"),
     DType.F16: PrecisionGuarantee(True, None, 9.8e-4, 4.1e-7, "exact widening, sgemm, one rounding on store"),
