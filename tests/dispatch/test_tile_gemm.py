@@ -16,15 +16,16 @@ from fuel.testing.oracle import assert_close_contraction
 
 def _run(w: np.ndarray, a: np.ndarray, extra_cols: int = 0, extra_rows: int = 0) -> np.ndarray:
     """tile_gemm's w @ aᵀ (w [n, K], a [R, K]), the tile padded to whole blocks of rows (plus extra_rows
-    of garbage) and Aᵀ to extra_cols more padded columns."""
+    of garbage) and packed Aᵀ to extra_cols more padded activations (so to other panel widths)."""
     n, k = w.shape
     t = -(-(n + extra_rows) // tile_gemm.ROWS_PER_BLOCK) * tile_gemm.ROWS_PER_BLOCK
     tile = np.full((t, k), np.nan, np.float32)
     tile[:n] = w
-    at = np.full((k, tile_gemm.padded_width(a.shape[0] + extra_cols)), np.nan, np.float32)
-    tile_gemm.padded_transpose(a, at)
-    c = np.full((t, at.shape[1]), np.nan, np.float32)
-    tile_gemm.tile_times_at_checked(tile, n, at, c)
+    width = tile_gemm.padded_width(a.shape[0] + extra_cols)
+    ap = np.full(k * width, np.nan, np.float32)
+    tile_gemm.pack_activations(a, ap, width)
+    c = np.full((t, width), np.nan, np.float32)
+    tile_gemm.tile_times_at_checked(tile, n, ap, c)
     np.testing.assert_array_equal(tile[:n], w)  # the valid rows are read, never written
     return c[:n, :a.shape[0]]
 

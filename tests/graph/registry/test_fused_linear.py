@@ -7,16 +7,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from threadpoolctl import threadpool_limits
 
 import fuel as fl
-from fuel.dispatch.cpu import linear, weight_tiles
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Op
 from fuel.graph.passes.fuse import fuse
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.fused_linear import FusedLinearParams, decompose
-from fuel.testing.contract import numba_threads, thread_counts
 from fuel.testing.oracle import assert_close_contraction
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
@@ -112,42 +109,6 @@ def test_transposed_weight_is_not_copied() -> None:
     (rec,) = [r for r in t.records if r.impl.startswith("FusedLinear[")]
     assert rec.copies == 0
     check(y.numpy(), x_np, w_np.T, b_np, DType.F32)
-
-
-@pytest.mark.parametrize(("rows", "k", "n"), [(16, 8, 4), (40, 33, 12), (300, 200, 100), (17, 64, 7), (20, 0, 8)],
-                         ids=str)
-@pytest.mark.parametrize("own", [True, False], ids=["own", "openblas"])
-def test_dense_layers_by_tile_kernel(rows: int, k: int, n: int, own: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`x @ w.T + b` (w [N, K] contiguous) from OWN_MIN_ROWS rows on goes to fuel's tile kernel where N is a
-    multiple of its 4-row blocks (run here on any host: without AVX-512 it is only slower), to OpenBLAS
-    otherwise: both within the bound, w and x left as they were, the same bytes on any thread count."""
-    monkeypatch.setattr(weight_tiles, "OWN_KERNEL", own)
-    calls: list[bool] = []
-
-    def spy(a2: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
-        calls.append(weight_tiles.dense_product(a2, w, out))
-        return calls[-1]
-
-    monkeypatch.setattr(linear, "dense_product", spy)
-    rng = np.random.default_rng(rows + k + n)
-    x, w, bias = _rand(rng, (rows, k), DType.F32), _rand(rng, (n, k), DType.F32), _rand(rng, (n,), DType.F32)
-    x_was, w_was = x.copy(), w.copy()
-    outs, before = [], fl.get_num_threads()
-    try:
-        for threads in thread_counts():
-            fl.set_num_threads(threads)
-            with numba_threads(threads), threadpool_limits(threads, "blas"):
-                outs.append(fl.ops.fused_linear(x, fl.tensor(w).T, bias).numpy())
-    finally:
-        fl.set_num_threads(before)
-    if own and n % 4 == 0 and k > 0:
-        assert calls and all(calls)
-    else:
-        assert not any(calls)
-    assert len({o.tobytes() for o in outs}) == 1
-    check(outs[0], x, w.T, bias, DType.F32)
-    np.testing.assert_array_equal(x, x_was)
-    np.testing.assert_array_equal(w, w_was)
 
 
 def test_empty_dims() -> None:

@@ -1,9 +1,4 @@
-"""FusedLinear (entry 2): `a @ b + bias` as one GEMM, bias added in place.
-
-- The dense layers' `x @ w.T` (b the transpose of a contiguous f32 [N, K] weight shared by the batch,
-  at least `OWN_MIN_ROWS` rows, N a multiple of 4) runs fuel's tile kernel on AVX-512 hosts
-  (`weight_tiles.dense_product`): w's rows are read where they are, where OpenBLAS repacks both operands
-  on every call. Everything else is one OpenBLAS GEMM through NumPy.
+"""FusedLinear (entry 2): `a @ b + bias` as one OpenBLAS GEMM through NumPy, bias added in place.
 
 - A shared rank-2 b makes the whole batch one `[rows, K] @ [K, N]` GEMM (BLAS is fastest on one
   large product, and b is read once).
@@ -12,8 +7,7 @@
   so e.g. 4 query heads sharing one kv head are one GEMM, not 4.
 - f32/f64 run BLAS straight into `out`, then add the bias in place. bf16/f16 widen exactly to f32,
   run one sgemm into an f32 scratch buffer, add the bias in f32 and round once on store.
-OpenBLAS partitions a GEMM over M and N, never over K, and the tile kernel's sums are fixed by the
-shape, so results are bit-stable at any thread count.
+OpenBLAS partitions a GEMM over M and N, never over K, so results are bit-stable run to run.
 
 The impl takes strided inputs: BLAS reads a transposed matrix through its trans flag, so the
 common `x @ w.T + b` (a [N, K] weight) costs no copy of the weight. Only a matrix BLAS cannot
@@ -33,7 +27,6 @@ from numba import prange
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, widened
-from fuel.dispatch.cpu.weight_tiles import dense_product
 from fuel.dispatch.fused import (
     BackendImpl,
     CostEstimate,
@@ -96,24 +89,8 @@ def _operands(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[np.ndarray
             out.reshape((*wide, last * m, n)))
 
 
-OWN_MIN_ROWS = 16  # activation rows from which `x @ w.T` goes to fuel's tile kernel (fewer: OpenBLAS)
-
-
-def _own_product(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> bool:
-    """out <- a @ b by fuel's tile kernel (`weight_tiles.dense_product`) where b is `w.T` of a
-    C-contiguous f32 [N, K] weight shared by the batch (the dense layers' `x @ w.T`): OpenBLAS repacks
-    both operands on every call; the kernel reads w's rows where they are. False where it does not apply."""
-    rows = math.prod(a.shape[:-1])
-    if a.dtype != np.float32 or b.ndim != 2 or rows < OWN_MIN_ROWS or not b.T.flags.c_contiguous or b.size == 0:
-        return False
-    return dense_product(np.ascontiguousarray(a.reshape(rows, a.shape[-1])), b.T, out.reshape(rows, b.shape[1]))
-
-
 def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """out <- a @ b + bias for f32/f64 (out has the inputs' dtype)."""
-    if _own_product(a, b, out):
-        np.add(out, bias, out=out)
-        return
     va, vb, vo = _operands(a, b, out)
     before_threaded_blas(va.shape[-2], vb.shape[-1], vb.shape[-2])
     np.matmul(va, vb, out=vo)
@@ -158,7 +135,7 @@ def linear_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -
 # at least the unit roundoff of the output. The half types widen exactly and run sgemm, so their
 # absolute part is the f32 impl's.
 LINEAR_PRECISION = {
-    DType.F32: PrecisionGuarantee(True, None, 6.6e-7, 4.1e-7, "sgemm or tile kernel, f32 accumulation, bias after"),
+    DType.F32: PrecisionGuarantee(True, None, 6.6e-7, 4.1e-7, "OpenBLAS sgemm, f32 accumulation; bias added after"),
     DType.F64: PrecisionGuarantee(True, None, 2.3e-16, 7.7e-16, "OpenBLAS dgemm, f64 accumulation"),
     DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, 4.1e-7, "exact widening, sgemm, one RNE rounding on store"),
     DType.F16: PrecisionGuarantee(True, None, 9.8e-4, 4.1e-7, "exact widening, sgemm, one rounding on store"),

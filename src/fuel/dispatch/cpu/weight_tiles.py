@@ -36,7 +36,7 @@ from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.atomics import release_slot as release
 from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.cpu.tile_gemm import AVAILABLE as OWN_KERNEL
-from fuel.dispatch.cpu.tile_gemm import ROWS_PER_BLOCK, padded_transpose, padded_width, tile_times_at, transpose_into
+from fuel.dispatch.cpu.tile_gemm import pack_activations, padded_width, tile_times_at, transpose_into
 from fuel.dispatch.threads import split_work
 
 TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile
@@ -50,7 +50,8 @@ FLOPS_PER_SECOND = 60e9  # one core's sgemm rate at these shapes, for the pool's
 DIRECT, FLIPPED, OWN = range(3)  # how a tile is multiplied (the module's docstring)
 
 # The job's argv (int64) as the tile tasks read it: the generic fields, then the weight's own from WEIGHT.
-# A_T is Aᵀ's address ([K, A_T_COLS]; 0 in DIRECT mode), C_SCRATCH the slots' [TILE, A_T_COLS] products.
+# A_T is Aᵀ's address ([K, A_T_COLS], or its panels in OWN mode; 0 in DIRECT mode), C_SCRATCH the slots'
+# [TILE, A_T_COLS] products.
 A, ROWS, K, A_T, A_T_COLS, N, OUT, TILE, TILES, SCRATCH, C_SCRATCH, SLOTS, CLAIMS, SGEMM, MODE, WEIGHT = range(16)
 
 # fill(r0, r1, tile): dequantise W rows [r0, r1) into tile[:r1 - r0] (a C-contiguous f32 [rows, k] buffer)
@@ -76,21 +77,22 @@ def flipped(rows: int, n: int) -> bool:
 
 
 class _Layout:
-    """How one call multiplies its tiles: the mode, tile rows, and Aᵀ (transposed once, alive for the call)."""
+    """How one call multiplies its tiles: the mode, tile rows, and Aᵀ (transposed once, alive for the call)
+    with its width `a_t_cols` (R, or R padded to 16 in OWN mode's panels; 0 without one)."""
 
     def __init__(self, a2: np.ndarray, n: int) -> None:
         self.rows, self.k = a2.shape
         self.tile = tile_rows(self.k, n)
         self.a_t: np.ndarray | None = None
+        self.a_t_cols = 0
         if OWN_KERNEL:
-            self.mode = OWN
-            self.a_t = POOL.empty((self.k, padded_width(self.rows)), F32)
-            padded_transpose(a2, self.a_t)
+            self.mode, self.a_t_cols = OWN, padded_width(self.rows)
+            self.a_t = POOL.empty((self.k * self.a_t_cols,), F32)
+            pack_activations(a2, self.a_t, self.a_t_cols)
         elif flipped(self.rows, n):
-            self.mode, self.a_t = FLIPPED, np.ascontiguousarray(a2.T)
+            self.mode, self.a_t, self.a_t_cols = FLIPPED, np.ascontiguousarray(a2.T), self.rows
         else:
             self.mode = DIRECT
-        self.a_t_cols = 0 if self.a_t is None else self.a_t.shape[1]
 
 
 def tiled_product(a2: np.ndarray, n: int, fill: Fill, out: np.ndarray) -> None:
@@ -123,12 +125,10 @@ def _own_product(tile: Any, rows: int, a_t: Any, c: Any) -> None:
 
 # ---- the same product as a task of the spinning pool (no Python between the tiles) -------------------
 
-def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight: Sequence[int],
-               dequantised: bool = True) -> bool:
+def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight: Sequence[int]) -> bool:
     """out [R, n] <- a2 [R, k] @ dequant(W)ᵀ by `task`, W's own fields (addresses, sizes) at argv[WEIGHT:]
-    (the arrays they address alive until this returns; no scratch tiles unless `dequantised`); False,
-    doing nothing, where the tiles need OpenBLAS and NumPy's has no ILP64 sgemm to call (the caller then
-    runs `tiled_product`)."""
+    (the arrays they address alive until this returns); False, doing nothing, where the tiles need
+    OpenBLAS and NumPy's has no ILP64 sgemm to call (the caller then runs `tiled_product`)."""
     address = threads.blas_sgemm_address()
     if not (address or OWN_KERNEL):
         return False
@@ -137,7 +137,7 @@ def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight:
     tiles = -(-n // t)
     parts = spin.parts_for(2 * rows * n * k / FLOPS_PER_SECOND, tiles)
     slots = min(parts, threads.get_num_threads())
-    scratch = POOL.empty((slots, t, k) if dequantised else (1,), F32)
+    scratch = POOL.empty((slots, t, k), F32)
     c_scratch = POOL.empty((slots, t, lay.a_t_cols), F32) if lay.a_t is not None else scratch
     claims = np.zeros(slots, np.int64)
     argv = np.empty(WEIGHT + len(weight), np.int64)
@@ -176,27 +176,21 @@ def tile_of(v: Any, slot: int) -> Any:
 
 @njit(inline="always", cache=True)
 def multiply_tile(v: Any, slot: int, r0: int, r1: int) -> None:
-    """out[:, r0:r1] <- a @ tile[:r1 - r0]ᵀ for the slot's dequantised tile (`multiply_rows`)."""
-    multiply_rows(v, slot, v[SCRATCH] + 4 * slot * v[TILE] * v[K], v[TILE], r0, r1)
-
-
-@njit(inline="always", cache=True)
-def multiply_rows(v: Any, slot: int, rows_at: int, held: int, r0: int, r1: int) -> None:
-    """out[:, r0:r1] <- a @ Wᵀ for the r1 - r0 f32 rows of W at address rows_at (`held` >= r1 - r0 rows
-    there are readable and writable; only the first r1 - r0 rounded up to 4 are touched): straight into
-    the output columns (DIRECT), or W @ Aᵀ into the slot's [tile rows, A_T_COLS] scratch by OpenBLAS
-    (FLIPPED) or fuel's kernel (OWN), then stored transposed."""
+    """out[:, r0:r1] <- a @ tile[:r1 - r0]ᵀ: straight into the output columns (DIRECT), or tile @ Aᵀ into
+    the slot's [tile rows, A_T_COLS] scratch by OpenBLAS (FLIPPED) or fuel's kernel (OWN), then stored
+    transposed."""
     rows, k, n, t, cols = v[ROWS], v[K], v[N], v[TILE], v[A_T_COLS]
+    tile = v[SCRATCH] + 4 * slot * t * k
     if v[MODE] == DIRECT:
-        sgemm(v[SGEMM], 1, 0, rows, r1 - r0, k, v[A], k, rows_at, k, v[OUT] + 4 * r0, n)
+        sgemm(v[SGEMM], 1, 0, rows, r1 - r0, k, v[A], k, tile, k, v[OUT] + 4 * r0, n)
         return
     at = v[C_SCRATCH] + 4 * slot * t * cols
     c = carray(pointer(at, np.float32), (t, cols))
     if v[MODE] == OWN:
-        tile_times_at(carray(pointer(rows_at, np.float32), (held, k)), r1 - r0,
-                      carray(pointer(v[A_T], np.float32), (k, cols)), c)
+        tile_times_at(carray(pointer(tile, np.float32), (t, k)), r1 - r0,
+                      carray(pointer(v[A_T], np.float32), (k * cols,)), c)
     else:
-        sgemm(v[SGEMM], 0, 0, r1 - r0, rows, k, rows_at, k, v[A_T], cols, at, cols)
+        sgemm(v[SGEMM], 0, 0, r1 - r0, rows, k, tile, k, v[A_T], cols, at, cols)
     transpose_into(c.reshape(-1), 0, cols, r1 - r0, rows, carray(pointer(v[OUT], np.float32), (rows * n,)), r0, n)
 
 
@@ -210,27 +204,3 @@ def part_tiles(v: Any, part: int, parts: int) -> tuple[int, int]:
 def tile_span(v: Any, i: int) -> tuple[int, int]:
     """The W rows [r0, r1) of tile i."""
     return i * v[TILE], min(v[N], (i + 1) * v[TILE])
-
-
-# ---- a dense f32 weight's rows as the tiles (FusedLinear's `x @ w.T`) ----------------------------------
-
-def dense_product(a2: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
-    """out [R, n] <- a2 [R, K] @ wᵀ for a dense f32 weight w [n, K] (all C-contiguous) by fuel's tile
-    kernel, the tiles W's own rows (nothing copied or written there); False, doing nothing, on hosts
-    without the kernel or where n is not a multiple of its 4-row blocks."""
-    if not OWN_KERNEL or w.shape[0] % ROWS_PER_BLOCK:
-        return False
-    return post_tiles(_dense_tiles, a2, w.shape[0], out, (w.ctypes.data,), dequantised=False)
-
-
-@spin.task()
-def _dense_tiles(part: int, parts: int, argv: int) -> None:
-    """Part `part` of `dense_product`: its tiles, each multiplied where W holds it."""
-    v = job(argv)
-    w = carray(pointer(argv, np.int64), (WEIGHT + 1,))[WEIGHT]
-    slot = claim_slot(v)
-    i0, i1 = part_tiles(v, part, parts)
-    for i in range(i0, i1):
-        r0, r1 = tile_span(v, i)
-        multiply_rows(v, slot, w + 4 * r0 * v[K], r1 - r0, r0, r1)
-    release_slot(v, slot)
