@@ -297,15 +297,15 @@ def _pool(workers: int) -> SpinPool:
         return _POOL
 
 
-def parts_for(seconds: float, most: int) -> int:
+def parts_for(seconds: float, most: int, per_thread: int = PARTS_PER_THREAD) -> int:
     """How many parts to cut a job of this estimated one-core time into: 1 (run here) for small work, with
-    one thread, inside `threads.serial()` or inside another pool's part."""
+    one thread, inside `threads.serial()` or inside another pool's part; else up to `per_thread` a thread."""
     if seconds < SPIN_MIN_SECONDS:  # first: the common decode-sized call asks nothing else
         return 1
     n = threads.get_num_threads()
     if n <= 1 or threads.MODE.forced or threads.MODE.nested:
         return 1
-    return max(1, min(most, PARTS_PER_THREAD * n))
+    return max(1, min(most, per_thread * n))
 
 
 def run(fn: Task, argv: np.ndarray, parts: int) -> None:
