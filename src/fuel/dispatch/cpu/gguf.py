@@ -8,9 +8,9 @@ Two paths, chosen by the number of activation rows R (batch dims folded in: the 
   module). No dequantised weight exists anywhere, and each output is one thread's fixed
   sequence of f32 operations: the bytes never depend on the thread count.
 - larger R: tiles of W rows are dequantised (`gguf_blocks.dequantize_rows_into`) into a reused f32
-  scratch and each goes through one OpenBLAS sgemm (`weight_tiles`); tiles are fixed by the weight's
-  shape and run on fuel's threads (one-thread BLAS each), so the bytes do not depend on the thread
-  count either.
+  scratch and each is multiplied by fuel's tile kernel on AVX-512 hosts, else one one-thread OpenBLAS
+  sgemm (`weight_tiles`); tiles are fixed by the weight's shape and run on fuel's threads, so the bytes
+  do not depend on the thread count either.
 The transposed form (the gradient, `G @ dequant(W)`) adds tile products `G[:, tile] @ tile` in order.
 
 Both paths use gguf-py's dequantised values bit for bit (the decode path's factored form is the same
@@ -66,7 +66,7 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
 
 
 def _tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:
-    """o2 <- a2 @ dequant(W)ᵀ by tiles of W rows (`weight_tiles`: dequantise a tile, one sgemm)."""
+    """o2 <- a2 @ dequant(W)ᵀ by tiles of W rows (`weight_tiles`: dequantise a tile, multiply it)."""
     if not gguf_tiles.tiled(qt, a2, raw, o2):
         tiled_product(a2, raw.shape[0], lambda r0, r1, tile: dequantize_rows_into(raw, qt, r0, r1, tile), o2)
 
@@ -105,7 +105,7 @@ def qmatmul_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: QMatM
 # as quantized, unbounded by S only for adversarial x large exactly where d·q + m cancels).
 PRECISION = PrecisionGuarantee(True, None, 1.3e-6, 4.5e-7, "bit-exact gguf dequantisation, f32 products and "
                                "sums (fixed-order lanes when decoding, block scales and offsets factored out "
-                               "at R = 1; sgemm per tile otherwise)")
+                               "at R = 1; tile kernel or sgemm per tile otherwise)")
 
 
 def register(registry: FusedKernelRegistry) -> None:

@@ -1,6 +1,7 @@
 """QMatMul's many-row path as tasks of the spinning pool, one per GGUF type (named, so that Numba's cache
 finds them again): each part dequantises its tiles of W rows (`gguf_blocks`' block decoders, gguf-py's
-values bit for bit) into a scratch slot and multiplies each by one OpenBLAS sgemm (`weight_tiles`)."""
+values bit for bit) into a scratch slot and multiplies each (`weight_tiles`: fuel's tile kernel on AVX-512
+hosts, one OpenBLAS sgemm elsewhere)."""
 
 from __future__ import annotations
 
@@ -121,5 +122,5 @@ TASKS: dict[QuantType, spin.Task] = {
 
 def tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, out: np.ndarray) -> bool:
     """out <- a2 @ dequant(W)ᵀ on the spinning pool (raw: uint8 [n, row bytes], C-contiguous); False where
-    there is no sgemm to call from jitted code."""
+    the tiles need OpenBLAS and there is no sgemm to call from jitted code."""
     return post_tiles(TASKS[qt], a2, raw.shape[0], out, (raw.ctypes.data, raw.shape[1]))

@@ -13,17 +13,19 @@ Two paths, chosen by shape:
   accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
   tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks. One
   activation row on an AVX-512 host goes by table instead (`nf4_table`: 0.37 against 0.54 ms warm).
-- tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile one
-  one-thread OpenBLAS GEMM, the tiles split over fuel's threads (`weight_tiles`). The transposed product
-  `g @ W` of the gradient dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each
-  one multi-threaded GEMM. Every output element is one BLAS dot product, which OpenBLAS never splits
-  over K, so the bytes do not depend on the thread count.
+- tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile multiplied
+  by fuel's tile kernel on AVX-512 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere, the
+  tiles split over fuel's threads (`weight_tiles`). The transposed product `g @ W` of the gradient
+  dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each one multi-threaded GEMM.
+  Either kernel's sum for an output element is fixed by the shape (OpenBLAS never splits K), so the
+  bytes do not depend on the thread count.
 Block sizes that are not a multiple of 32 (no 16-byte step fits a block) take plain loops instead.
 bf16/f16 activations are widened exactly to f32 and the output is rounded once on store.
 
 Measured here (2 cores, K = N = 4096, block 64, f32): one row 0.49 ms, 85% of the time to stream the
 packed weight and absmax (9.4 MB) at the 22.6 GB/s a NumPy copy reached; torch's `dequantize_4bit`
-then matmul took 25.9 ms. 64 rows: 20.0 ms, against 35.3 ms.
+then matmul took 25.9 ms. 64 rows: 11.0-11.4 ms (the tile kernel; 13.3-14.2 by OpenBLAS), against
+23.5-26.2 ms.
 """
 
 from __future__ import annotations
@@ -301,7 +303,8 @@ def _dequant_tile(w: Any, absmax: Any, lut: Any, bs: int, n0: int, n1: int, b0: 
 @spin.task()
 def _tiles(part: int, parts: int, argv: int) -> None:
     """Part `part` of the many-row product on the spinning pool (`weight_tiles`): its tiles of W rows
-    dequantised into a scratch slot, each multiplied by one sgemm. W's fields: w, K/2, absmax, blocks, LUT."""
+    dequantised into a scratch slot, each multiplied (`weight_tiles.multiply_tile`). W's fields: w, K/2,
+    absmax, blocks, LUT."""
     v = job(argv)
     f = carray(pointer(argv, np.int64), (WEIGHT + 5,))
     n, kh, nb = v[N], f[WEIGHT + 1], f[WEIGHT + 3]
@@ -326,9 +329,9 @@ def _scratch(rows: int, cols: int, buf: np.ndarray | None) -> np.ndarray:
 
 def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
     """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous: the decode path, or tiles each
-    dequantised and multiplied by one one-thread GEMM, the tiles split over fuel's threads (`weight_tiles`,
-    as QMatMul's). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took 1.8x as long at
-    4096 x 4096, M = 64. Each output element is one GEMM's dot over all of K, whatever the tiling."""
+    dequantised and multiplied in one thread, the tiles split over fuel's threads (`weight_tiles`, as
+    QMatMul's). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took 1.8x as long at
+    4096 x 4096, M = 64. Each output element's sum is fixed by the shape, whatever the tiling."""
     rows, k = x.shape
     n = w.shape[0]
     if rows <= DECODE_MAX_ROWS and bs % 32 == 0:
