@@ -2,16 +2,17 @@
 used by `weight_tiles` in place of a one-thread OpenBLAS sgemm (`AVAILABLE`; other hosts keep OpenBLAS).
 
 Why: the tile products are sgemm calls of modest size (a few hundred weight rows, R activation rows),
-where OpenBLAS repacks both operands on every call. Here the activations are transposed and padded once a
-call (`pack_activations`: panels of 64 activations, each `[K, 64]`, zero beyond R) and the tile is read
-as dequantised. The inner block holds a 4 × 16·mv block of C in 4·mv zmm accumulators:
-each k step loads mv vectors of Aᵀ's row k and broadcasts 4 tile values into 4·mv fused multiply-adds
-(LLVM folds each broadcast into its FMA's memory operand). K is walked in blocks of `KC` (the block of
-Aᵀ stays in L2, the tile rows' block in L1); each block's sum is a chain from zero, added to C once.
+where OpenBLAS repacks both operands on every call. Here the activations are transposed and packed once a
+call (`pack_activations`: panels of 64 activations, each `[K, 64]` contiguous, zero beyond R) and the
+tile is read as dequantised. The inner block holds a 4 × 16·mv block of C in 4·mv zmm accumulators: each
+k step loads mv vectors of the panel's row k and broadcasts 4 tile values, for 4·mv fused multiply-adds.
+K is walked in blocks of `KC` (the panels' block stays in L2, the tile rows' block in L1); each block's
+sum is a chain from zero, added to C once.
 
-Measured here (one core, 256 tile rows, interleaved medians), GFLOP/s against OpenBLAS 0.3.31's better
-form: K = 4096, R = 64 113 vs 88; R = 128 107 vs 95; K = 576, R = 128 106 vs 99; K = 1536 113 vs 101;
-R = 512 100 vs 97.
+Measured here (one core, 144-256 tile rows), GFLOP/s: 114-116 at K = 576-1536, R = 128, and 105-113 at
+K = 4096, R = 64, where one-thread OpenBLAS sgemm on the same tiles reached 70-95 (its better operand
+order). Two threads reach about 195 together (OpenBLAS's large sgemm: 200). The code is plain LLVM vector
+IR, so it also runs without AVX-512 (tests run it everywhere), but there 16 accumulators spill.
 
 Every C element is the same sequence of f32 operations whatever the tiling, padding or thread count: a
 sequential FMA chain over each block of KC k's, in order, the blocks' sums added in k order. Its bytes
@@ -150,7 +151,8 @@ def pack_activations(a: Any, ap: Any, rp: int) -> None:
     """ap (flat, K·Rp f32) <- a [R, K] as panels of Aᵀ, Rp >= R a multiple of 16: panel p holds activations
     64p.. (width w = min(64, Rp - 64p)) as [K, w] at offset 64p·K, activations R..Rp-1 zero. A panel's
     K-block the inner block reads is then contiguous: in one [K, Rp] matrix its rows were Rp·4 bytes
-    apart, which at Rp = 768 fell on a quarter of L1's sets (FusedLinear at 768 rows 30% slower)."""
+    apart, which at Rp = 768 fell on a quarter of L1's sets (two threads: 128-149 GFLOP/s at [768, 384]
+    x [384, 384-1536], 172-195 as panels)."""
     rows, k = a.shape
     flat = a.reshape(-1)
     for m0 in range(0, rp, PANEL):
