@@ -42,6 +42,14 @@ def own(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool
     return bool(request.param)
 
 
+def test_own_kernel_up_to_its_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weight_tiles, "OWN_KERNEL", True)
+    assert weight_tiles.own_mode(1) and weight_tiles.own_mode(weight_tiles.OWN_MAX_ROWS)
+    assert not weight_tiles.own_mode(weight_tiles.OWN_MAX_ROWS + 1)
+    monkeypatch.setattr(weight_tiles, "OWN_KERNEL", False)
+    assert not weight_tiles.own_mode(1)
+
+
 def test_operand_order_by_shape() -> None:
     assert weight_tiles.flipped(1, 4096) and weight_tiles.flipped(weight_tiles.FLIP_ROWS, weight_tiles.FLIP_MIN_N)
     assert not weight_tiles.flipped(weight_tiles.FLIP_ROWS + 1, 4096)
@@ -49,7 +57,7 @@ def test_operand_order_by_shape() -> None:
 
 
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 64, 1030), (17, 96, 1040), (64, 256, 1300), (65, 256, 1300),
-                                              (40, 32, 300), (3, 16384, 1024)], ids=str)
+                                              (40, 32, 300), (3, 16384, 1024), (513, 48, 200)], ids=str)
 def test_both_operand_orders_match_torch(rows: int, k: int, n: int, own: bool, rng: np.random.Generator) -> None:
     a = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)

@@ -4,11 +4,11 @@ are fixed by the weight's shape and run on fuel's threads (`split_work`), so the
 thread count.
 
 How a tile is multiplied (`MODE`):
-- OWN, on AVX-512 hosts: fuel's register-blocked kernel (`tile_gemm`), `tile @ Aᵀ` into a [tile rows, Rp]
-  scratch copied transposed into the output, Aᵀ transposed and padded once per call. Nothing is repacked
-  per tile, where OpenBLAS repacks both operands on every call: 104-114 GFLOP/s a core against OpenBLAS's
-  70-95 at R = 64-512.
-- Elsewhere one one-thread OpenBLAS sgemm a tile, every output element one sgemm's dot over all of K.
+- OWN, on AVX-512 hosts for up to `OWN_MAX_ROWS` activation rows: fuel's register-blocked kernel
+  (`tile_gemm`), `tile @ Aᵀ` into a [tile rows, Rp] scratch copied transposed into the output, Aᵀ packed
+  once per call. Nothing is repacked per tile, where OpenBLAS repacks both operands on every call:
+  105-116 GFLOP/s a core against OpenBLAS's 70-95 at R = 64-128.
+- Otherwise one one-thread OpenBLAS sgemm a tile, every output element one sgemm's dot over all of K.
   For up to `FLIP_ROWS` activation rows and at least `FLIP_MIN_N` weight rows the tile is the sgemm's
   left operand (FLIPPED: `tile @ Aᵀ`, stored transposed), otherwise the right one (DIRECT: `A @ tileᵀ`
   straight into the output columns). Measured here (OpenBLAS 0.3.31, 2 threads, interleaved medians),
@@ -41,6 +41,7 @@ from fuel.dispatch.threads import split_work
 
 TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile
 TILE_GROUPS = 4  # tile counts are multiples of this, so 2 or 4 threads get equal shares
+OWN_MAX_ROWS = 512  # activation rows up to which fuel's kernel multiplies the tiles (OWN mode)
 FLIP_ROWS = 64  # activation rows up to which the tile is the left operand ...
 FLIP_MIN_N = 1024  # ... for weights of at least this many rows
 
@@ -71,6 +72,13 @@ def tile_rows(k: int, n: int | None = None) -> int:
     return min(most, 16 * math.ceil(math.ceil(n / tiles) / 16))
 
 
+def own_mode(rows: int) -> bool:
+    """Whether fuel's kernel multiplies the tiles for R = rows: on AVX-512 hosts, up to OWN_MAX_ROWS. Its
+    packed Aᵀ and each slot's product scale with R, and from about 512 rows OpenBLAS's straight product
+    is as fast (at R = 512, K = 4096: 100 against 95 GFLOP/s a core)."""
+    return OWN_KERNEL and rows <= OWN_MAX_ROWS
+
+
 def flipped(rows: int, n: int) -> bool:
     """Whether `tiled_product` makes the tile the sgemm's left operand for R = rows and a weight of n rows."""
     return rows <= FLIP_ROWS and n >= FLIP_MIN_N
@@ -85,7 +93,7 @@ class _Layout:
         self.tile = tile_rows(self.k, n)
         self.a_t: np.ndarray | None = None
         self.a_t_cols = 0
-        if OWN_KERNEL:
+        if own_mode(self.rows):
             self.mode, self.a_t_cols = OWN, padded_width(self.rows)
             self.a_t = POOL.empty((self.k * self.a_t_cols,), F32)
             pack_activations(a2, self.a_t, self.a_t_cols)
@@ -130,7 +138,7 @@ def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight:
     (the arrays they address alive until this returns); False, doing nothing, where the tiles need
     OpenBLAS and NumPy's has no ILP64 sgemm to call (the caller then runs `tiled_product`)."""
     address = threads.blas_sgemm_address()
-    if not (address or OWN_KERNEL):
+    if not (address or own_mode(a2.shape[0])):
         return False
     lay = _Layout(a2, n)
     rows, k, t = lay.rows, lay.k, lay.tile
