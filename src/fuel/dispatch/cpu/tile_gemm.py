@@ -196,7 +196,8 @@ def tile_times_at(tile: Any, rows: int, ap: Any, c: Any) -> None:
 
 
 def tile_times_at_checked(tile: np.ndarray, rows: int, ap: np.ndarray, c: np.ndarray) -> None:
-    """`tile_times_at` from Python (tests, benchmarks): the same kernel, its preconditions asserted."""
+    """`tile_times_at` from Python (the tiles on Python threads, tests): the same kernel without the GIL,
+    its preconditions asserted."""
     assert tile.dtype == ap.dtype == c.dtype == np.float32 and ap.ndim == 1
     assert ap.size == tile.shape[1] * c.shape[1] and c.shape[1] % _W == 0
     assert rows <= tile.shape[0] and tile.shape[0] % ROWS_PER_BLOCK == 0 and c.shape[0] >= tile.shape[0]

@@ -36,7 +36,13 @@ from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.atomics import release_slot as release
 from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.cpu.tile_gemm import AVAILABLE as OWN_KERNEL
-from fuel.dispatch.cpu.tile_gemm import pack_activations, padded_width, tile_times_at, transpose_into
+from fuel.dispatch.cpu.tile_gemm import (
+    pack_activations,
+    padded_width,
+    tile_times_at,
+    tile_times_at_checked,
+    transpose_into,
+)
 from fuel.dispatch.threads import split_work
 
 TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile
@@ -118,17 +124,12 @@ def tiled_product(a2: np.ndarray, n: int, fill: Fill, out: np.ndarray) -> None:
                 np.matmul(a2, tile[:r1 - r0].T, out=out[:, r0:r1])
                 continue
             if lay.mode == OWN:
-                _own_product(tile, r1 - r0, lay.a_t, c)
+                tile_times_at_checked(tile, r1 - r0, lay.a_t, c)
             else:
                 np.matmul(tile[:r1 - r0], lay.a_t, out=c[:r1 - r0])
             out[:, r0:r1] = c[:r1 - r0, :lay.rows].T
 
     split_work(part, -(-n // t))
-
-
-@njit(cache=True, nogil=True)
-def _own_product(tile: Any, rows: int, a_t: Any, c: Any) -> None:
-    tile_times_at(tile, rows, a_t, c)
 
 
 # ---- the same product as a task of the spinning pool (no Python between the tiles) -------------------
