@@ -54,13 +54,14 @@ def _ptr(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, ty: Any) ->
 
 
 def _splat(builder: Any, v: Any, vty: Any) -> Any:
+    """v in every lane of a vty."""
     undef = ir.Constant(vty, ir.Undefined)
     one = builder.insert_element(undef, v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, _W), [0] * _W))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
 
 
-def _s8(context: Any, builder: Any, v: Any, ty: Any) -> Any:
-    return _splat(builder, context.cast(builder, v, ty, types.int8), _V8)
+def _s8(context: Any, builder: Any, v: Any, ty: Any, lanes: int = _W) -> Any:
+    return _splat(builder, context.cast(builder, v, ty, types.int8), ir.VectorType(_I8, lanes))
 
 
 def _sf(context: Any, builder: Any, v: Any, ty: Any) -> Any:
@@ -81,10 +82,7 @@ def _code_bytes(context: Any, builder: Any, at: Any, args: Any, flags: int, lane
     v8 = ir.VectorType(_I8, lanes)
 
     def s8(i: int) -> Any:
-        one = builder.insert_element(ir.Constant(v8, ir.Undefined), context.cast(builder, args[i], at[i], types.int8),
-                                     ir.Constant(_I32, 0))
-        return builder.shuffle_vector(one, ir.Constant(v8, ir.Undefined), ir.Constant(ir.VectorType(_I32, lanes),
-                                                                                      [0] * lanes))
+        return _s8(context, builder, args[i], at[i], lanes)
 
     def load8(i: int) -> Any:
         return builder.load(_ptr(context, builder, at[0], args[0], args[i], v8), align=1)

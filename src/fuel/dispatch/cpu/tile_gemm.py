@@ -38,6 +38,16 @@ MC = 256  # activations per pass over the tile rows (a [KC, MC] block of Aᵀ is
 PANEL = 4 * _W  # activations per panel of packed Aᵀ (`pack_activations`): one inner block's width
 
 
+def _f32_c(*tys: Any) -> bool:
+    """The intrinsics address f32 arrays by flat offsets: only C-contiguous ones type-check."""
+    return all(isinstance(t, types.Array) and t.layout == "C" and t.dtype == types.float32 for t in tys)
+
+
+def _vec_at(builder: ir.IRBuilder, base: Any, offset: Any) -> Any:
+    """A 16-float vector pointer at element `offset` of the float pointer base."""
+    return builder.bitcast(builder.gep(base, [offset]), _VF.as_pointer())
+
+
 def _make_block(mv: int) -> Any:
     """An intrinsic: c[c_off + i·ldc + 16j + l] += Σ_{k<kc} w[w_off + i·ldw + k] · at[at_off + k·ldat + 16j + l]
     for i < 4, j < mv, l < 16 (flat offsets into C-contiguous f32 arrays), the sum a sequential FMA chain
@@ -45,8 +55,7 @@ def _make_block(mv: int) -> Any:
 
     def block(typingctx: Any, w: Any, w_off: Any, ldw: Any, at: Any, at_off: Any, ldat: Any, c: Any, c_off: Any,
               ldc: Any, kc: Any) -> Any:
-        arrays = (w, at, c)
-        if not all(isinstance(t, types.Array) and t.layout == "C" and t.dtype == types.float32 for t in arrays):
+        if not _f32_c(w, at, c):
             return None
         sig = types.void(w, w_off, ldw, at, at_off, ldat, c, c_off, ldc, kc)
 
@@ -58,11 +67,9 @@ def _make_block(mv: int) -> Any:
             cp = _ptr(context, builder, t[6], args[6], args[7], _F32)
             ldw, ldat, ldc, kc = (context.cast(builder, args[i], t[i], types.int64) for i in (2, 5, 8, 9))
 
-            def vec_at(base: Any, offset: Any) -> Any:
-                return builder.bitcast(builder.gep(base, [offset]), _VF.as_pointer())
-
             def c_at(i: int, j: int) -> Any:
-                return vec_at(cp, builder.add(builder.mul(ldc, ir.Constant(i64, i)), ir.Constant(i64, _W * j)))
+                offset = builder.add(builder.mul(ldc, ir.Constant(i64, i)), ir.Constant(i64, _W * j))
+                return _vec_at(builder, cp, offset)
 
             zero = ir.Constant(_VF, [0.0] * _W)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(mv)] for _ in range(ROWS_PER_BLOCK)]
@@ -70,7 +77,7 @@ def _make_block(mv: int) -> Any:
             with cgutils.for_range(builder, kc) as loop:
                 k = loop.index
                 arow = builder.gep(ap, [builder.mul(k, ldat)])
-                a = [builder.load(vec_at(arow, ir.Constant(i64, _W * j)), align=4) for j in range(mv)]
+                a = [builder.load(_vec_at(builder, arow, ir.Constant(i64, _W * j)), align=4) for j in range(mv)]
                 for i in range(ROWS_PER_BLOCK):
                     b = _splat(builder, builder.load(builder.gep(rows[i], [k])), _VF)
                     for j in range(mv):
@@ -93,7 +100,7 @@ _block1, _block2, _block3, _block4 = (_make_block(mv) for mv in range(1, 5))
 def _transpose16_ir(typingctx: Any, src: Any, s_off: Any, lds: Any, dst: Any, d_off: Any, ldd: Any) -> Any:
     """dst[d_off + j·ldd + i] <- src[s_off + i·lds + j] for i, j < 16: 16 row loads, four rounds of 16
     two-source shuffles (round b swaps bit b of the row and column indices), 16 row stores."""
-    if not all(isinstance(t, types.Array) and t.layout == "C" and t.dtype == types.float32 for t in (src, dst)):
+    if not _f32_c(src, dst):
         return None
     sig = types.void(src, s_off, lds, dst, d_off, ldd)
 
@@ -105,8 +112,7 @@ def _transpose16_ir(typingctx: Any, src: Any, s_off: Any, lds: Any, dst: Any, d_
         lds, ldd = (context.cast(builder, args[i], t[i], types.int64) for i in (2, 5))
 
         def row(base: Any, ld: Any, i: int) -> Any:
-            at = builder.gep(base, [builder.mul(ld, ir.Constant(i64, i))])
-            return builder.bitcast(at, _VF.as_pointer())
+            return _vec_at(builder, base, builder.mul(ld, ir.Constant(i64, i)))
 
         rows = [builder.load(row(sp, lds, i), align=4) for i in range(_W)]
         mask = ir.VectorType(ir.IntType(32), _W)
