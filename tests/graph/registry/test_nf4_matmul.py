@@ -13,7 +13,7 @@ from threadpoolctl import threadpool_limits
 
 import fuel as fl
 from fuel.dispatch.cpu import nf4 as nf4_kernels
-from fuel.dispatch.cpu.nibble_tables import LUT16
+from fuel.dispatch.cpu.nibble_tables import LUT32
 from fuel.dtype import DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.nf4_matmul import Nf4MatmulParams, decompose, dequantize
@@ -267,10 +267,10 @@ def test_same_bytes_with_one_and_two_threads(rows: int, bs: int, transpose: bool
 
 
 @pytest.mark.parametrize("bs", [32, 64, 128])
-@pytest.mark.parametrize("table", [False, True] if LUT16 else [False])
+@pytest.mark.parametrize("table", [False, True] if LUT32 else [False])
 def test_one_row_by_table_and_portable_both_match(bs: int, table: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One activation row by table (AVX-512 hosts: codes looked up 8 bytes at a time, the activations
-    permuted to the lanes' order, each block's absmax applied to its sum) and by the portable path: both
+    """One activation row by table (AVX-512 and AVX2 hosts: codes looked up 8 or 16 bytes at a time, the
+    activations permuted to the lanes' order, each block's absmax applied to its sum) and by the portable path: both
     match float64, give bitsandbytes' values on identity rows, and the same bytes on any thread count."""
     monkeypatch.setattr(nf4_kernels, "USE_TABLE", table)
     rng = np.random.default_rng(31)

@@ -2,17 +2,20 @@
 
 A weight value is `NF4[code] * absmax`, rounded once to f32 (bitsandbytes' dequantisation, bit for
 bit). The 16-entry table lookup is what makes NF4 slow in plain loops (a scalar load or a gather per
-element; measured 7 ms single-threaded for a 4096² GEMV): here it is written in LLVM IR as a 16-lane
-variable permute of the table held in one vector register, which LLVM lowers to one `vpermps`/`vpermd`
-on AVX-512 (and to what the target has elsewhere). Each step reads 16 packed bytes and looks up both
-nibbles: 16 weights of even k (high nibbles) and 16 of odd k, each scaled by its block's absmax.
+element; measured 7 ms single-threaded for a 4096² GEMV): here the table is held in vector registers and
+looked up in LLVM IR, by one 16-lane `vpermps` on AVX-512 (`nibble_tables.permute16`) and by byte
+shuffles on AVX2 (`nibble_tables.lookup32`: LLVM's own lowering of a 16-lane variable permute there was
+one scalar extract per lane, 9.4 ms for a 4096² one-row product). Each step reads 16 packed bytes and
+looks up both nibbles: 16 weights of even k (high nibbles) and 16 of odd k, each scaled by its block's
+absmax (the tiles' dequantisation on AVX2 takes them in element order straight from the shuffles).
 
 Two paths, chosen by shape:
 - decode (at most `DECODE_MAX_ROWS` activation rows, forward only): the activation rows are split
   once into their even and odd k, then each output column streams its packed weight row once and
   accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
   tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks. One
-  activation row on an AVX-512 host goes by table instead (`nf4_table`: 0.37 against 0.54 ms warm).
+  activation row on AVX-512 and AVX2 hosts goes by table instead (`nf4_table`: 0.37 against 0.54 ms
+  warm on AVX-512).
 - tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile multiplied
   by fuel's tile kernel on AVX-512 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere, the
   tiles split over fuel's threads (`weight_tiles`). The transposed product `g @ W` of the gradient
@@ -22,10 +25,10 @@ Two paths, chosen by shape:
 Block sizes that are not a multiple of 32 (no 16-byte step fits a block) take plain loops instead.
 bf16/f16 activations are widened exactly to f32 and the output is rounded once on store.
 
-Measured here (2 cores, K = N = 4096, block 64, f32): one row 0.49 ms, 85% of the time to stream the
-packed weight and absmax (9.4 MB) at the 22.6 GB/s a NumPy copy reached; torch's `dequantize_4bit`
-then matmul took 25.9 ms. 64 rows: 11.0-11.4 ms (the tile kernel; 13.3-14.2 by OpenBLAS), against
-23.5-26.2 ms.
+Measured (2 cores, K = N = 4096, block 64, f32), on AVX-512 (Zen 4): one row 0.49 ms, 85% of the time
+to stream the packed weight and absmax (9.4 MB) at the 22.6 GB/s a NumPy copy reached; 64 rows 11.0-11.4
+ms (the tile kernel; 13.3-14.2 by OpenBLAS); torch's `dequantize_4bit` then matmul 23.5-26.2 ms. On AVX2
+(Zen 3): one row 0.8-1.0 ms, 64 rows 15-15.7 ms (OpenBLAS), torch 30 ms.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
 from fuel.dispatch.cpu.nf4_table import TABLE_ORDER, decode_table, table_args
-from fuel.dispatch.cpu.nibble_tables import LUT16, permuted
+from fuel.dispatch.cpu.nibble_tables import BYTE_LUT, ELEMENT_LANES, LUT32, lookup32, permute16, permuted
 from fuel.dispatch.cpu.weight_tiles import (
     WEIGHT,
     N,
@@ -84,6 +87,7 @@ _V16B = ir.VectorType(ir.IntType(8), 16)
 _EVEN = ir.Constant(_V16I, [x for i in range(8) for x in (i, 16 + i)])  # interleave (hi, lo): k 0..15
 _ODD = ir.Constant(_V16I, [x for i in range(8, 16) for x in (i, 16 + i)])  # k 16..31
 _ZERO = ir.Constant(_V16F, [0.0] * 16)
+_SPLIT_LANES = [(b, 1) for b in range(16)] + [(b, 0) for b in range(16)]  # `lookup32`: even k, then odd k
 
 
 def _i32(v: int) -> ir.Constant:
@@ -93,15 +97,6 @@ def _i32(v: int) -> ir.Constant:
 def _pointer(context: Any, builder: ir.IRBuilder, aryty: Any, ary: Any, offset: Any) -> Any:
     """The address of element `offset` of a contiguous array (flat index)."""
     return builder.gep(context.make_array(aryty)(context, builder, ary).data, [offset])
-
-
-def _lookup(builder: ir.IRBuilder, table: Any, idx: Any) -> Any:
-    """table[idx] per lane, as a build-vector of extracts (LLVM's variable-permute pattern)."""
-    v = _ZERO
-    for lane in range(16):
-        v = builder.insert_element(v, builder.extract_element(table, builder.extract_element(idx, _i32(lane))),
-                                   _i32(lane))
-    return v
 
 
 def _splat(builder: ir.IRBuilder, x: Any) -> Any:
@@ -123,9 +118,12 @@ def _hsum(builder: ir.IRBuilder, v: Any) -> Any:
 def _nibbles(builder: ir.IRBuilder, table: Any, wp: Any, step: Any, scale: Any) -> tuple[Any, Any]:
     """The weights of the 16 packed bytes at wp[16·step]: (16 even k from the high nibbles, 16 odd k)."""
     at = builder.gep(wp, [builder.mul(step, ir.Constant(step.type, 16))])
+    if BYTE_LUT:
+        hi, lo = lookup32(builder, at, table, _SPLIT_LANES)
+        return builder.fmul(hi, scale), builder.fmul(lo, scale)
     idx = builder.zext(builder.load(builder.bitcast(at, _V16B.as_pointer()), align=1), _V16I)
-    hi = builder.fmul(_lookup(builder, table, builder.lshr(idx, ir.Constant(_V16I, [4] * 16))), scale)
-    lo = builder.fmul(_lookup(builder, table, builder.and_(idx, ir.Constant(_V16I, [15] * 16))), scale)
+    hi = builder.fmul(permute16(builder, table, builder.lshr(idx, ir.Constant(_V16I, [4] * 16))), scale)
+    lo = builder.fmul(permute16(builder, table, builder.and_(idx, ir.Constant(_V16I, [15] * 16))), scale)
     return hi, lo
 
 
@@ -155,10 +153,15 @@ def _dequant_blocks_ir(typingctx: Any, w: Any, w_off: Any, absmax: Any, am_off: 
             scale = _splat(builder, builder.load(builder.gep(mp, [blk.index])))
             with cgutils.for_range(builder, args[6]) as st:
                 j = builder.add(builder.mul(blk.index, args[6]), st.index)
-                hi, lo = _nibbles(builder, table, wp, j, scale)
                 at = builder.gep(dp, [builder.mul(j, ir.Constant(j.type, 2))])
-                builder.store(builder.shuffle_vector(hi, lo, _EVEN), at, align=4)
-                builder.store(builder.shuffle_vector(hi, lo, _ODD), builder.gep(at, [_i32(1)]), align=4)
+                if BYTE_LUT:  # the byte shuffles give element order directly
+                    src = builder.gep(wp, [builder.mul(j, ir.Constant(j.type, 16))])
+                    first, second = (builder.fmul(v, scale) for v in lookup32(builder, src, table, ELEMENT_LANES))
+                else:
+                    hi, lo = _nibbles(builder, table, wp, j, scale)
+                    first, second = builder.shuffle_vector(hi, lo, _EVEN), builder.shuffle_vector(hi, lo, _ODD)
+                builder.store(first, at, align=4)
+                builder.store(second, builder.gep(at, [_i32(1)]), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -258,7 +261,7 @@ def _decode(part: int, parts: int, argv: int) -> None:
 WEIGHTS_PER_SECOND = 10e9
 
 
-USE_TABLE = LUT16  # one row by table (`nf4_table`); tests turn it off to run the portable path here too
+USE_TABLE = LUT32  # one row by table (`nf4_table`); tests turn it off to run the portable path here too
 
 
 def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
