@@ -2,6 +2,7 @@
 
 Row-wise ops: `|out - ref| <= rtol*|ref| + atol*S` with S = max|ref| over the element's own row (the
 op's reduction axis) unless the caller passes a per-element scale; backward ops get twice the bound.
+Attention forward: the same form with S = Σ p·|v| per element and oracles.md's f32 attention tolerances.
 Contractions: `|out - ref| <= c_acc*S + c_out*|ref|` with S = |A| @ |B| (+ |bias|), per element.
 Both add the output format's smallest subnormal and compare NaN and ±inf exactly (see `check`).
 """
@@ -19,6 +20,11 @@ ROWWISE: dict[DType, tuple[float, float]] = {
     DType.F16: (2e-3, 1e-3),
     DType.BF16: (1.6e-2, 1e-2),
 }
+# Attention forward (FlashAttn, PagedAttn): oracles.md's f32 rule (rtol 1e-5, atol 1e-5), the absolute
+# part scaled per element by S = Σ_j p_j·|v_j|. Rounding in f32 scores moves every p_j by about
+# scale·ε·Σ|q·k|, which the averaged output carries over: with large logits (q 2x the unit scale) that is
+# 1-1.5e-6·S where OpenBLAS's Haswell sgemm forms the scores (Zen 3), over the row-wise 1e-6.
+ATTENTION: dict[DType, tuple[float, float]] = {**ROWWISE, DType.F32: (1e-5, 1e-5)}
 CONTRACTION: dict[DType, tuple[float, float]] = {
     DType.F64: (1e-14, 1e-15),
     DType.F32: (1e-6, 2e-7),
@@ -49,6 +55,19 @@ def assert_close_rowwise(out: np.ndarray, ref: np.ndarray, dtype: DType, backwar
     k = 2.0 if backward else 1.0
     s = row_max_scale(r, axis) if scale is None else scale
     _report(excess(o, r, s, k * rtol, k * atol, floor_of(dtype.np) if floor is None else floor), r.size, dtype)
+
+
+def assert_close_attention(out: np.ndarray, ref: np.ndarray, dtype: DType, scale: np.ndarray,
+                           backward: bool = False) -> None:
+    """Attention forward against a float64 oracle: `ATTENTION`'s bound, its absolute part times the
+    per-element scale S = Σ p·|v| (twice the bound for a backward)."""
+    o, r = as64(out), as64(ref)
+    assert o.shape == r.shape, f"shape {o.shape} != reference {r.shape}"
+    why = nonfinite_mismatch(o, r)
+    assert why is None, why
+    rtol, atol = ATTENTION[dtype]
+    k = 2.0 if backward else 1.0
+    _report(excess(o, r, scale, k * rtol, k * atol, floor_of(dtype.np)), r.size, dtype)
 
 
 def assert_close_contraction(out: np.ndarray, ref: np.ndarray, scale: np.ndarray, dtype: DType,

@@ -15,7 +15,7 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import FusedOps
 from fuel.graph.registry.flash_attn import decompose
 from fuel.testing.contract import numba_threads
-from fuel.testing.oracle import assert_close_rowwise
+from fuel.testing.oracle import assert_close_attention
 from fuel.testing.reference.attention_math import abs_attention64, attention64
 
 Win = tuple[int | None, int | None]
@@ -99,7 +99,7 @@ def test_matches_torch_sdpa(float_dtype: DType, cfg: tuple[Any, ...]) -> None:
     ref, s = reference(x, scale, causal, window, k_len=k_len)
     np.testing.assert_allclose(ref, want, rtol=1e-12, atol=1e-13)  # the two oracles agree
     got = run(x, softmax_scale=scale, causal=causal, window_size=window, k_len=k_len)
-    assert_close_rowwise(got, want, float_dtype, scale=s)
+    assert_close_attention(got, want, float_dtype, s)
 
 
 REF_CONFIGS = [  # (hq, hkv, sq, sk, d, causal, window, softcap, alibi, k_len)
@@ -118,7 +118,7 @@ def test_matches_reference_softcap_alibi_window(float_dtype: DType, cfg: tuple[A
     scale = 1 / math.sqrt(d)
     ref, s = reference(x, scale, causal, window, softcap, k_len)
     got = run(x, causal=causal, window_size=window, softcap=softcap, k_len=k_len)  # the default scale
-    assert_close_rowwise(got, ref, float_dtype, scale=s)
+    assert_close_attention(got, ref, float_dtype, s)
     if (softcap is not None or alibi) and k_len != 0:  # the option changes the answer: a kernel ignoring it would fail
         plain, _ = reference(dict(x, alibi=None), scale, causal, window, None, k_len)
         assert np.abs(plain - ref).max() > 1e-2
@@ -150,7 +150,7 @@ def test_random_grid(cfg: tuple[Any, ...]) -> None:
     x = make_inputs(3, dt, b, hq, hkv, sq, sk, d, alibi=alibi, q_scale=2.0)
     ref, s = reference(x, 0.2, causal, window, softcap, k_len)
     got = run(x, softmax_scale=0.2, causal=causal, window_size=window, softcap=softcap, k_len=k_len)
-    assert_close_rowwise(got, ref, dt, scale=s)
+    assert_close_attention(got, ref, dt, s)
     if softcap is None and not alibi and k_len != 0:
         np.testing.assert_allclose(sdpa(x, 0.2, causal, window, k_len), ref, rtol=1e-12, atol=1e-13)
 
@@ -159,9 +159,9 @@ def test_long_sequence_spans_key_blocks() -> None:
     """Sk 1100 > 2·BK keys, Sq 260 > 2·BQ queries, causal, GQA: the online softmax across blocks."""
     x = make_inputs(4, DType.F32, 1, 4, 2, 260, 1100, 32, alibi=False)
     ref, s = reference(x, 0.18, causal=True, k_len=1050)
-    assert_close_rowwise(run(x, softmax_scale=0.18, causal=True, k_len=1050), ref, DType.F32, scale=s)
+    assert_close_attention(run(x, softmax_scale=0.18, causal=True, k_len=1050), ref, DType.F32, s)
     ref, s = reference(x, 0.18, window=(700, 0))
-    assert_close_rowwise(run(x, softmax_scale=0.18, window_size=(700, 0)), ref, DType.F32, scale=s)
+    assert_close_attention(run(x, softmax_scale=0.18, window_size=(700, 0)), ref, DType.F32, s)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1, 1), (2, 3, 1, 4, 5, 1), (0, 4, 2, 3, 5, 8), (2, 4, 2, 0, 5, 8),
@@ -172,7 +172,7 @@ def test_edge_shapes(float_dtype: DType, shape: tuple[int, ...]) -> None:
     for causal in (False, True):
         got = run(x, causal=causal, softmax_scale=0.7)
         ref, s = reference(x, 0.7, causal)
-        assert_close_rowwise(got, ref, float_dtype, scale=s)
+        assert_close_attention(got, ref, float_dtype, s)
         if sk == 0:
             assert not np.asarray(got, np.float64).any()
 
@@ -186,7 +186,7 @@ def test_k_len_zero_and_empty_rows(float_dtype: DType) -> None:
         empty = np.arange(6) + kl - 6 < 0  # the diagonal before key 0: no admissible key
         assert empty.any() and (got[:, :, empty] == 0).all() and np.isfinite(got).all()
         ref, s = reference(x, 0.25, opts.get("causal", False), opts["window_size"], k_len=kl)
-        assert_close_rowwise(run(x, softmax_scale=0.25, **opts), ref, float_dtype, scale=s)
+        assert_close_attention(run(x, softmax_scale=0.25, **opts), ref, float_dtype, s)
 
 
 def test_non_contiguous_and_broadcast_inputs(float_dtype: DType) -> None:
@@ -203,7 +203,7 @@ def test_non_contiguous_and_broadcast_inputs(float_dtype: DType) -> None:
          "alibi": None}
     ref, s = reference(x, 0.3, causal=True)
     got = y.numpy()
-    assert_close_rowwise(got, ref, dt, scale=s)
+    assert_close_attention(got, ref, dt, s)
     dense = {n: np.ascontiguousarray(a) for n, a in x.items() if a is not None}
     assert np.array_equal(got.view(np.uint8), run(dict(dense, alibi=None), causal=True, softmax_scale=0.3)
                           .view(np.uint8))
@@ -216,7 +216,7 @@ def test_dyn_k_len() -> None:
     for kl in (12, 7, 3, 0):
         ref, s = reference(x, 0.3, causal=True, k_len=kl)
         got = y.numpy(env={"k_len": kl})
-        assert_close_rowwise(got, ref, DType.F32, scale=s)
+        assert_close_attention(got, ref, DType.F32, s)
         assert np.array_equal(got, run(x, causal=True, softmax_scale=0.3, k_len=kl))
     for bad in (13, -1):
         with pytest.raises(fl.FuelError) as info:
@@ -297,8 +297,8 @@ def test_decomposition_matches_kernel(dt: DType, opts: dict[str, Any]) -> None:
     assert not any(r.impl.startswith("FlashAttn[") for r in t.records)
     ref, s = reference(x, 0.3, opts.get("causal", False), opts.get("window_size", (None, None)),
                        opts.get("softcap"), opts.get("k_len"))
-    assert_close_rowwise(got, ref, dt, scale=s)
-    assert_close_rowwise(y.numpy(), got, dt, scale=s)
+    assert_close_attention(got, ref, dt, s)
+    assert_close_attention(y.numpy(), got, dt, s)
     dyn = fl.ops.flash_attn(x["q"], x["k"], x["v"], k_len=fl.dyn("n")).node.arg[1]
     with pytest.raises(fl.NoDecomposition, match="DynScalar k_len"):
         decompose([fl.tensor(x[n]) for n in "qkv"], dyn)
@@ -315,7 +315,7 @@ def test_bit_stable_across_threads_and_runs(dt: DType, sq: int, sk: int) -> None
             results.append(run(x, **opts).tobytes())
     assert len(set(results)) == 1
     ref, s = reference(x, 1 / math.sqrt(32), True, (450, None), 8.0, sk - 5)
-    assert_close_rowwise(np.frombuffer(results[0], dt.np).reshape(x["q"].shape), ref, dt, scale=s)
+    assert_close_attention(np.frombuffer(results[0], dt.np).reshape(x["q"].shape), ref, dt, s)
 
 
 @pytest.mark.parametrize("hkv", [1, 2], ids=["one group: query blocks split", "two groups: groups split"])
@@ -368,7 +368,7 @@ def test_f32_pool_tasks_and_numpy_steps_both_match(opts: dict[str, Any], hkv: in
     monkeypatch.setattr(threads, "blas_sgemm_address", lambda: 0)
     steps = run(x, softmax_scale=0.125, **opts)
     for got in (pool, steps):
-        assert_close_rowwise(got, ref, DType.F32, scale=s)
+        assert_close_attention(got, ref, DType.F32, s)
 
 
 def test_pool_items_are_fixed_by_the_shape() -> None:
