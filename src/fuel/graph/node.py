@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from fuel.dtype import DType
+from fuel.errors import ParamError
 
 Shape = tuple[int, ...]
 
@@ -100,8 +101,6 @@ class DynScalar:
     name: str
 
     def resolve(self, env: dict[str, int] | None) -> int:
-        from fuel.errors import ParamError
-
         if env is None or self.name not in env:
             raise ParamError(f"realize: dynamic scalar {self.name!r} is unbound; pass env={{{self.name!r}: …}}")
         return int(env[self.name])
