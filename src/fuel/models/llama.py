@@ -193,12 +193,18 @@ class _Projections:
         stacked = np.concatenate([lin.rows for _, lin in group if lin.rows is not None])
         return _Linear(stacked, first.quant, first.k, start), spans
 
-    def __call__(self, x: Tensor) -> dict[str, Tensor]:
+    def __call__(self, x: Tensor, joined: tuple[str, str] | None = None) -> dict[str, Tensor]:
+        """Each projection's output by name; with `joined` = (first, second), also `first+second`, their
+        columns as one slice where one QMatMul gave both, adjacent."""
         out: dict[str, Tensor] = {}
         for lin, spans in self.groups:
             y = lin(x)
             for name, a, b in spans:
                 out[name] = y if len(spans) == 1 else y[:, a:b]
+            names = [name for name, _, _ in spans]
+            if joined and joined[0] in names and names[names.index(joined[0]) + 1:][:1] == [joined[1]]:
+                at = names.index(joined[0])
+                out["+".join(joined)] = y[:, spans[at][1]:spans[at + 1][2]]
         return out
 
 
@@ -281,13 +287,16 @@ class LlamaModel:
                   tables: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """Layer i's queries, and its K/V caches with this step's rows written at `pos`."""
         cfg = self.cfg
-        p = lw["qkv"](h)
-        q, k, v = (self._heads(p[n], hs) for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
-        if cfg.gemma:
-            q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
-        local = cfg.is_local(i)
-        cos, sin = tables["local" if local else "global"]
-        q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
+        p = lw["qkv"](h, joined=("q", "k"))
+        cos, sin = tables["local" if cfg.is_local(i) else "global"]
+        if "q+k" in p and not cfg.gemma:  # one rope over Q's and K's heads: one step less per layer
+            qk = fl.ops.rope(self._heads(p["q+k"], cfg.heads + cfg.kv_heads), cos, sin)
+            q, k, v = qk[:, :cfg.heads], qk[:, cfg.heads:], self._heads(p["v"], cfg.kv_heads)
+        else:
+            q, k, v = (self._heads(p[n], hs) for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
+            if cfg.gemma:
+                q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
+            q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
         pos = fl.dyn("pos")
         kc = fl.cache_write(fl.tensor(self.k_cache[i]), k, pos)
         vc = fl.cache_write(fl.tensor(self.v_cache[i]), v, pos)
