@@ -40,7 +40,8 @@ def _report(ratio: np.ndarray, size: int, dtype: DType) -> None:
 
 
 def assert_close_rowwise(out: np.ndarray, ref: np.ndarray, dtype: DType, backward: bool = False,
-                         axis: int = -1, scale: np.ndarray | None = None, floor: float | None = None) -> None:
+                         axis: int = -1, scale: np.ndarray | None = None, floor: float | None = None,
+                         tolerances: dict[DType, tuple[float, float]] = ROWWISE) -> None:
     """Row-wise op (softmax, norms, rope, CE, …) against a float64 oracle.
 
     `axis` is the op's reduction axis (the row); `scale` replaces the row's max|ref| when the op's
@@ -51,7 +52,7 @@ def assert_close_rowwise(out: np.ndarray, ref: np.ndarray, dtype: DType, backwar
     assert o.shape == r.shape, f"shape {o.shape} != reference {r.shape}"
     why = nonfinite_mismatch(o, r)
     assert why is None, why
-    rtol, atol = ROWWISE[dtype]
+    rtol, atol = tolerances[dtype]
     k = 2.0 if backward else 1.0
     s = row_max_scale(r, axis) if scale is None else scale
     _report(excess(o, r, s, k * rtol, k * atol, floor_of(dtype.np) if floor is None else floor), r.size, dtype)
@@ -61,13 +62,7 @@ def assert_close_attention(out: np.ndarray, ref: np.ndarray, dtype: DType, scale
                            backward: bool = False) -> None:
     """Attention forward against a float64 oracle: `ATTENTION`'s bound, its absolute part times the
     per-element scale S = Σ p·|v| (twice the bound for a backward)."""
-    o, r = as64(out), as64(ref)
-    assert o.shape == r.shape, f"shape {o.shape} != reference {r.shape}"
-    why = nonfinite_mismatch(o, r)
-    assert why is None, why
-    rtol, atol = ATTENTION[dtype]
-    k = 2.0 if backward else 1.0
-    _report(excess(o, r, scale, k * rtol, k * atol, floor_of(dtype.np)), r.size, dtype)
+    assert_close_rowwise(out, ref, dtype, backward, scale=scale, tolerances=ATTENTION)
 
 
 def assert_close_contraction(out: np.ndarray, ref: np.ndarray, scale: np.ndarray, dtype: DType,
