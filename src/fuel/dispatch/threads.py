@@ -89,20 +89,6 @@ def _park() -> None:
         hook()
 
 
-# OpenBLAS runs a product on one thread below this m·n·k (its SMP_THRESHOLD_MIN times
-# GEMM_MULTITHREAD_THRESHOLD); at or above it, on its own threads too.
-BLAS_THREADED_MNK = 65536 * 4
-
-
-def before_threaded_blas(m: int, n: int, k: int) -> None:
-    """Call before a BLAS product of [m, k] @ [k, n] outside `split_work`'s parts (whose BLAS is at one
-    thread): where OpenBLAS will run it on its own threads, the spinning pool's workers go to sleep rather
-    than share a core with them for up to `spin.SPIN_SECONDS` after the pool's last job (an attention task
-    then a projection, in MiniLM). Numba's serial mode does not matter here: the BLAS keeps its threads."""
-    if not MODE.nested and m * n * k >= BLAS_THREADED_MNK:
-        _park()
-
-
 def use_serial(flag: bool, inline: bool | None = None) -> None:
     """Run the next kernels of this Python thread on one Numba thread (flag) or on fuel's thread count;
     `inline` (default: flag) also keeps `split_work` from starting worker threads."""

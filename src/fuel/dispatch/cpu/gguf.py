@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu import gguf_tiles
+from fuel.dispatch.cpu import gguf_tiles, row_blocks
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into
 from fuel.dispatch.cpu.gguf_decode import gemv
 from fuel.dispatch.cpu.gguf_gemv import DECODE_ROWS
@@ -80,7 +80,7 @@ def _transposed(qt: QuantType, g2: np.ndarray, raw: np.ndarray, o2: np.ndarray) 
     for r0 in range(0, n, t):
         r1 = min(n, r0 + t)
         dequantize_rows_into(raw, qt, r0, r1, tile)
-        np.matmul(g2[:, r0:r1], tile[:r1 - r0], out=o2 if r0 == 0 else part)
+        row_blocks.matmul(g2[:, r0:r1], tile[:r1 - r0], o2 if r0 == 0 else part)
         if r0:
             np.add(o2, part, out=o2)
 

@@ -7,7 +7,8 @@
   so e.g. 4 query heads sharing one kv head are one GEMM, not 4.
 - f32/f64 run BLAS straight into `out`, then add the bias in place. bf16/f16 widen exactly to f32,
   run one sgemm into an f32 scratch buffer, add the bias in f32 and round once on store.
-OpenBLAS partitions a GEMM over M and N, never over K, so results are bit-stable run to run.
+The product runs as one-thread OpenBLAS GEMMs on fixed blocks of rows (`row_blocks`): OpenBLAS's own
+threading made an element's bytes depend on the thread count on AVX2 hosts.
 
 The impl takes strided inputs: BLAS reads a transposed matrix through its trans flag, so the
 common `x @ w.T + b` (a [N, K] weight) costs no copy of the weight. Only a matrix BLAS cannot
@@ -25,6 +26,7 @@ import numpy as np
 from numba import prange
 
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu import row_blocks
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, widened
 from fuel.dispatch.fused import (
@@ -35,7 +37,6 @@ from fuel.dispatch.fused import (
     PrecisionGuarantee,
     revision_of,
 )
-from fuel.dispatch.threads import before_threaded_blas
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
@@ -92,8 +93,7 @@ def _operands(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[np.ndarray
 def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """out <- a @ b + bias for f32/f64 (out has the inputs' dtype)."""
     va, vb, vo = _operands(a, b, out)
-    before_threaded_blas(va.shape[-2], vb.shape[-1], vb.shape[-2])
-    np.matmul(va, vb, out=vo)
+    row_blocks.matmul(va, vb, vo)
     np.add(out, bias, out=out)
 
 
@@ -110,7 +110,7 @@ def linear_half(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     a, b, bias = inputs
     acc = POOL.empty(out.shape, np.dtype(np.float32))
     va, vb, vo = _operands(widened(a), widened(b), acc)
-    np.matmul(va, vb, out=vo)
+    row_blocks.matmul(va, vb, vo)
     bias32 = bias.astype(np.float32)
     if out.dtype == DType.BF16.np:
         if out.size:

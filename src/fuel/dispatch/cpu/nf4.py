@@ -19,9 +19,9 @@ Two paths, chosen by shape:
 - tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile multiplied
   by fuel's tile kernel on AVX-512 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere, the
   tiles split over fuel's threads (`weight_tiles`). The transposed product `g @ W` of the gradient
-  dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each one multi-threaded GEMM.
-  Either kernel's sum for an output element is fixed by the shape (OpenBLAS never splits K), so the
-  bytes do not depend on the thread count.
+  dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each multiplied as one-thread
+  GEMMs on fixed row blocks (`row_blocks`). Every product's sum for an output element is then fixed by
+  the shape, so the bytes do not depend on the thread count.
 Block sizes that are not a multiple of 32 (no 16-byte step fits a block) take plain loops instead.
 bf16/f16 activations are widened exactly to f32 and the output is rounded once on store.
 
@@ -45,6 +45,7 @@ from numba.extending import intrinsic
 
 from fuel.dispatch import spin
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu import row_blocks
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
@@ -356,7 +357,7 @@ def _transposed(g: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: 
         b1 = min(nb, b0 + per_tile)
         t = _scratch(n, (b1 - b0) * bs, buf)
         _dequant_tile(w, absmax, _LUT, bs, 0, n, b0, b1, t)
-        np.matmul(g, t, out=out[:, b0 * bs:b1 * bs])
+        row_blocks.matmul(g, t, out[:, b0 * bs:b1 * bs])
 
 
 def nf4_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from fuel.dispatch.cpu import row_blocks
 from fuel.dispatch.cpu.erf import erf_into
 from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, gemv
 from fuel.dispatch.cpu.logistic import sigmoid_f32, silu_f32
-from fuel.dispatch.threads import before_threaded_blas
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
 from fuel.graph.node import Op, OpSpec
@@ -237,11 +237,13 @@ def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarr
             gemv(a.reshape(rows, a.shape[-1]), b, flat)
             y = flat.reshape(n.shape)
         else:
-            before_threaded_blas(rows, b.shape[1], b.shape[0])
-            y = np.matmul(a.reshape(rows, a.shape[-1]), b, out=flat).reshape(n.shape)
+            if flat is None:
+                flat = np.empty((rows, b.shape[1]), np.result_type(a, b))
+            row_blocks.matmul(a.reshape(rows, a.shape[-1]), b, flat)
+            y = flat.reshape(n.shape)
     else:
-        before_threaded_blas(a.shape[-2], b.shape[-1], b.shape[-2])
-        y = np.matmul(a, b, out=direct)
+        y = direct if direct is not None else np.empty(n.shape, np.result_type(a, b))
+        row_blocks.matmul(a, b, y)
     return y if direct is not None else _copy_into(_store(y, n), out)
 
 
