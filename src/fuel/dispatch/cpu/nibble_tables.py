@@ -113,8 +113,8 @@ def lookup32(builder: Any, at: Any, table: Any, lanes: list[tuple[int, int]]) ->
     """AVX2: table[nibble] for the 32 nibbles of the 16 bytes at the i8 pointer `at`, as two 16-float vectors
     whose lane j holds the nibble lanes[j] names. Each of the table floats' four bytes is looked up by one
     vpshufb of a 32-byte index, and the four byte vectors are interleaved into floats by two rounds of
-    unpacks: 12 shuffles for 32 floats, where two vpermps, a mask and a blend per 8 took 16 (4096² one
-    row, one core: 1.5 against 2.5 ms). `SHIFTED_LANES` builds the index from the 16 bytes in both 128-bit
+    unpacks: 12 shuffles for 32 floats, where two vpermps, a mask, a compare and a blend per 8 floats took
+    20 (4096² one row, one core: 1.5 against 2.5 ms). `SHIFTED_LANES` builds the index from the 16 bytes in both 128-bit
     halves, the upper shifted right by 4 (two operations); any other order picks and duplicates bytes by
     one more vpshufb and selects each position's nibble (four)."""
     v32, i32x8, sel = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8), ir.VectorType(_I32, 32)
