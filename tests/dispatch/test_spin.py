@@ -16,7 +16,7 @@ from numba import carray
 import fuel as fl
 from fuel.dispatch import spin, threads
 from fuel.dispatch.cpu import gemv as gemv_module
-from fuel.dispatch.cpu import gguf_decode, row_blocks
+from fuel.dispatch.cpu import gguf_decode
 from fuel.dispatch.cpu.atomics import cycles, fetch_add, load_acquire, pointer, store
 from fuel.quant import QuantType
 from fuel.testing.reference.qmatmul import random_weight
@@ -117,21 +117,6 @@ def test_parked_workers_go_to_sleep(two_threads: None) -> None:
         time.sleep(1e-3)
     assert pool.ctl[spin.AWAKE] == 0
     assert (_counts_after(8) == 1).all()  # and a later job still runs every part
-
-
-def test_a_product_split_over_threads_parks_the_workers_first(two_threads: None) -> None:
-    """A FusedLinear large enough for fuel's worker threads (`row_blocks` pieces in `split_work`) sends the
-    pool's spinners to sleep first, so they do not hold a core those threads need; one run here, on one
-    BLAS thread, leaves them spinning."""
-    pool = spin._pool(1)
-    _counts_after(8)  # a posted job clears the park flag
-    assert pool.ctl[spin.PARK] == 0
-    x, w = np.ones((8, 128), np.float32), np.ones((128, 128), np.float32)
-    assert (fl.ops.fused_linear(x, w, np.ones(128, np.float32)).numpy() == 129).all()
-    assert pool.ctl[spin.PARK] == 0
-    big = np.ones((8 * row_blocks.ROWS, 128), np.float32)
-    assert (fl.ops.fused_linear(big, w, np.ones(128, np.float32)).numpy() == 129).all()
-    assert pool.ctl[spin.PARK] == 1
 
 
 def test_workers_are_pinned_each_to_a_core_the_poster_keeps_free(two_threads: None) -> None:

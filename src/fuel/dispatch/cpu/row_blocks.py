@@ -1,39 +1,112 @@
 """BLAS products whose bytes do not depend on the thread count: `out <- a @ b` as one-thread OpenBLAS GEMMs
-on fixed pieces of the output (blocks of `ROWS` rows of a 2-D product, or the matrices of a batch), the
-pieces spread over fuel's threads (`threads.split_work`).
+on fixed pieces of the output, the pieces spread over fuel's threads.
 
 Why: OpenBLAS's own threading cuts a GEMM over M and N by its thread count, and with its Haswell kernels
 (AVX2 hosts) an element's sum then depends on the cut. On Zen 3 (OpenBLAS 0.3.31), [64, 256] @ [256, 48]
 differed in 670 of 3072 elements between one and two BLAS threads, and MiniLM's [400, 384] @ [384, 1536]
 in 38355; its SkylakeX kernels (AVX-512 hosts) agreed. A piece here is one one-thread call whose shape is
-fixed by the product's, so whichever thread runs it, its bytes are the same.
+fixed by the product's (`pieces`), so whichever thread runs it, its bytes are the same.
+
+A 2-D f32 product runs its pieces as a task of the spinning pool, each a `cblas_sgemm` called from jitted
+code (`sgemm`: a job joins in microseconds, where `split_work`'s Python threads cost ~55 µs and a batch-1
+MiniLM projection is ~100 µs of work). Other dtypes, batches and layouts BLAS cannot address take
+`split_work` with the same pieces.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
+import numpy as np
+from numba import carray
+
+from fuel.dispatch import spin, threads
+from fuel.dispatch.cpu.atomics import pointer
+from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.threads import split_work
 
-ROWS = 64  # output rows per piece of a 2-D product: about OpenBLAS's speed at full M, ~7 pieces for MiniLM
+ROWS = 64  # at least this many output rows a piece when rows are cut (~256 each: B repacked once a piece)
+COLS = 128  # at least this many output columns a piece when columns are cut (few rows: a decode-sized M)
+FLOPS_PER_SECOND = 60e9  # one core's sgemm rate at these shapes, for the pool's part count
+
+
+def pieces(m: int, n: int) -> tuple[int, int]:
+    """(rows, columns) of each piece of an [m, n] output: rows cut into about 256 (at least 2 pieces) where
+    there are 2·ROWS of them, else columns into about 512 where there are 2·COLS, else one piece."""
+    if m >= 2 * ROWS:
+        return _rounded(m, max(2, -(-m // 256))), n
+    if n >= 2 * COLS:
+        return m, _rounded(n, max(2, -(-n // 512)))
+    return m, n
+
+
+def _rounded(size: int, count: int) -> int:
+    """size / count rounded up to a multiple of 16."""
+    return (-(-size // count) + 15) // 16 * 16
+
+
+# argv of `_pieces_task`: addresses of A, B, C and sgemm, then sizes, leading dimensions and the piece size
+A, B, C, SGEMM, M, N, K, LDA, LDB, LDC, TRANS_B, PR, PC = range(13)
+
+
+@spin.task()
+def _pieces_task(part: int, parts: int, argv: int) -> None:
+    v = carray(pointer(argv, np.int64), (13,))
+    m, n, pr, pc = v[M], v[N], v[PR], v[PC]
+    across = -(-n // pc)
+    count = -(-m // pr) * across
+    for t in range(part * count // parts, (part + 1) * count // parts):
+        r0, c0 = t // across * pr, t % across * pc
+        rows, cols = min(pr, m - r0), min(pc, n - c0)
+        b_at = v[B] + 4 * c0 * (v[LDB] if v[TRANS_B] else 1)
+        sgemm(v[SGEMM], v[TRANS_B], 0, rows, cols, v[K], v[A] + 4 * r0 * v[LDA], v[LDA], b_at, v[LDB],
+              v[C] + 4 * (r0 * v[LDC] + c0), v[LDC])
+
+
+def _sgemm_layout(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[int, int, int] | None:
+    """(lda, ldb, trans_b) where cblas_sgemm can read a (row-major), b (row-major, or column-major as a
+    transposed [n, k]) and write out (C-contiguous) in place; None otherwise."""
+    f4 = np.dtype(np.float32)
+    if not (a.dtype == b.dtype == out.dtype == f4 and a.ndim == b.ndim == 2 and out.flags.c_contiguous):
+        return None
+    if a.strides[1] != 4 or a.strides[0] % 4 or a.strides[0] < 4 * a.shape[1]:
+        return None
+    if b.strides[1] == 4 and b.strides[0] % 4 == 0 and b.strides[0] >= 4 * b.shape[1]:
+        return a.strides[0] // 4, b.strides[0] // 4, 0
+    if b.strides[0] == 4 and b.strides[1] % 4 == 0 and b.strides[1] >= 4 * b.shape[0]:
+        return a.strides[0] // 4, b.strides[1] // 4, 1
+    return None
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out <- a @ b with np.matmul's broadcasting (out given, of the broadcast shape)."""
     if out.size == 0:
         return
-    if out.ndim <= 2:
-        m = out.shape[0] if out.ndim == 2 else 1
-        whole = a.ndim == 1 or b.ndim == 1
+    if out.ndim == 2 and a.ndim == 2 and b.ndim == 2:
+        m, n = out.shape
+        pr, pc = pieces(m, n)
+        layout = _sgemm_layout(a, b, out) if a.shape[1] else None
+        address = threads.blas_sgemm_address() if layout is not None else 0
+        if layout is not None and address:
+            lda, ldb, trans_b = layout
+            argv = np.array([a.ctypes.data, b.ctypes.data, out.ctypes.data, address, m, n, a.shape[1], lda, ldb, n,
+                             trans_b, pr, pc], np.int64)
+            count = -(-m // pr) * -(-n // pc)
+            seconds = 2 * m * n * a.shape[1] / FLOPS_PER_SECOND
+            with threads.one_blas_thread():
+                spin.run(_pieces_task, argv, spin.parts_for(seconds, count, 1))
+            return
+        across = -(-n // pc)
 
-        def rows(tasks: range) -> None:
+        def blocks(tasks: range) -> None:
             for t in tasks:
-                if whole:
-                    np.matmul(a, b, out=out)
-                else:
-                    np.matmul(a[t * ROWS:(t + 1) * ROWS], b, out=out[t * ROWS:(t + 1) * ROWS])
+                r0, c0 = t // across * pr, t % across * pc
+                np.matmul(a[r0:r0 + pr], b[:, c0:c0 + pc], out=out[r0:r0 + pr, c0:c0 + pc])
 
-        split_work(rows, 1 if whole else -(-m // ROWS))
+        split_work(blocks, -(-m // pr) * across)
+        return
+    if out.ndim <= 2:  # a vector operand: one piece
+        split_work(lambda _: _whole(a, b, out), 1)
         return
     lead = out.shape[0]
     a1 = a.reshape((1,) * (out.ndim - a.ndim) + a.shape) if a.ndim < out.ndim else a
@@ -44,3 +117,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
             np.matmul(a1[i if a1.shape[0] == lead else 0], b1[i if b1.shape[0] == lead else 0], out=out[i])
 
     split_work(batch, lead)
+
+
+def _whole(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> Any:
+    return np.matmul(a, b, out=out)
