@@ -15,8 +15,6 @@ MiniLM projection is ~100 µs of work). Other dtypes, batches and layouts BLAS c
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 from numba import carray
 
@@ -26,15 +24,19 @@ from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.threads import split_work
 
 ROWS = 64  # at least this many output rows a piece when rows are cut (~256 each: B repacked once a piece)
-COLS = 128  # at least this many output columns a piece when columns are cut (few rows: a decode-sized M)
+COLS = 128  # at least this many output columns a piece when columns are cut
+FEW_ROWS = 16  # fewer output rows: NumPy's calls (gemv for one row), not the jitted sgemm's
 FLOPS_PER_SECOND = 60e9  # one core's sgemm rate at these shapes, for the pool's part count
 
 
 def pieces(m: int, n: int) -> tuple[int, int]:
     """(rows, columns) of each piece of an [m, n] output: rows cut into about 256 (at least 2 pieces) where
-    there are 2·ROWS of them, else columns into about 512 where there are 2·COLS, else one piece."""
+    there are 2·ROWS of them; a few-row product (decode-sized) whole, unless its columns are an LM head's
+    (at least 65536: pieces of about 32768); else columns cut into about 512 where there are 2·COLS."""
     if m >= 2 * ROWS:
         return _rounded(m, max(2, -(-m // 256))), n
+    if m < FEW_ROWS:
+        return (m, _rounded(n, -(-n // 32768))) if n >= 65536 else (m, n)
     if n >= 2 * COLS:
         return m, _rounded(n, max(2, -(-n // 512)))
     return m, n
@@ -82,10 +84,16 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out <- a @ b with np.matmul's broadcasting (out given, of the broadcast shape)."""
     if out.size == 0:
         return
-    if out.ndim == 2 and a.ndim == 2 and b.ndim == 2:
+    if out.ndim <= 2 and (a.ndim < 2 or b.ndim < 2 or pieces(*out.shape) == out.shape):
+        # One piece (a vector operand, or too few rows and columns to cut): NumPy's own one-thread call,
+        # which takes gemv for one row ([1, 640] @ [640, 2048]: 0.09 ms, 0.28 through the jitted sgemm).
+        with threads.one_blas_thread():
+            np.matmul(a, b, out=out)
+        return
+    if out.ndim == 2:
         m, n = out.shape
         pr, pc = pieces(m, n)
-        layout = _sgemm_layout(a, b, out) if a.shape[1] else None
+        layout = _sgemm_layout(a, b, out) if a.shape[1] and m >= FEW_ROWS else None
         address = threads.blas_sgemm_address() if layout is not None else 0
         if layout is not None and address:
             lda, ldb, trans_b = layout
@@ -105,9 +113,6 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 
         split_work(blocks, -(-m // pr) * across)
         return
-    if out.ndim <= 2:  # a vector operand: one piece
-        split_work(lambda _: _whole(a, b, out), 1)
-        return
     lead = out.shape[0]
     a1 = a.reshape((1,) * (out.ndim - a.ndim) + a.shape) if a.ndim < out.ndim else a
     b1 = b.reshape((1,) * (out.ndim - b.ndim) + b.shape) if b.ndim < out.ndim else b
@@ -118,6 +123,3 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
 
     split_work(batch, lead)
 
-
-def _whole(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> Any:
-    return np.matmul(a, b, out=out)
