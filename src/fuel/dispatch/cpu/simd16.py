@@ -65,8 +65,8 @@ def _splat(builder: Any, v: Any, vty: Any) -> Any:
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
 
 
-def _s8(context: Any, builder: Any, v: Any, ty: Any, lanes: int = _W) -> Any:
-    return _splat(builder, context.cast(builder, v, ty, types.int8), ir.VectorType(_I8, lanes))
+def _s8(context: Any, builder: Any, v: Any, ty: Any) -> Any:
+    return _splat(builder, context.cast(builder, v, ty, types.int8), _V8)
 
 
 def _sf(context: Any, builder: Any, v: Any, ty: Any) -> Any:
@@ -132,7 +132,6 @@ def _codes(typingctx: Any, src: Any, off: Any, sh: Any, mask: Any, hi: Any, hsh:
         return builder.sitofp(_code_ints(context, builder, signature.args, args, flags, _W, _CODE_BITS), _VF)
 
     return VEC(src, off, sh, mask, hi, hsh, hmask, hshl, sub, mode), codegen
-
 
 
 @intrinsic(prefer_literal=True)
