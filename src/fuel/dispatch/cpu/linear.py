@@ -5,10 +5,11 @@
 - GQA-style batches (a batch dim a multiple of b's) are NumPy views: a is split `[b_d, rep]` per
   batch dim and b gets size-1 axes that matmul broadcasts; the trailing repetition folds into M,
   so e.g. 4 query heads sharing one kv head are one GEMM, not 4.
-- f32/f64 run BLAS straight into `out`, then add the bias in place. bf16/f16 widen exactly to f32,
-  run one sgemm into an f32 scratch buffer, add the bias in f32 and round once on store.
-The product runs as one-thread OpenBLAS GEMMs on fixed blocks of rows (`row_blocks`): OpenBLAS's own
-threading made an element's bytes depend on the thread count on AVX2 hosts.
+- f32/f64 run BLAS straight into `out` and add the bias to each piece of it as soon as it is done,
+  while it is in cache. bf16/f16 widen exactly to f32, run one sgemm into an f32 scratch buffer, add
+  the bias in f32 and round once on store.
+The product runs as one-thread OpenBLAS GEMMs on fixed pieces of the output (`row_blocks`): OpenBLAS's
+own threading made an element's bytes depend on the thread count on AVX2 hosts.
 
 The impl takes strided inputs: BLAS reads a transposed matrix through its trans flag, so the
 common `x @ w.T + b` (a [N, K] weight) costs no copy of the weight. Only a matrix BLAS cannot
@@ -93,8 +94,7 @@ def _operands(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[np.ndarray
 def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
     """out <- a @ b + bias for f32/f64 (out has the inputs' dtype)."""
     va, vb, vo = _operands(a, b, out)
-    row_blocks.matmul(va, vb, vo)
-    np.add(out, bias, out=out)
+    row_blocks.matmul(va, vb, vo, bias)
 
 
 def linear_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:

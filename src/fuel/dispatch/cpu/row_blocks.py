@@ -23,22 +23,27 @@ from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.threads import split_work
 
-ROWS = 64  # at least this many output rows a piece when rows are cut (~256 each: B repacked once a piece)
-COLS = 128  # at least this many output columns a piece when columns are cut
+PARTS = 4  # pieces a product is cut into, or a multiple of it: even, so two (or four) threads stay balanced
+COLS = 64  # at least this many output columns a piece when columns are cut
 FEW_ROWS = 16  # fewer output rows: NumPy's calls (gemv for one row), not the jitted sgemm's
+WIDE = 16384  # columns a piece has at most (a 262144-column LM head: 16 pieces)
 FLOPS_PER_SECOND = 60e9  # one core's sgemm rate at these shapes, for the pool's part count
 
 
 def pieces(m: int, n: int) -> tuple[int, int]:
-    """(rows, columns) of each piece of an [m, n] output: rows cut into about 256 (at least 2 pieces) where
-    there are 2·ROWS of them; a few-row product (decode-sized) whole, unless its columns are an LM head's
-    (at least 65536: pieces of about 32768); else columns cut into about 512 where there are 2·COLS."""
-    if m >= 2 * ROWS:
-        return _rounded(m, max(2, -(-m // 256))), n
+    """(rows, columns) of each piece of an [m, n] output.
+
+    Columns are cut, into PARTS pieces (more for a wide output), so that each piece packs only its own
+    columns of B and the rows of A, which BLAS repacks per block of columns anyway; an output too
+    narrow for that has its rows cut instead. A count of pieces that two threads cannot share evenly
+    costs a third: [544, 384] @ [384, 1536] ran at 125 GFLOP/s as 3 row pieces, 170 as 2 or 4.
+    A few-row product (decode-sized) is one piece unless its columns are an LM head's."""
     if m < FEW_ROWS:
         return (m, _rounded(n, -(-n // 32768))) if n >= 65536 else (m, n)
-    if n >= 2 * COLS:
-        return m, _rounded(n, max(2, -(-n // 512)))
+    if n >= PARTS * COLS:
+        return m, _rounded(n, PARTS * -(-n // (PARTS * WIDE)))
+    if m >= PARTS * FEW_ROWS:
+        return _rounded(m, PARTS), n
     return m, n
 
 
@@ -47,14 +52,15 @@ def _rounded(size: int, count: int) -> int:
     return (-(-size // count) + 15) // 16 * 16
 
 
-# argv of `_pieces_task`: addresses of A, B, C and sgemm, then sizes, leading dimensions and the piece size
-A, B, C, SGEMM, M, N, K, LDA, LDB, LDC, TRANS_B, PR, PC = range(13)
+# argv of `_pieces_task`: addresses of A, B, C, the bias (0: none) and sgemm, then sizes, leading dimensions
+# and the piece size
+A, B, C, BIAS, SGEMM, M, N, K, LDA, LDB, LDC, TRANS_B, PR, PC = range(14)
 
 
 @spin.task()
 def _pieces_task(part: int, parts: int, argv: int) -> None:
-    v = carray(pointer(argv, np.int64), (13,))
-    m, n, pr, pc = v[M], v[N], v[PR], v[PC]
+    v = carray(pointer(argv, np.int64), (14,))
+    m, n, pr, pc, ldc = v[M], v[N], v[PR], v[PC], v[LDC]
     across = -(-n // pc)
     count = -(-m // pr) * across
     for t in range(part * count // parts, (part + 1) * count // parts):
@@ -62,7 +68,13 @@ def _pieces_task(part: int, parts: int, argv: int) -> None:
         rows, cols = min(pr, m - r0), min(pc, n - c0)
         b_at = v[B] + 4 * c0 * (v[LDB] if v[TRANS_B] else 1)
         sgemm(v[SGEMM], v[TRANS_B], 0, rows, cols, v[K], v[A] + 4 * r0 * v[LDA], v[LDA], b_at, v[LDB],
-              v[C] + 4 * (r0 * v[LDC] + c0), v[LDC])
+              v[C] + 4 * (r0 * ldc + c0), ldc)
+        if v[BIAS]:  # added to the piece while it is in cache: the same sums as NumPy's add after the product
+            bias = carray(pointer(v[BIAS] + 4 * c0, np.float32), (cols,))
+            for r in range(rows):
+                row = carray(pointer(v[C] + 4 * ((r0 + r) * ldc + c0), np.float32), (cols,))
+                for j in range(cols):
+                    row[j] += bias[j]
 
 
 def _sgemm_layout(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[int, int, int] | None:
@@ -80,8 +92,10 @@ def _sgemm_layout(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[int, i
     return None
 
 
-def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """out <- a @ b with np.matmul's broadcasting (out given, of the broadcast shape)."""
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None = None) -> None:
+    """out <- a @ b (+ bias, a vector over out's last dim, of out's dtype) with np.matmul's broadcasting (out
+    given, of the broadcast shape). The bias is added to each piece after its product: the same bytes as
+    NumPy adding it to the whole product."""
     if out.size == 0:
         return
     if out.ndim <= 2 and (a.ndim < 2 or b.ndim < 2 or pieces(*out.shape) == out.shape):
@@ -89,16 +103,18 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         # which takes gemv for one row ([1, 640] @ [640, 2048]: 0.09 ms, 0.28 through the jitted sgemm).
         with threads.one_blas_thread():
             np.matmul(a, b, out=out)
+        _add(out, bias)
         return
     if out.ndim == 2:
         m, n = out.shape
         pr, pc = pieces(m, n)
         layout = _sgemm_layout(a, b, out) if a.shape[1] and m >= FEW_ROWS else None
         address = threads.blas_sgemm_address() if layout is not None else 0
-        if layout is not None and address:
+        if layout is not None and address and (bias is None or bias.dtype == out.dtype):
             lda, ldb, trans_b = layout
-            argv = np.array([a.ctypes.data, b.ctypes.data, out.ctypes.data, address, m, n, a.shape[1], lda, ldb, n,
-                             trans_b, pr, pc], np.int64)
+            vec = None if bias is None else np.ascontiguousarray(bias)
+            argv = np.array([a.ctypes.data, b.ctypes.data, out.ctypes.data, 0 if vec is None else vec.ctypes.data,
+                             address, m, n, a.shape[1], lda, ldb, n, trans_b, pr, pc], np.int64)
             count = -(-m // pr) * -(-n // pc)
             seconds = 2 * m * n * a.shape[1] / FLOPS_PER_SECOND
             with threads.one_blas_thread():
@@ -109,7 +125,9 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         def blocks(tasks: range) -> None:
             for t in tasks:
                 r0, c0 = t // across * pr, t % across * pc
-                np.matmul(a[r0:r0 + pr], b[:, c0:c0 + pc], out=out[r0:r0 + pr, c0:c0 + pc])
+                piece = out[r0:r0 + pr, c0:c0 + pc]
+                np.matmul(a[r0:r0 + pr], b[:, c0:c0 + pc], out=piece)
+                _add(piece, None if bias is None else bias[c0:c0 + pc])
 
         split_work(blocks, -(-m // pr) * across)
         return
@@ -120,6 +138,11 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     def batch(tasks: range) -> None:
         for i in tasks:
             np.matmul(a1[i if a1.shape[0] == lead else 0], b1[i if b1.shape[0] == lead else 0], out=out[i])
+            _add(out[i], bias)
 
     split_work(batch, lead)
 
+
+def _add(out: np.ndarray, bias: np.ndarray | None) -> None:
+    if bias is not None:
+        np.add(out, bias, out=out)
