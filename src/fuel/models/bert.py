@@ -165,7 +165,7 @@ class MiniLM:
             p = f"encoder.layer.{i}."
             q, k, v = (heads(self._linear(h, p + "attention.self." + m), m) for m in ("query", "key", "value"))
             o = fl.ops.flash_attn(q, k, v, softmax_scale=1 / math.sqrt(d), causal=False)
-            o = o[..., :d].permute(0, 2, 1, 3).reshape(n, c.hidden).index_select(0, to_packed)
+            o = o[..., :d].permute(0, 2, 1, 3).contiguous().reshape(n, c.hidden).index_select(0, to_packed)
             h = self._norm(self._linear(o, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
             f = self._linear(gelu(self._linear(h, p + "intermediate.dense")), p + "output.dense")
             h = self._norm(f + h, p + "output.LayerNorm")
