@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
+from fuel.dispatch import threads
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Op
 from fuel.testing.check import ulp_error
@@ -91,3 +92,18 @@ def test_gradient_matches_torch_autograd() -> None:
 def test_property_any_f32(v: float) -> None:
     x = np.array([v], np.float32)
     assert ulp_error(fl.tensor(x).erf().numpy(), oracle(x, DType.F32), DType.F32) <= ULPS[DType.F32]
+
+
+@pytest.mark.parametrize("dt", [DType.F32, DType.F64], ids=lambda d: d.value)
+def test_same_bytes_at_one_and_two_threads(dt: DType) -> None:
+    """Large arrays run on the spinning pool in parts; each value is computed alone, whatever the cut."""
+    x = np.random.default_rng(5).standard_normal(300_001).astype(dt.np) * 3
+    before, outs = threads.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            threads.set_num_threads(n)
+            outs.append(fl.tensor(x).erf().numpy().tobytes())
+    finally:
+        threads.set_num_threads(before)
+    assert outs[0] == outs[1]
+    assert ulp_error(np.frombuffer(outs[0], dt.np), oracle(x, dt), dt) <= ULPS[dt]

@@ -113,7 +113,7 @@ def test_pack_maps_tokens_to_slots_and_back() -> None:
     assert batch.positions[:15].tolist() == [0, 1, 2, 0, 1, *range(10)]
     real = np.arange(15)
     np.testing.assert_array_equal(batch.to_padded[batch.to_packed[real]], real)  # every real token round-trips
-    assert (batch.to_padded[batch.mask.reshape(-1) == 0] == t).all()  # padding reads the zero row
+    assert (batch.to_padded[batch.mask.reshape(-1) == 0] == 0).all()  # padding reads row 0 (weighed 0)
     assert bert.pack([[1] * 300], max_length=256).mask.shape == (1, 256)
 
 

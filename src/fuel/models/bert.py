@@ -11,14 +11,18 @@ The encoder is built from `fuel.ops` and Tensor methods only:
 - every dense layer is written `x @ w.T + b` with the checkpoint's `[out, in]` weight. The executor's
   pattern pass turns each into a FusedLinear node, and the kernel reads `w.T` through BLAS's transpose
   flag, so no weight is copied or transposed (the tests check the FusedLinear kernels ran).
-- GELU is BERT's exact erf form `x·Φ(x)` through the ERF primitive (five elementwise passes; the
-  tanh form was measured 2.5e-4 off sentence-transformers' embeddings, beyond the 1e-4 they must meet).
+- GELU is BERT's exact erf form `x·Φ(x)` through the ERF primitive (the tanh form was measured 2.5e-4
+  off sentence-transformers' embeddings, beyond the 1e-4 they must meet). In the FFN its constants are
+  folded into the weights: with the up projection scaled by c = 1/√2, y = c·x and
+  GELU(x) = y·(1 + erf(y))·c, and that last c scales the down projection; three elementwise passes
+  (erf, +1, ×y) instead of `gelu`'s five.
 
 Packed tokens. Only attention needs a batch laid out `[B, S]`; every other layer (the dense layers,
 LayerNorm, GELU, the residuals: nearly all of the work) runs per token. So the encoder keeps the real
 tokens of a batch packed, `[T, hidden]` with T the sum of the sentences' lengths, and scatters them
-to the padded layout only for attention, with one `index_select` each way (a padded slot reads an
-extra zero row). On sentences of mixed lengths a padded batch is mostly padding: 64 benchmark
+to the padded layout only for attention, with one `index_select` each way (a padded slot reads row 0:
+any finite row does, as its key's weight is exactly 0, its query's output is never gathered back and
+pooling weighs it 0). On sentences of mixed lengths a padded batch is mostly padding: 64 benchmark
 sentences are 1084 tokens, 1536 padded.
 
 Padding inside attention. FlashAttn's `k_len` is one scalar for the whole batch, so it cannot hide
@@ -117,8 +121,16 @@ class MiniLM:
         # framework="np" reads each tensor once out of the mapped file; nothing is copied after that
         # (dense weights are used transposed as views).
         with safe_open(str(folder / "model.safetensors"), framework="np") as f:
-            self.w = {k: fl.tensor(f.get_tensor(k)) for k in f.keys()  # noqa: SIM118 (safe_open is not iterable)
+            arrays = {k: f.get_tensor(k) for k in f.keys()  # noqa: SIM118 (safe_open is not iterable)
                       if k.startswith(("embeddings.", "encoder."))}
+        c = np.float32(_SQRT1_2)
+        for i in range(self.config.layers):  # the FFN's weights with GELU's 1/√2 folded in (`_ffn`)
+            up, down = f"encoder.layer.{i}.intermediate.dense", f"encoder.layer.{i}.output.dense"
+            arrays[up + "/√2.weight"] = arrays.pop(up + ".weight") * c
+            arrays[up + "/√2.bias"] = arrays.pop(up + ".bias") * c
+            arrays[down + "/√2.weight"] = arrays.pop(down + ".weight") * c
+            arrays[down + "/√2.bias"] = arrays.pop(down + ".bias")  # added after the product: unscaled
+        self.w = {k: fl.tensor(v) for k, v in arrays.items()}
         self.tokenizer: Tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         # tokenizer.json ships with fixed padding to 128 and truncation at 128: neither is the model's.
         self.tokenizer.no_padding()
@@ -130,6 +142,11 @@ class MiniLM:
     def _linear(self, x: fl.Tensor, name: str) -> fl.Tensor:
         # Plain primitives: the executor's pattern pass makes this a FusedLinear node.
         return x @ self.w[name + ".weight"].T + self.w[name + ".bias"]
+
+    def _ffn(self, h: fl.Tensor, prefix: str) -> fl.Tensor:
+        """down(GELU(up(h))) with GELU's constants in the weights (module docstring)."""
+        y = self._linear(h, prefix + "intermediate.dense/√2")
+        return self._linear(y * (y.erf() + 1.0), prefix + "output.dense/√2")
 
     def _norm(self, x: fl.Tensor, name: str) -> fl.Tensor:
         y = fl.ops.layer_norm_last_dim(x, self.config.eps)
@@ -148,14 +165,13 @@ class MiniLM:
         position = w["embeddings.position_embeddings.weight"].index_select(0, positions)
         x = x + w["embeddings.token_type_embeddings.weight"][0] + position
         h = self._norm(x, "embeddings.LayerNorm")
-        zero_row = fl.zeros((1, c.hidden))
         # The mask's head-dim column (module docstring): 0 for real keys, -1e30 for padded ones.
         cols = {"query": fl.ones((b, c.heads, s, 1)), "value": fl.zeros((b, c.heads, s, 1)),
                 "key": ((mask - 1.0) * 1e30).reshape(b, 1, s, 1).broadcast_to(b, c.heads, s, 1)}
 
         def padded(rows: fl.Tensor) -> fl.Tensor:
-            """Packed [T, hidden] rows at their [B·S] slots, zeros at padding."""
-            return fl.concat([rows, zero_row], axis=0).index_select(0, to_padded)
+            """Packed [T, hidden] rows at their [B·S] slots (padding: row 0)."""
+            return rows.index_select(0, to_padded)
 
         def heads(u: fl.Tensor, m: str) -> fl.Tensor:
             # The concat also lays q, k, v out contiguously, the copy FlashAttn would make anyway.
@@ -167,7 +183,7 @@ class MiniLM:
             o = fl.ops.flash_attn(q, k, v, softmax_scale=1 / math.sqrt(d), causal=False)
             o = o[..., :d].permute(0, 2, 1, 3).contiguous().reshape(n, c.hidden).index_select(0, to_packed)
             h = self._norm(self._linear(o, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
-            f = self._linear(gelu(self._linear(h, p + "intermediate.dense")), p + "output.dense")
+            f = self._ffn(h, p)
             h = self._norm(f + h, p + "output.LayerNorm")
         weights = mask.reshape(b, s, 1)
         pooled = (padded(h).reshape(b, s, c.hidden) * weights).sum(1) / weights.sum(1)
@@ -207,7 +223,7 @@ class Batch(NamedTuple):
 
     ids: np.ndarray  # [T] token ids, the sentences one after another (then spare rows of [PAD])
     positions: np.ndarray  # [T] each token's position in its sentence
-    to_padded: np.ndarray  # [B·S] the packed row of each padded slot; T (the zero row) at padding
+    to_padded: np.ndarray  # [B·S] the packed row of each padded slot; 0 at padding
     to_packed: np.ndarray  # [T] the padded slot of each packed row (spare rows: slot 0)
     mask: np.ndarray  # [B, S] f32: 1 real, 0 padding
 
@@ -225,7 +241,7 @@ def pack(batch: Sequence[Sequence[int]], max_length: int) -> Batch:
     t = -(-total // step) * step
     ids = np.zeros(t, np.int64)  # 0 is [PAD]
     positions = np.zeros(t, np.int64)
-    to_padded = np.full(len(batch) * s, t, np.int64)
+    to_padded = np.zeros(len(batch) * s, np.int64)
     to_packed = np.zeros(t, np.int64)
     mask = np.zeros((len(batch), s), np.float32)
     row = 0
