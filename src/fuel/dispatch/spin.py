@@ -310,7 +310,11 @@ def parts_for(seconds: float, most: int, per_thread: int = PARTS_PER_THREAD) -> 
 
 def run(fn: Task, argv: np.ndarray, parts: int) -> None:
     """Run task `fn` (from `@task`) over `parts` parts with argv (int64, alive until this returns)."""
-    address, args = fn.address, _address(argv)
+    run_address(fn.address, _address(argv), parts)
+
+
+def run_address(address: int, args: int, parts: int) -> None:
+    """`run` of a task and an argv given by their addresses (`fuel.dispatch.launches`)."""
     if parts <= 1:
         _run_here(address, args, 1)
         return

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from numba import prange
 
-from fuel.dispatch import spin
+from fuel.dispatch import launches
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.gguf_gemv import (
     BIAS,
@@ -292,7 +292,20 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
     if USE_TABLES and qt in TABLE_KERNELS:
         one, order = TABLE_KERNELS[qt]
         a = permuted(a, order)[:1]  # the row after it, x as given, is read for the block sums
+    launches.run(one_row_launch(one, a, w, out))
+
+
+def one_row_launch(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch:
+    """The job of one activation row a [1, k] against w (n rows of raw block bytes) into out [1, n]."""
     argv = np.empty(6, np.int64)
     fill_gemv_args(a, w, out, argv)
     n = w.shape[0]
-    spin.run(one, argv, spin.parts_for(n * a.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n)))
+    return launches.prepare(task, argv, n * a.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n))
+
+
+def reusable_one_row_launch(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:
+    """`gemv`'s job for one row where it reads a, w and out themselves, so that it can be posted again for
+    the same arrays; None where it reads a per-call copy of a (the table kernels)."""
+    if a.shape[0] != 1 or (USE_TABLES and qt in TABLE_KERNELS):
+        return None
+    return one_row_launch(KERNELS[qt][0], a, w, out)

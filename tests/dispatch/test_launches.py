@@ -1,0 +1,81 @@
+"""Prepared decode jobs (`fuel.dispatch.launches`), through QMatMul's one-row path: a call with the same
+arrays posts the remembered job and reads their current values; other arrays, a shape changed in place,
+another params object or a dead array never reuse it. Values against gguf-py's dequantisation in float64."""
+
+from __future__ import annotations
+
+import gc
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from fuel.dispatch import launches
+from fuel.dispatch.cpu import gguf as gguf_cpu
+from fuel.dtype import DType
+from fuel.graph.registry.qmatmul import QMatMulParams
+from fuel.quant import QuantType
+from fuel.testing.oracle import assert_close_contraction
+
+N, K = 40, 64
+Call = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, QMatMulParams]  # a, w, w in float64, out, params
+
+
+def _weight(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(raw Q8_0 blocks as u32 words, their float64 dequantisation [N, K])."""
+    q = gguf.quants.quantize(rng.standard_normal((N, K)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    raw = np.frombuffer(q.tobytes(), np.uint8)
+    want = gguf.quants.dequantize(q, GGMLQuantizationType.Q8_0).astype(np.float64)
+    return np.concatenate([raw, np.zeros(-raw.size % 4, np.uint8)]).view(np.uint32), want
+
+
+def _check(a: np.ndarray, w64: np.ndarray, out: np.ndarray) -> None:
+    a64 = a.astype(np.float64)
+    assert_close_contraction(out, a64 @ w64.T, np.abs(a64) @ np.abs(w64.T), DType.F32)
+
+
+@pytest.fixture
+def call() -> Call:
+    rng = np.random.default_rng(0)
+    w, w64 = _weight(rng)
+    return rng.standard_normal((1, K)).astype(np.float32), w, w64, np.empty((1, N), np.float32), \
+        QMatMulParams(quant_type=QuantType.Q8_0, k=K, n=N)
+
+
+def test_same_arrays_reuse_the_job_and_read_their_current_values(call: Call) -> None:
+    a, w, w64, out, params = call
+    gguf_cpu.qmatmul_kernel([a, w], out, params)
+    launch = gguf_cpu._LAUNCHES.find((a, w, out), params)
+    assert launch is not None
+    _check(a, w64, out)
+    a *= -3  # new values in the same buffer: the remembered job reads them
+    gguf_cpu.qmatmul_kernel([a, w], out, params)
+    assert gguf_cpu._LAUNCHES.find((a, w, out), params) is launch
+    _check(a, w64, out)
+
+
+def test_other_arrays_params_or_shapes_are_not_matched(call: Call) -> None:
+    a, w, w64, out, params = call
+    gguf_cpu.qmatmul_kernel([a, w], out, params)
+    assert gguf_cpu._LAUNCHES.find((a.copy(), w, out), params) is None
+    assert gguf_cpu._LAUNCHES.find((a, w, out), QMatMulParams(quant_type=QuantType.Q8_0, k=K, n=N)) is None
+    same = a.view()
+    assert gguf_cpu._LAUNCHES.find((same, w, out), params) is None  # another object over the same memory
+    wide = np.zeros((2, K), np.float32)
+    row = wide[:1]
+    gguf_cpu.qmatmul_kernel([row, w], out, params)
+    _check(row, w64, out)
+    row.shape = (K, 1)  # in place: the remembered job would read a [1, K] row
+    assert gguf_cpu._LAUNCHES.find((row, w, out), params) is None
+
+
+def test_an_entry_dies_with_its_arrays() -> None:
+    table = launches.Launches()
+    a, b = np.zeros(3), np.zeros(4)
+    argv = np.zeros(2, np.int64)
+    table.remember((a, b), None, launches.Launch(0, argv, 0, 0.0, 1))
+    assert len(table) == 1 and table.find((a, b), None) is not None
+    del a
+    gc.collect()
+    assert len(table) == 0
