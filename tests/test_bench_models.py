@@ -43,3 +43,14 @@ def test_a_failing_engine_is_reported() -> None:
 def test_prompt_ids_are_the_files_tokens() -> None:
     ids = bm.prompt_ids("smollm2", 20)
     assert len(ids) == 20 and ids[0] == 1  # SmolLM2's bos <|im_start|>, then TEXT's tokens
+
+
+def test_rounds_keep_each_throughput_at_its_best() -> None:
+    a = {"prefill_tok_s": 400.0, "decode_tok_s": 60.0, "prefill_s": 0.32, "decode_s": 2.13, "peak_rss_mib": 350.0,
+         "tokens": [1, 2]}
+    b = {"prefill_tok_s": 380.0, "decode_tok_s": 66.0, "prefill_s": 0.34, "decode_s": 1.94, "peak_rss_mib": 352.0,
+         "tokens": [1, 3]}
+    got = bm.best_of(a, b)
+    assert got == {"prefill_tok_s": 400.0, "decode_tok_s": 66.0, "prefill_s": 0.32, "decode_s": 1.94,
+                   "peak_rss_mib": 352.0, "tokens": [1, 2]}
+    assert bm.best_of(None, b) is b and bm.best_of({"error": "x"}, b) is b and bm.best_of(a, {"error": "x"}) is a
