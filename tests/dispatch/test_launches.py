@@ -1,6 +1,7 @@
-"""Prepared decode jobs (`fuel.dispatch.launches`), through QMatMul's one-row path: a call with the same
-arrays posts the remembered job and reads their current values; other arrays, a shape changed in place,
-another params object or a dead array never reuse it. Values against gguf-py's dequantisation in float64."""
+"""Prepared decode jobs (`fuel.dispatch.launches`), through QMatMul's one-row path and FlashAttn's decode: a
+call with the same arrays posts the remembered job and reads their current values (and FlashAttn's k_len of
+the call); other arrays, a shape changed in place, another params object or a dead array never reuse it.
+Values against gguf-py's dequantisation in float64 and torch's attention."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import gc
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType
 
 from fuel.dispatch import launches
+from fuel.dispatch.cpu import attention as attention_cpu
 from fuel.dispatch.cpu import gguf as gguf_cpu
+from fuel.dispatch.cpu.attention import flash_attn_kernel
 from fuel.dtype import DType
+from fuel.graph.registry.flash_attn import FlashAttnParams
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
 from fuel.testing.oracle import assert_close_contraction
@@ -79,3 +84,24 @@ def test_an_entry_dies_with_its_arrays() -> None:
     del a
     gc.collect()
     assert len(table) == 0
+
+
+def test_flash_attn_decode_reuses_its_job_with_each_calls_k_len() -> None:
+    """A decode step's FlashAttn: the same q, k, v and out every token, k_len moving; each call's output
+    is that of a first call on fresh copies (the same kernel) and agrees with torch over the live keys."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 6, 1, 32)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, 40, 32)).astype(np.float32) for _ in range(2))
+    out = np.empty_like(q)
+    for kl in (5, 17, 40, 0, 9):
+        params = FlashAttnParams(0.2, True, None, 0, None, kl)
+        flash_attn_kernel([q, k, v], out, params)
+        assert attention_cpu._LAUNCHES.find((q, k, v, out), None) is not None
+        fresh = np.empty_like(q)
+        flash_attn_kernel([q.copy(), k.copy(), v.copy()], fresh, params)
+        assert fresh.tobytes() == out.tobytes()
+        tk = torch.from_numpy(k[:, :, :kl]).repeat_interleave(3, 1).double()
+        tv = torch.from_numpy(v[:, :, :kl]).repeat_interleave(3, 1).double()
+        want = (torch.nn.functional.scaled_dot_product_attention(torch.from_numpy(q).double(), tk, tv, scale=0.2)
+                if kl else torch.zeros(q.shape, dtype=torch.float64))
+        np.testing.assert_allclose(out, want.numpy(), rtol=1e-5, atol=1e-5)

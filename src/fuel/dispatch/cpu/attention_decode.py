@@ -16,10 +16,11 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import overload
 
-from fuel.dispatch import spin
+from fuel.dispatch import launches, spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.attention_rows import FASTMATH, Window, exp_shifted, row_window, transform_row
 from fuel.dispatch.cpu.simd16 import fma, fmas, hsum, vload, vmul, vstore, vzero
+from fuel.dispatch.launches import Launch
 from fuel.errors import KernelError
 
 DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
@@ -198,29 +199,42 @@ def _decode_f64(part: int, parts: int, argv: int) -> None:
 
 
 @njit(cache=True)
-def _fill(q: Any, k: Any, v: Any, out: Any, slopes: Any, kl: int, sq: int, left: int, right: int, scale: float,
-          softcap: float, argv: Any) -> int:
-    """argv <- the job `_run_part` reads; returns its item count."""
+def _fill(q: Any, k: Any, v: Any, out: Any, slopes: Any, argv: Any) -> int:
+    """argv <- the arrays and sizes `_run_part` reads (the mask and scales are `_set_mask`'s); returns the
+    item count."""
     n, g, nq, d = q.shape
     argv[0], argv[1], argv[2], argv[3], argv[4] = q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data, \
         slopes.ctypes.data
     argv[5], argv[6], argv[7], argv[8], argv[9] = n, g, nq, d, k.shape[1]
-    argv[10], argv[11], argv[12], argv[13] = kl, sq, left, right
-    f = argv.view(np.float64)
-    f[14], f[15] = scale, softcap
     hs = min(g, max(1, -(-ITEMS // max(n * nq, 1))))
     argv[16] = hs
     return n * nq * hs
+
+
+def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, slopes: np.ndarray) -> Launch:
+    """The job of out [n, G, nq, D] <- attention of q [n, G, nq, D] over k, v [n, Sk, D] (f32 or f64,
+    C-contiguous, one dtype; slopes [n, G]), its mask and scales still to set (`run`). Its `seconds` is
+    the estimate per live key."""
+    if not all(x.flags.c_contiguous and x.dtype == q.dtype for x in (k, v, out, slopes)):
+        raise KernelError("flash_attn: the decode path reads C-contiguous arrays of one dtype")
+    argv = np.zeros(ARGS, np.int64)
+    items = _fill(q, k, v, out, slopes, argv)
+    n, g, nq, d = q.shape
+    return launches.prepare(_decode_f64 if q.dtype == np.float64 else _decode_f32, argv,
+                            4 * n * nq * g * d / FLOPS_PER_SECOND, items)
+
+
+def run(launch: Launch, win: Window, scale: float, softcap: float) -> None:
+    """Post a prepared job under the mask `win` with these scales, and wait for it."""
+    argv = launch.argv
+    argv[10], argv[11], argv[12], argv[13] = win.kl, win.sq, win.left, win.right
+    f = argv.view(np.float64)
+    f[14], f[15] = scale, softcap
+    spin.run_address(launch.task, launch.args, spin.parts_for(launch.seconds * win.kl, launch.most))
 
 
 def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, win: Window, scale: Any, softcap: Any,
            slopes: np.ndarray) -> None:
     """out [n, G, nq, D] <- attention of q [n, G, nq, D] over k, v [n, Sk, D] (f32 or f64, C-contiguous,
     one dtype; slopes [n, G]) under the mask `win`."""
-    if not all(x.flags.c_contiguous and x.dtype == q.dtype for x in (k, v, out, slopes)):
-        raise KernelError("flash_attn: the decode path reads C-contiguous arrays of one dtype")
-    argv = np.empty(ARGS, np.int64)
-    items = _fill(q, k, v, out, slopes, win.kl, win.sq, win.left, win.right, float(scale), float(softcap), argv)
-    n, g, nq, d = q.shape
-    seconds = 4 * n * nq * g * win.kl * d / FLOPS_PER_SECOND
-    spin.run(_decode_f64 if q.dtype == np.float64 else _decode_f32, argv, spin.parts_for(seconds, items))
+    run(prepare(q, k, v, out, slopes), win, float(scale), float(softcap))
