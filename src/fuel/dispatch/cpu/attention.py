@@ -30,9 +30,8 @@ from numba import prange
 
 from fuel.dispatch import launches
 from fuel.dispatch.buffers import POOL
+from fuel.dispatch.cpu import attention_decode
 from fuel.dispatch.cpu.attention_decode import DECODE_MAX_QUERIES, decode
-from fuel.dispatch.cpu.attention_decode import prepare as decode_job
-from fuel.dispatch.cpu.attention_decode import run as run_decode
 from fuel.dispatch.cpu.attention_rows import FASTMATH, Window, online_row, store_row, window_of
 from fuel.dispatch.cpu.attention_tasks import attend
 from fuel.dispatch.cpu.driver import row_kernel
@@ -241,10 +240,10 @@ def _decode_direct(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> bo
         if slopes is None:  # no ALiBi: every slope 0 (read-only, shared by every call of this shape)
             slopes = _ZERO_SLOPES.setdefault(key, np.zeros(key[:2], q.dtype))
             slopes.flags.writeable = False
-        launch = decode_job(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d),
-                            grouped(out, hkv), slopes)
+        launch = attention_decode.prepare(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d),
+                                          grouped(out, hkv), slopes)
         _LAUNCHES.remember((q, k, v, out), None, launch)
-    run_decode(launch, window_of(params, q.shape[2], k.shape[2]), params.softmax_scale, params.softcap or 0.0)
+    attention_decode.run(launch, window_of(params, q.shape[2], k.shape[2]), params.softmax_scale, params.softcap or 0.0)
     return True
 
 

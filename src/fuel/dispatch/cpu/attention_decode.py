@@ -200,7 +200,7 @@ def _decode_f64(part: int, parts: int, argv: int) -> None:
 
 @njit(cache=True)
 def _fill(q: Any, k: Any, v: Any, out: Any, slopes: Any, argv: Any) -> int:
-    """argv <- the arrays and sizes `_run_part` reads (the mask and scales are `_set_mask`'s); returns the
+    """argv <- the arrays and sizes `_run_part` reads (the mask and scales are set per call, by `run`); returns the
     item count."""
     n, g, nq, d = q.shape
     argv[0], argv[1], argv[2], argv[3], argv[4] = q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data, \

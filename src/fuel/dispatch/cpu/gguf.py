@@ -29,7 +29,7 @@ from fuel.dispatch import launches
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu import gguf_tiles, row_blocks
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into
-from fuel.dispatch.cpu.gguf_decode import gemv, reusable_one_row_launch
+from fuel.dispatch.cpu.gguf_decode import gemv
 from fuel.dispatch.cpu.gguf_gemv import DECODE_ROWS
 from fuel.dispatch.cpu.weight_tiles import F32, tile_rows, tiled_product
 from fuel.dispatch.fused import (
@@ -67,12 +67,9 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
     if params.transpose:
         _transposed(qt, a2, raw, o2)
     elif rows <= DECODE_ROWS:
-        launch = reusable_one_row_launch(qt, a2, raw, o2)
-        if launch is None:
-            gemv(qt, a2, raw, o2)
-            return
-        _LAUNCHES.remember((a, w, out), params, launch)
-        launches.run(launch)
+        launch = gemv(qt, a2, raw, o2)
+        if launch is not None:
+            _LAUNCHES.remember((a, w, out), params, launch)
     else:
         _tiled(qt, a2, raw, o2)
 

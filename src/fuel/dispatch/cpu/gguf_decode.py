@@ -281,31 +281,28 @@ USE_TABLES = LUT16  # tests turn it off to run the portable kernels on the same 
 WEIGHTS_PER_SECOND = 12e9
 
 
-def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:
     """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes). One
     row (a decode token) runs on the spinning pool: its cores join within microseconds, so even a
-    [576, 576] weight is split."""
+    [576, 576] weight is split. Returns the one-row job where it reads a, w and out themselves, so that it
+    can be posted again for the same arrays (`fuel.dispatch.launches`); None otherwise (several rows, or
+    a table kernel, which reads a per-call permuted copy of a)."""
     one, many = KERNELS[qt]
     if a.shape[0] != 1:
         many(a, w, out)
-        return
+        return None
     if USE_TABLES and qt in TABLE_KERNELS:
         one, order = TABLE_KERNELS[qt]
-        a = permuted(a, order)[:1]  # the row after it, x as given, is read for the block sums
-    launches.run(one_row_launch(one, a, w, out))
+        launches.run(_one_row_launch(one, permuted(a, order)[:1], w, out))  # x as given is read from the row after
+        return None
+    launch = _one_row_launch(one, a, w, out)
+    launches.run(launch)
+    return launch
 
 
-def one_row_launch(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch:
+def _one_row_launch(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch:
     """The job of one activation row a [1, k] against w (n rows of raw block bytes) into out [1, n]."""
     argv = np.empty(6, np.int64)
     fill_gemv_args(a, w, out, argv)
     n = w.shape[0]
     return launches.prepare(task, argv, n * a.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n))
-
-
-def reusable_one_row_launch(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:
-    """`gemv`'s job for one row where it reads a, w and out themselves, so that it can be posted again for
-    the same arrays; None where it reads a per-call copy of a (the table kernels)."""
-    if a.shape[0] != 1 or (USE_TABLES and qt in TABLE_KERNELS):
-        return None
-    return one_row_launch(KERNELS[qt][0], a, w, out)
