@@ -253,13 +253,19 @@ def test_decode_kernel_same_bytes_on_any_threads(qt: QuantType, m: int) -> None:
     assert len(set(results)) == 1
 
 
-@pytest.mark.parametrize("qt", [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4K], ids=lambda q: q.ggml_name)
-@pytest.mark.parametrize("tables", [False, True] if LUT16 else [False])
-def test_table_and_portable_decoders_both_match(qt: QuantType, tables: bool,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """One-row decoding by table (AVX-512 hosts: lanes in another order, the activations permuted to it)
-    and by the portable widening both match float64, exact on identity rows, bit-stable across threads."""
-    monkeypatch.setattr(gguf_decode, "USE_TABLES", tables)
+_ONE_ROW_WAYS = [(qt, way) for qt in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4K)
+                 for way in ("portable", "tables", "words")
+                 if (way != "tables" or LUT16) and (way != "words" or qt in gguf_decode.WORD_KERNELS)]
+
+
+@pytest.mark.parametrize(("qt", "way"), _ONE_ROW_WAYS, ids=lambda v: getattr(v, "ggml_name", v))
+def test_table_word_and_portable_decoders_all_match(qt: QuantType, way: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-row decoding by table (AVX-512 hosts), by 32-bit words (Q4_K elsewhere: lanes in another order,
+    the activations permuted and scaled to it) and by the portable widening all match float64, exact on
+    identity rows, bit-stable across threads."""
+    monkeypatch.setattr(gguf_decode, "USE_TABLES", way == "tables")
+    monkeypatch.setattr(gguf_decode, "USE_WORDS", way == "words")
     k, n = 4096 + (64 if qt.block_elements == 32 else 256), 37
     raw, _, deq = weight(23, qt, n, k)
     a = np.random.default_rng(24).standard_normal((1, k)).astype(np.float32)
@@ -276,6 +282,10 @@ def test_table_and_portable_decoders_both_match(qt: QuantType, tables: bool,
         unit[0, i] = 1
         kernel_module.gemv(qt, unit, raw, out)
         np.testing.assert_array_equal(out[0], deq[:, i])
+    for magnitude in (1e-36, 1e-20, 1e20):  # the words' 2^-4t activation scaling: no subnormal, no overflow
+        scaled = (a * np.float32(magnitude)).astype(np.float32)
+        kernel_module.gemv(qt, scaled, raw, out)
+        check(out, scaled, deq)
 
 
 def test_jit_replay_of_a_decode_step_equals_realize() -> None:
