@@ -282,7 +282,7 @@ def test_table_word_and_portable_decoders_all_match(qt: QuantType, way: str,
         unit[0, i] = 1
         kernel_module.gemv(qt, unit, raw, out)
         np.testing.assert_array_equal(out[0], deq[:, i])
-    for magnitude in (1e-36, 1e-20, 1e20):  # the words' 2^-4t activation scaling: no subnormal, no overflow
+    for magnitude in (1e-36, 1e-20, 1e20, 1e30):  # the words' 2^-4t scaling: no subnormal, no overflow
         scaled = (a * np.float32(magnitude)).astype(np.float32)
         kernel_module.gemv(qt, scaled, raw, out)
         check(out, scaled, deq)

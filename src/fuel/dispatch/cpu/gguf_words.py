@@ -112,16 +112,17 @@ spread4: Any = _spread4
 @njit(inline="always", cache=True)
 def word_activations(a: Any) -> Any:
     """a's one row (k a multiple of 128) in the lanes' order (`ORDER`, `SCALE`) times 2^e, 2^e bringing the
-    row's largest |x| into [0.5, 1) so that the 2^-24 of SCALE leaves only elements below 2^-100 of it
-    inexact (a row of activations below 2^-102 would otherwise lose bits as subnormals); element k holds
-    2^-e, which the kernel's sums are multiplied by (exactly)."""
+    row's largest |x| into [0.5, 1) (as near as |e| <= 126 allows) so that the 2^-24 of SCALE leaves only
+    elements below 2^-100 of it inexact (a row of activations below 2^-102 would otherwise lose bits as
+    subnormals); element k holds 2^-e, which the kernel's sums are multiplied by (exactly, unless the
+    result itself is subnormal)."""
     x = a.reshape(a.size)
     big = np.float32(0)
     for i in range(x.size):
         big = max(big, abs(x[i]))
     e = np.float32(1)
-    if 0 < big < np.inf:
-        e = np.float32(math.ldexp(1.0, -math.frexp(big)[1]))
+    if 0 < big < np.inf:  # 2^e and 2^-e stay normal f32: |e| <= 126
+        e = np.float32(math.ldexp(1.0, max(-126, min(126, -math.frexp(big)[1]))))
     out = np.empty(x.size + 1, np.float32)
     for u in range(0, x.size, GROUP):
         permute128(x, u, out, e)
