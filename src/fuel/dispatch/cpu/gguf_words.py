@@ -7,10 +7,11 @@ word, the high nibble if t is odd) is `word & (15 << 4t)`, the integer code·2^(
 converts exactly (four significant bits); the top nibble is `word >> 28`. An AND and a convert per 8
 codes. 4096² at one activation row, one core of this Zen 3: 1.2 ms against 1.9 ms widening.
 
-The 2^(4t) goes to the activations: each call copies them into the lanes' order (`ORDER`), scaled by
-2^(-4t), which is exact (a power of two; only activations below 2^-102 would lose bits, as subnormals),
-so each product code·x is the same real number as in the portable kernel and rounds the same; only which
-lane sums which products differs, as in `nibble_tables`' table kernels. Lanes 0-7 hold the words of a
+The 2^(4t) goes to the activations: each part of a call copies them into the lanes' order (`ORDER`,
+~0.2 ns an element), scaled by 2^(-4t) and by a power of two that brings the row's largest into [0.5, 1)
+(`word_activations`). Both are exact but for elements 2^100 below the row's largest, so each product
+code·x is the same real number as in the portable kernel, up to that power of two, and rounds the same;
+only which lane sums which products differs, as in `nibble_tables`' table kernels. Lanes 0-7 hold the words of a
 super-block's unit pair 2g (units 4g and 4g + 1, the low and high nibbles of the same 32 bytes), lanes
 8-15 pair 2g + 1: even nibbles meet units 4g and 4g + 2, odd ones 4g + 1 and 4g + 3, two scale vectors a
 128 weights. For Q4_0 and Q4_1, whose blocks hold only four words and their own scales, the same scheme
