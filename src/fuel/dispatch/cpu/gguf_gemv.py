@@ -221,16 +221,25 @@ def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc:
 
 
 @njit(inline="always", cache=True)
-def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
-                    sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
-    """`kpair` for Q4_K by table (vals and kind unused: the decoding is `_super_q4k_table`'s)."""
+def pair_supers(sup: Any, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any, sc: Any,
+                sc1: Any) -> tuple[Any, Any, Any, Any]:
+    """The (products, offsets) accumulators of K-quant W rows rb and rb1 over their super-blocks, each
+    taken by `sup(prep, row, o, sc, x, xo, acc, mv, sx, so)` (a table or word decoder's super-block)."""
     a0 = vzero()
     a1 = vzero()
     m0 = vzero()
     m1 = vzero()
     for b in range(k // 256):
-        a0, m0 = _super_q4k_table(prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
-        a1, m1 = _super_q4k_table(prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+        a0, m0 = sup(prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
+        a1, m1 = sup(prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+    return a0, m0, a1, m1
+
+
+@njit(inline="always", cache=True)
+def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
+                    sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
+    """`kpair` for Q4_K by table (vals and kind unused: the decoding is `_super_q4k_table`'s)."""
+    a0, m0, a1, m1 = pair_supers(_super_q4k_table, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1)
     return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
 
 

@@ -28,8 +28,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from fuel.dispatch.cpu.gguf_gemv import PF
-from fuel.dispatch.cpu.simd16 import _F32, _I32, _VF, _W, VEC, _ptr, fma, hi8, hsum, prefetch, vload, vmul, vzero
+from fuel.dispatch.cpu.gguf_gemv import PF, pair_supers
+from fuel.dispatch.cpu.simd16 import _F32, _I32, _VF, _W, VEC, _ptr, fma, hi8, hsum, prefetch, vload, vmul
 
 GROUP = 128  # weights one load of words holds: 16 lanes, 8 nibbles each
 
@@ -157,13 +157,7 @@ def _super(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: 
 @njit(inline="always", cache=True)
 def kpair_q4k(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
               sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
-    """`gguf_gemv.kpair` for Q4_K by words (vals, bpb and kind unused); x from `word_activations`."""
-    a0 = vzero()
-    a1 = vzero()
-    m0 = vzero()
-    m1 = vzero()
-    for b in range(k // 256):
-        a0, m0 = _super(prep, row, rb + 144 * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
-        a1, m1 = _super(prep, row, rb1 + 144 * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
-    unscale = x[k]
-    return hsum(a0) * unscale - hsum(m0), hsum(a1) * unscale - hsum(m1)
+    """`gguf_gemv.kpair` for Q4_K by words (vals and kind unused); x from `word_activations`, its element
+    k the factor that undoes their normalisation."""
+    a0, m0, a1, m1 = pair_supers(_super, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1)
+    return hsum(a0) * x[k] - hsum(m0), hsum(a1) * x[k] - hsum(m1)
