@@ -16,12 +16,14 @@ from gguf import GGMLQuantizationType
 from fuel.dispatch import launches
 from fuel.dispatch.cpu import attention as attention_cpu
 from fuel.dispatch.cpu import gguf as gguf_cpu
+from fuel.dispatch.cpu import gguf_decode
 from fuel.dispatch.cpu.attention import flash_attn_kernel
 from fuel.dtype import DType
 from fuel.graph.registry.flash_attn import FlashAttnParams
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
 from fuel.testing.oracle import assert_close_contraction
+from fuel.testing.reference.qmatmul import as_words, random_weight
 
 N, K = 40, 64
 Call = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, QMatMulParams]  # a, w, w in float64, out, params
@@ -55,6 +57,27 @@ def test_same_arrays_reuse_the_job_and_read_their_current_values(call: Call) -> 
     assert launch is not None
     _check(a, w64, out)
     a *= -3  # new values in the same buffer: the remembered job reads them
+    gguf_cpu.qmatmul_kernel([a, w], out, params)
+    assert gguf_cpu._LAUNCHES.find((a, w, out), params) is launch
+    _check(a, w64, out)
+
+
+def test_q4k_word_job_reused_with_new_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K's one-row job by words (the AVX2 hosts' way, forced here on any host) permutes the activations
+    inside the job: a reposted job reads the caller's current values, not a copy from its first call."""
+    monkeypatch.setattr(gguf_decode, "USE_TABLES", False)
+    monkeypatch.setattr(gguf_decode, "USE_WORDS", True)
+    rng = np.random.default_rng(3)
+    n, k = 24, 512
+    raw = random_weight(rng, QuantType.Q4K, n, k)
+    w64 = gguf.quants.dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float64).reshape(n, k)
+    a, out = rng.standard_normal((1, k)).astype(np.float32), np.empty((1, n), np.float32)
+    w, params = as_words(raw), QMatMulParams(quant_type=QuantType.Q4K, k=k, n=n)
+    gguf_cpu.qmatmul_kernel([a, w], out, params)
+    launch = gguf_cpu._LAUNCHES.find((a, w, out), params)
+    assert launch is not None
+    _check(a, w64, out)
+    a[:] = rng.standard_normal((1, k)) * 1e-3
     gguf_cpu.qmatmul_kernel([a, w], out, params)
     assert gguf_cpu._LAUNCHES.find((a, w, out), params) is launch
     _check(a, w64, out)
