@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from fuel.dispatch import executor, threads
+from fuel.dispatch import executor, native, threads
 from fuel.dispatch.fused import default_kernel_registry
 from fuel.dispatch.plan import Plan, Step
 from fuel.dtype import from_numpy
@@ -79,6 +79,10 @@ class Capture:
         self.dyn = tuple(sorted({getattr(r.step.params, f).name for r in self.runs for f in r.step.dyn_fields}))
         self._checked = False
         self._lock = threading.Lock()  # one capture's arena serves one call at a time
+        # Native replay (`fuel.dispatch.native`), prepared at the first untraced replay from its slots and
+        # those of the call before it (`_before`): which arrays stay the same object from call to call.
+        self.native: native.Native | None = None
+        self._before: list[Any] | None = None
 
     def _layout(self, plan: Plan, leaves: list[Node], position: dict[int, int], nodes: list[Node],
                 roots: list[Node], reuse_outputs: bool) -> None:
@@ -133,6 +137,10 @@ class Capture:
             with np.errstate(all="ignore") if self._numpy_steps else _QUIET:
                 if not tracers and not first:
                     self._replay(slots, env)
+                    if self._before is not None:
+                        before, self._before = self._before, None
+                        self.native = native.prepare([r.step for r in self.runs], self.fast, slots, before,
+                                                     self.arg_slots)
                     return self._outputs(slots, args)
                 for r in self.runs:
                     start = time.perf_counter() if tracers else 0.0
@@ -150,13 +158,23 @@ class Capture:
                         executor.record(step, start, copies)
         finally:
             threads.use_serial(False)
+        if first:
+            self._before = list(slots)
         self._checked = True
         return self._outputs(slots, args)
 
     def _replay(self, slots: list[Any], env: dict[str, int]) -> None:
         """The steady-state loop: `run`'s without tracing or output checks, its lookups done at capture."""
         run_fused, prim_spec = executor.run_fused, executor.prim_spec
-        for prim, inputs, spec, out, o in self.fast:
+        nat, items = self.native, self.fast
+        if nat is not None and nat.program.bind(env):
+            nat.enter(slots)
+            items = nat.items
+        for item in items:
+            if len(item) == 2:  # a stretch of native steps
+                nat.program.run(*item)  # type: ignore[union-attr]
+                continue
+            prim, inputs, spec, out, o = item
             xs = [slots[i] for i in inputs]
             if prim is not None:
                 slots[o] = prim(xs, spec, out)

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import cfunc, njit, types
+from numba import carray, cfunc, njit, types
 
 from fuel.dispatch import threads
 from fuel.dispatch.cpu.atomics import (
@@ -52,6 +52,7 @@ from fuel.dispatch.cpu.atomics import (
     fetch_add,
     load_acquire,
     pause,
+    pointer,
     store,
 )
 
@@ -165,6 +166,31 @@ def _join(ctl: Any) -> None:
 def _run_here(fn: int, argv: int, parts: int) -> None:
     for part in range(parts):
         call_task(fn, part, parts, argv)
+
+
+@njit(nogil=True, cache=True)
+def _run_steps(ctl: Any, workers: int, threads_now: int, steps: Any, seconds: Any, patches: Any, env: Any,
+               start: int, stop: int) -> tuple[int, int]:
+    """Run prepared jobs start..stop-1 in order (`fuel.dispatch.native`): each step's DynScalar values
+    stored into its argv, its part count chosen as `parts_for` would, then run here or posted and joined.
+    Returns (the next step, the mask of sleeping workers) after a job that found workers asleep, which
+    only Python can wake; else (stop, 0)."""
+    for k in range(start, stop):
+        fn, argv, most, unit, p0, p1 = steps[k, 0], steps[k, 1], steps[k, 2], steps[k, 3], steps[k, 4], steps[k, 5]
+        for p in range(p0, p1):
+            carray(pointer(patches[p, 0], np.int64), (patches[p, 1] + 1,))[patches[p, 1]] = env[patches[p, 2]]
+        sec = seconds[k]
+        if unit >= 0:
+            sec *= carray(pointer(argv, np.int64), (unit + 1,))[unit]
+        parts = 1 if sec < SPIN_MIN_SECONDS or threads_now <= 1 else min(most, PARTS_PER_THREAD * threads_now)
+        if parts <= 1 or workers == 0:
+            _run_here(fn, argv, 1)  # a task's bytes never depend on its part count
+            continue
+        sleeping = _post(ctl, fn, argv, parts, workers)
+        _join(ctl)
+        if sleeping:
+            return k + 1, sleeping
+    return stop, 0
 
 
 @njit(nogil=True, cache=True)
@@ -319,3 +345,34 @@ def run_address(address: int, args: int, parts: int) -> None:
         _run_here(address, args, 1)
         return
     _pool(threads.get_num_threads() - 1).run(address, args, parts)
+
+
+def run_steps(steps: np.ndarray, seconds: np.ndarray, patches: np.ndarray, env: np.ndarray, start: int,
+              stop: int) -> None:
+    """Run prepared jobs start..stop-1 of a native program (`fuel.dispatch.native`) on the pool, as `run`
+    runs one: one compiled call for the lot, back in Python only to wake a sleeping worker."""
+    n = threads.get_num_threads()
+    if n <= 1 or threads.MODE.forced or threads.MODE.nested:
+        _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
+        return
+    pool = _pool(n - 1)
+    if not pool.lock.acquire(blocking=False):
+        _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
+        return
+    try:
+        if pool.closed:
+            _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
+            return
+        if pool.current_cpu is not None and pool.current_cpu() in pool.cores:
+            pool._step_aside()
+        k = start
+        while k < stop:
+            k, sleeping = _run_steps(pool.ctl, pool.workers, n, steps, seconds, patches, env, k, stop)
+            for w in range(pool.workers):
+                if sleeping >> w & 1:
+                    pool.events[w].set()
+    finally:
+        pool.lock.release()
+
+
+_NO_CTL = np.zeros(AWAKE + 1, np.int64)

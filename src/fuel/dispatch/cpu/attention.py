@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from numba import prange
 
-from fuel.dispatch import launches
+from fuel.dispatch import launches, native
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu import attention_decode
 from fuel.dispatch.cpu.attention_decode import DECODE_MAX_QUERIES, decode
@@ -231,20 +231,46 @@ def _decode_direct(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> bo
     q, k, v = inputs
     launch = _LAUNCHES.find((q, k, v, out), None)
     if launch is None:
-        if (not 0 < q.shape[2] <= DECODE_MAX_QUERIES or out.size == 0
-                or not q.dtype == k.dtype == v.dtype == out.dtype or q.dtype not in (np.float32, np.float64)):
+        launch = _decode_job(q, k, v, out)
+        if launch is None:
             return False
-        b, hkv, sk, d = k.shape
-        key = (b * hkv, q.shape[1] // hkv, q.dtype)
-        slopes = _ZERO_SLOPES.get(key)
-        if slopes is None:  # no ALiBi: every slope 0 (read-only, shared by every call of this shape)
-            slopes = _ZERO_SLOPES.setdefault(key, np.zeros(key[:2], q.dtype))
-            slopes.flags.writeable = False
-        launch = attention_decode.prepare(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d),
-                                          grouped(out, hkv), slopes)
         _LAUNCHES.remember((q, k, v, out), None, launch)
     attention_decode.run(launch, window_of(params, q.shape[2], k.shape[2]), params.softmax_scale, params.softcap or 0.0)
     return True
+
+
+def _decode_job(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) -> launches.Launch | None:
+    """The decode task's job for these arrays (C-contiguous: the executor hands them so), its mask and scales
+    still to set; None where the decode path does not serve the call."""
+    if (not 0 < q.shape[2] <= DECODE_MAX_QUERIES or out.size == 0
+            or not q.dtype == k.dtype == v.dtype == out.dtype or q.dtype not in (np.float32, np.float64)):
+        return None
+    b, hkv, sk, d = k.shape
+    key = (b * hkv, q.shape[1] // hkv, q.dtype)
+    slopes = _ZERO_SLOPES.get(key)
+    if slopes is None:  # no ALiBi: every slope 0 (read-only, shared by every call of this shape)
+        slopes = _ZERO_SLOPES.setdefault(key, np.zeros(key[:2], q.dtype))
+        slopes.flags.writeable = False
+    return attention_decode.prepare(grouped(q, hkv), k.reshape(b * hkv, sk, d), v.reshape(b * hkv, sk, d),
+                                    grouped(out, hkv), slopes)
+
+
+@native.fused_form(flash_attn_kernel)
+def flash_attn_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Form | None:
+    """A decode call (`_decode_direct`'s) as its job with the mask and scales set, the live keys (argv
+    entry `KEYS`) bound per call where k_len is a DynScalar."""
+    if len(inputs) != 3 or not all(x.flags.c_contiguous for x in (*inputs, out)):
+        return None
+    q, k, v = inputs
+    job = _decode_job(q, k, v, out)
+    if job is None:
+        return None
+    sk = k.shape[2]
+    name = native.dyn_name(params.k_len)
+    win = window_of(replace(params, k_len=sk) if name else params, q.shape[2], sk)
+    attention_decode.set_mask(job.argv, win, params.softmax_scale, params.softcap or 0.0)
+    dyn = ((attention_decode.KEYS, name, 0, sk),) if name else ()
+    return native.Form(job.task, job.argv, job.seconds, job.most, attention_decode.KEYS, dyn)
 
 
 def attention_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:

@@ -26,6 +26,7 @@ from fuel.errors import KernelError
 DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
 FLOPS_PER_SECOND = 30e9  # one core, this path's vectorised dot products (measured 30-37 G)
 ARGS = 17  # argv: 5 addresses, 9 sizes and mask bounds, scale and softcap as float64 bits, head chunks
+KEYS = 10  # argv's entry of the live key count, which the time estimate is per
 ITEMS = 16  # a group's heads are cut into chunks until a call has about this many items (of one head or more)
 
 
@@ -224,12 +225,16 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, slopes
                             4 * n * nq * g * d / FLOPS_PER_SECOND, items)
 
 
-def run(launch: Launch, win: Window, scale: float, softcap: float) -> None:
-    """Post a prepared job under the mask `win` with these scales, and wait for it."""
-    argv = launch.argv
-    argv[10], argv[11], argv[12], argv[13] = win.kl, win.sq, win.left, win.right
+def set_mask(argv: np.ndarray, win: Window, scale: float, softcap: float) -> None:
+    """Store the mask `win` and the scales into a prepared job's argv."""
+    argv[KEYS], argv[11], argv[12], argv[13] = win.kl, win.sq, win.left, win.right
     f = argv.view(np.float64)
     f[14], f[15] = scale, softcap
+
+
+def run(launch: Launch, win: Window, scale: float, softcap: float) -> None:
+    """Post a prepared job under the mask `win` with these scales, and wait for it."""
+    set_mask(launch.argv, win, scale, softcap)
     spin.run_address(launch.task, launch.args, spin.parts_for(launch.seconds * win.kl, launch.most))
 
 

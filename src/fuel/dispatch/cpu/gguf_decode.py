@@ -303,19 +303,27 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launch
     [576, 576] weight is split. Returns the one-row job where it reads a, w and out themselves, so that it
     can be posted again for the same arrays (`fuel.dispatch.launches`); None otherwise (several rows, or
     a table kernel, which reads a per-call permuted copy of a)."""
-    one, many = KERNELS[qt]
     if a.shape[0] != 1:
-        many(a, w, out)
+        KERNELS[qt][1](a, w, out)
         return None
-    if USE_WORDS and qt in WORD_KERNELS:
-        one = WORD_KERNELS[qt]
-    elif USE_TABLES and qt in TABLE_KERNELS:
+    launch = one_row_job(qt, a, w, out)
+    if launch is None:  # a table kernel
         one, order = TABLE_KERNELS[qt]
         launches.run(_one_row_launch(one, permuted(a, order)[:1], w, out))  # x as given is read from the row after
         return None
-    launch = _one_row_launch(one, a, w, out)
     launches.run(launch)
     return launch
+
+
+def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:
+    """The job of one activation row a [1, k] against w into out [1, n], posted as it is at every call
+    (the native replay's form too); None where a table kernel serves the type, which reads a per-call
+    permuted copy of a."""
+    if USE_WORDS and qt in WORD_KERNELS:
+        return _one_row_launch(WORD_KERNELS[qt], a, w, out)
+    if USE_TABLES and qt in TABLE_KERNELS:
+        return None
+    return _one_row_launch(KERNELS[qt][0], a, w, out)
 
 
 def _one_row_launch(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch:

@@ -74,7 +74,7 @@ def _one_row(x: np.ndarray) -> tuple[np.ndarray, int, int, int]:
     return flat, 1, flat.size, flat.size
 
 
-def _rows_of(x: np.ndarray) -> tuple[np.ndarray, int, int, int]:
+def rows_of(x: np.ndarray) -> tuple[np.ndarray, int, int, int]:
     """x as (flat, rows, cols, row stride): itself flattened when contiguous; a 1-D view from its first
     element over whole rows of unit stride that are not adjacent (a stacked projection's half: a copy of
     it was a fresh allocation, 3x the kernel's time in a prefill); else one row of a contiguous copy."""
@@ -123,6 +123,9 @@ def _silu_part(part: int, parts: int, argv: int) -> None:
     _part(_silu_f32, part, parts, argv)
 
 
+SILU_TASK = _silu_part  # the native replay's form of a SILU step posts it too
+
+
 @spin.task()
 def _sigmoid_part(part: int, parts: int, argv: int) -> None:
     _part(_sigmoid_f32, part, parts, argv)
@@ -131,7 +134,7 @@ def _sigmoid_part(part: int, parts: int, argv: int) -> None:
 def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: spin.Task) -> np.ndarray:
     if out is None:
         out = np.empty(np.shape(x), np.float32)
-    flat, rows, cols, stride = _rows_of(x)
+    flat, rows, cols, stride = rows_of(x)
     parts = spin.parts_for(rows * cols * SECONDS_PER_VALUE, rows if rows > 1 else cols // 4096)
     if parts <= 1:
         kernel(flat, rows, cols, stride, out.reshape(-1))

@@ -1,0 +1,207 @@
+"""Native replay: a captured plan's steps run as one compiled loop over prepared task calls.
+
+A replayed decode step is hundreds of kernels of 1-100 µs, and Python around each one (the replay loop,
+the kernel's entry, its argument checks) cost ~2-10 µs a step: 3.5 ms of a 13 ms SmolLM2 token. Most of
+those kernels are already tasks of the spinning pool (`fuel.dispatch.spin`) that read their arrays from an
+int64 argv, and a replayed step reads and writes the same arrays every call. So a capture prepares each
+such step once as a `Form` (task, argv, time estimate) and runs a whole stretch of them with one call into
+jitted code (`spin.run_steps`), which stores the call's DynScalar values into the argvs, picks each job's
+part count and posts it.
+
+What makes a step native:
+- its kernel has a form builder (`fused_form` for a fused op's kernel, `prim_form` for a primitive), and
+  the builder accepts these arrays and params (it returns None otherwise: another dtype, a layout it does
+  not read, a size its task does not cover);
+- every array it reads or writes is the same object at every call: a captured value, an arena buffer, a
+  fold of them, or an argument, copied into a buffer of the capture's own first ("staged"). The capture
+  checks this by identity over its first two calls; a fresh output, or the result of a step that
+  allocates, keeps the steps that touch it in Python.
+A form's task must compute the same bytes as the step's Python kernel: the norms and rope run the same
+task both ways, the elementwise primitives are single IEEE operations, and QMatMul and FlashAttn post the
+jobs their kernels prepare.
+
+DynScalars: a form names the argv entries that take a DynScalar's value (`Form.dyn`) with the range the
+value must lie in; a call whose values fall outside any range runs in Python, whose kernels raise the
+precise error. A form's time estimate may scale with one argv entry (`Form.unit`: FlashAttn's live keys),
+so the part count follows the value as `spin.parts_for` would.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fuel.dispatch import spin
+from fuel.dispatch.plan import Step
+from fuel.graph.node import DynScalar, Op, OpSpec
+
+
+class Form(NamedTuple):
+    """One step as a task call: the task's address, its argv (int64; the form keeps it alive), one core's time
+    estimate (per unit of `argv[unit]` when unit >= 0) and the most parts it can be cut into, and
+    `dyn`: (argv index, DynScalar name, lowest, highest value) per entry bound at each call."""
+
+    task: int
+    argv: np.ndarray
+    seconds: float
+    most: int
+    unit: int = -1
+    dyn: tuple[tuple[int, str, int, int], ...] = ()
+
+
+FusedBuilder = Callable[[list[np.ndarray], np.ndarray, Any], Form | None]
+PrimBuilder = Callable[[list[np.ndarray], OpSpec, np.ndarray, Any], Form | None]
+_FUSED: dict[Any, FusedBuilder] = {}
+_PRIMS: dict[Op, PrimBuilder] = {}
+PRIM_MODULE = "fuel.dispatch.cpu.prim_tasks"  # registers the primitives' builders when imported
+
+
+def fused_form(*kernels: Any) -> Callable[[FusedBuilder], FusedBuilder]:
+    """Register `builder(inputs, out, params) -> Form | None` for steps these fused kernels run (params
+    as built: DynScalar fields unresolved)."""
+
+    def register(builder: FusedBuilder) -> FusedBuilder:
+        for k in kernels:
+            _FUSED[k] = builder
+        return builder
+
+    return register
+
+
+def prim_form(*ops: Op) -> Callable[[PrimBuilder], PrimBuilder]:
+    """Register `builder(inputs, spec, out, arg) -> Form | None` for these primitives (arg as built)."""
+
+    def register(builder: PrimBuilder) -> PrimBuilder:
+        for op in ops:
+            _PRIMS[op] = builder
+        return builder
+
+    return register
+
+
+def form_of(step: Step, xs: list[np.ndarray], out: np.ndarray) -> Form | None:
+    """The step's form over these arrays, or None where it has none."""
+    if step.prim is not None:
+        importlib.import_module(PRIM_MODULE)
+        prim = _PRIMS.get(step.spec.op)
+        return None if prim is None else prim(xs, step.spec, out, step.params)
+    if step.impl is None or step.joint is not None or step.slots is not None or step.destructive is not None:
+        return None
+    fused = _FUSED.get(step.impl.kernel)
+    return None if fused is None else fused(xs, out, step.params)
+
+
+def dyn_name(v: Any) -> str | None:
+    """The name of a DynScalar parameter, None for a plain value."""
+    return v.name if isinstance(v, DynScalar) else None
+
+
+@dataclass
+class Program:
+    """A capture's native steps: `steps` int64 [n, 6] (task address, argv address, most parts, unit
+    index, first and end patch), `seconds` [n], `patches` int64 [p, 3] (argv address, index, env slot),
+    `env` the call's DynScalar values by slot, with each slot's admissible range."""
+
+    steps: np.ndarray
+    seconds: np.ndarray
+    patches: np.ndarray
+    env: np.ndarray
+    names: tuple[str, ...]
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+    forms: list[Form]  # kept alive: the argvs the steps point at
+
+    def bind(self, env: dict[str, int]) -> bool:
+        """Store the call's DynScalar values; False where one is missing or out of its range."""
+        for i, name in enumerate(self.names):
+            v = env.get(name)
+            if v is None or not self.low[i] <= v <= self.high[i]:
+                return False
+            self.env[i] = v
+        return True
+
+    def run(self, start: int, stop: int) -> None:
+        spin.run_steps(self.steps, self.seconds, self.patches, self.env, start, stop)
+
+
+def program(forms: Sequence[Form]) -> Program:
+    """The forms, in order, as one program."""
+    names: list[str] = []
+    low: list[int] = []
+    high: list[int] = []
+    patches: list[tuple[int, int, int]] = []
+    steps = np.zeros((len(forms), 6), np.int64)
+    for k, f in enumerate(forms):
+        addr = int(f.argv.ctypes.data)
+        steps[k, :4] = f.task, addr, f.most, f.unit
+        steps[k, 4] = len(patches)
+        for index, name, lo, hi in f.dyn:
+            if name not in names:
+                names.append(name)
+                low.append(lo)
+                high.append(hi)
+            slot = names.index(name)
+            low[slot], high[slot] = max(low[slot], lo), min(high[slot], hi)
+            patches.append((addr, index, slot))
+        steps[k, 5] = len(patches)
+    return Program(steps, np.array([f.seconds for f in forms], np.float64),
+                   np.array(patches, np.int64).reshape(-1, 3), np.zeros(max(len(names), 1), np.int64),
+                   tuple(names), tuple(low), tuple(high), list(forms))
+
+
+STAGE_MAX_BYTES = 4 << 20  # arguments up to this size are copied into the capture's own buffers
+
+
+@dataclass
+class Native:
+    """A capture's native replay: `items` is its replay list with each stretch of native steps replaced by
+    (start, stop) of `program`; `stage` the (slot, buffer) each argument is copied into first, and `fixed`
+    the (slot, array) of every native step's output, which Python steps after it read."""
+
+    program: Program
+    items: list[tuple[Any, ...]]
+    stage: list[tuple[int, np.ndarray]]
+    fixed: list[tuple[int, np.ndarray]]
+
+    def enter(self, slots: list[Any]) -> None:
+        for s, buf in self.stage:
+            np.copyto(buf, slots[s])
+            slots[s] = buf
+        for s, a in self.fixed:
+            slots[s] = a
+
+
+def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], slots: list[Any], before: list[Any],
+            arg_slots: Sequence[tuple[int, int]]) -> Native | None:
+    """The native replay of a capture's replayed `steps` (with `fast`, their entries in the replay loop),
+    from the slots of its last call and of the call `before` it; None where no step has a form."""
+    destroyed = {st.inputs[st.destructive] for st in steps if st.destructive is not None}
+    args = {s for s, _ in arg_slots}
+    stage = {s: np.empty(slots[s].shape, slots[s].dtype) for s in sorted(args - destroyed)
+             if isinstance(slots[s], np.ndarray) and slots[s].nbytes <= STAGE_MAX_BYTES}
+    stable = {s for s, v in enumerate(slots) if v is not None and before[s] is v and s not in args} | set(stage)
+    forms: list[Form] = []
+    items: list[tuple[Any, ...]] = []
+    fixed: list[tuple[int, np.ndarray]] = []
+    start = 0
+    for step, entry in zip(steps, fast, strict=True):
+        form = None
+        if step.output in stable and all(s in stable for s in step.inputs):
+            form = form_of(step, [stage.get(s, slots[s]) for s in step.inputs], slots[step.output])
+        if form is None:
+            if len(forms) > start:
+                items.append((start, len(forms)))
+                start = len(forms)
+            items.append(entry)
+            continue
+        forms.append(form)
+        fixed.append((step.output, slots[step.output]))
+    if not forms:
+        return None
+    if len(forms) > start:
+        items.append((start, len(forms)))
+    return Native(program(forms), items, list(stage.items()), fixed)
