@@ -40,6 +40,7 @@ from fuel.graph.prims import VIEW_OPS
 from fuel.graph.registry import default_registry
 
 _QUIET = contextlib.nullcontext()
+_NOTHING: dict[int, np.ndarray] = {}
 
 # Steps whose result aliases their input's memory (a reshape NumPy must copy is caught where it matters).
 _VIEWS = VIEW_OPS | {Op.RESHAPE}
@@ -79,10 +80,7 @@ class Capture:
         self.dyn = tuple(sorted({getattr(r.step.params, f).name for r in self.runs for f in r.step.dyn_fields}))
         self._checked = False
         self._lock = threading.Lock()  # one capture's arena serves one call at a time
-        # Native replay (`fuel.dispatch.native`), prepared at the first untraced replay from its slots and
-        # those of the call before it (`_before`): which arrays stay the same object from call to call.
-        self.native: native.Native | None = None
-        self._before: list[Any] | None = None
+        self.native: native.Native | None = None  # prepared after the first call (`fuel.dispatch.native`)
 
     def _layout(self, plan: Plan, leaves: list[Node], position: dict[int, int], nodes: list[Node],
                 roots: list[Node], reuse_outputs: bool) -> None:
@@ -137,10 +135,6 @@ class Capture:
             with np.errstate(all="ignore") if self._numpy_steps else _QUIET:
                 if not tracers and not first:
                     self._replay(slots, env)
-                    if self._before is not None:
-                        before, self._before = self._before, None
-                        self.native = native.prepare([r.step for r in self.runs], self.fast, slots, before,
-                                                     self.arg_slots)
                     return self._outputs(slots, args)
                 for r in self.runs:
                     start = time.perf_counter() if tracers else 0.0
@@ -159,17 +153,17 @@ class Capture:
         finally:
             threads.use_serial(False)
         if first:
-            self._before = list(slots)
+            self.native = native.prepare([r.step for r in self.runs], self.fast, self.template, args, self.arg_slots)
         self._checked = True
         return self._outputs(slots, args)
 
     def _replay(self, slots: list[Any], env: dict[str, int]) -> None:
         """The steady-state loop: `run`'s without tracing or output checks, its lookups done at capture."""
         run_fused, prim_spec = executor.run_fused, executor.prim_spec
-        nat, items = self.native, self.fast
+        nat, items, watch = self.native, self.fast, _NOTHING
         if nat is not None and nat.program.bind(env):
             nat.enter(slots)
-            items = nat.items
+            items, watch = nat.items, nat.watch
         for item in items:
             if len(item) == 2:  # a stretch of native steps
                 nat.program.run(*item)  # type: ignore[union-attr]
@@ -182,6 +176,9 @@ class Capture:
                 slots[o] = spec.step.prim(xs, prim_spec(spec.step, env), out)
             else:
                 slots[o] = run_fused(spec.step, xs, out, env, spec.check, slots)[0]
+            if o in watch and slots[o] is not watch[o]:  # native steps read it there
+                np.copyto(watch[o], slots[o])
+                slots[o] = watch[o]
 
     def _outputs(self, slots: list[Any], args: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [slots[s] if s >= 0 else args[i] if i >= 0 else c for s, i, c in self.outputs]  # type: ignore[misc]

@@ -12,10 +12,10 @@ What makes a step native:
 - its kernel has a form builder (`fused_form` for a fused op's kernel, `prim_form` for a primitive), and
   the builder accepts these arrays and params (it returns None otherwise: another dtype, a layout it does
   not read, a size its task does not cover);
-- every array it reads or writes is the same object at every call: a captured value, an arena buffer, a
-  fold of them, or an argument, copied into a buffer of the capture's own first ("staged"). The capture
-  checks this by identity over its first two calls; a fresh output, or the result of a step that
-  allocates, keeps the steps that touch it in Python.
+- every array it reads or writes is the same at every call: a captured value, an arena buffer, a fold or
+  view of them, or an argument, copied into a buffer of the capture's own first ("staged"). A Python
+  step's result that does not come back in its arena buffer is copied there. A fresh output, or what a
+  step allocates outside the arena, keeps the steps that touch it in Python.
 A form's task must compute the same bytes as the step's Python kernel: the norms and rope run the same
 task both ways, the elementwise primitives are single IEEE operations, and QMatMul and FlashAttn post the
 jobs their kernels prepare.
@@ -38,6 +38,7 @@ import numpy as np
 from fuel.dispatch import spin
 from fuel.dispatch.plan import Step
 from fuel.graph.node import DynScalar, Op, OpSpec
+from fuel.graph.prims import VIEW_OPS
 
 
 class Form(NamedTuple):
@@ -153,19 +154,21 @@ def program(forms: Sequence[Form]) -> Program:
                    tuple(names), tuple(low), tuple(high), list(forms))
 
 
+VIEWS = VIEW_OPS | {Op.RESHAPE}  # steps whose result may alias their input (a copying reshape is left to run)
 STAGE_MAX_BYTES = 4 << 20  # arguments up to this size are copied into the capture's own buffers
 
 
 @dataclass
 class Native:
     """A capture's native replay: `items` is its replay list with each stretch of native steps replaced by
-    (start, stop) of `program`; `stage` the (slot, buffer) each argument is copied into first, and `fixed`
-    the (slot, array) of every native step's output, which Python steps after it read."""
+    (start, stop) of `program`; `stage` the (slot, buffer) each argument is copied into first, `fixed` the
+    (slot, array) of every native step's output and of each view taken once, which later steps read."""
 
     program: Program
     items: list[tuple[Any, ...]]
     stage: list[tuple[int, np.ndarray]]
     fixed: list[tuple[int, np.ndarray]]
+    watch: dict[int, np.ndarray]  # a Python step's output slot -> the array native steps read it from
 
     def enter(self, slots: list[Any]) -> None:
         for s, buf in self.stage:
@@ -175,33 +178,53 @@ class Native:
             slots[s] = a
 
 
-def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], slots: list[Any], before: list[Any],
+def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: list[Any], args: list[Any],
             arg_slots: Sequence[tuple[int, int]]) -> Native | None:
-    """The native replay of a capture's replayed `steps` (with `fast`, their entries in the replay loop),
-    from the slots of its last call and of the call `before` it; None where no step has a form."""
+    """The native replay of a capture's replayed `steps` (`fast`: their entries in the replay loop, whose
+    4th field is the arena buffer a step writes), given its `template` and the arguments of a call; None
+    where no step has a form.
+
+    The arrays a step may be given a form over: the template's (captured values, arena buffers, folds of
+    them), staged arguments, the buffers native steps write, a Python step's arena buffer or the input it
+    destroys (its result is copied there, should it ever come back elsewhere: `Native.watch`), and views
+    of all these, taken here once, as the capture folds those of its own values."""
     destroyed = {st.inputs[st.destructive] for st in steps if st.destructive is not None}
-    args = {s for s, _ in arg_slots}
-    stage = {s: np.empty(slots[s].shape, slots[s].dtype) for s in sorted(args - destroyed)
-             if isinstance(slots[s], np.ndarray) and slots[s].nbytes <= STAGE_MAX_BYTES}
-    stable = {s for s, v in enumerate(slots) if v is not None and before[s] is v and s not in args} | set(stage)
+    stage = {s: np.empty(args[i].shape, args[i].dtype) for s, i in arg_slots
+             if s not in destroyed and isinstance(args[i], np.ndarray) and args[i].nbytes <= STAGE_MAX_BYTES}
+    own: dict[int, np.ndarray] = {s: v for s, v in enumerate(template) if isinstance(v, np.ndarray)}
+    own.update(stage)
     forms: list[Form] = []
     items: list[tuple[Any, ...]] = []
     fixed: list[tuple[int, np.ndarray]] = []
+    watch: dict[int, np.ndarray] = {}
     start = 0
     for step, entry in zip(steps, fast, strict=True):
+        xs = [own.get(s) for s in step.inputs]
+        known = all(x is not None for x in xs)
+        out = entry[3] if step.destructive is None else xs[step.destructive]
         form = None
-        if step.output in stable and all(s in stable for s in step.inputs):
-            form = form_of(step, [stage.get(s, slots[s]) for s in step.inputs], slots[step.output])
+        if known and step.prim is not None and step.spec.op in VIEWS and not step.dyn_fields:
+            view = step.prim(xs, step.spec, None)  # of arrays fixed from call to call: fixed too
+            if view.size and np.may_share_memory(view, xs[0]):
+                own[step.output] = view
+                fixed.append((step.output, view))
+                continue
+        if known and out is not None:
+            form = form_of(step, xs, out)  # type: ignore[arg-type]
+        if out is not None:
+            own[step.output] = out
         if form is None:
             if len(forms) > start:
                 items.append((start, len(forms)))
                 start = len(forms)
             items.append(entry)
+            if out is not None:
+                watch[step.output] = out
             continue
         forms.append(form)
-        fixed.append((step.output, slots[step.output]))
+        fixed.append((step.output, out))
     if not forms:
         return None
     if len(forms) > start:
         items.append((start, len(forms)))
-    return Native(program(forms), items, list(stage.items()), fixed)
+    return Native(program(forms), items, list(stage.items()), fixed, watch)
