@@ -178,7 +178,7 @@ class Native:
             slots[s] = a
 
 
-def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: list[Any], args: list[Any],
+def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: list[Any], args: Sequence[Any],
             arg_slots: Sequence[tuple[int, int]]) -> Native | None:
     """The native replay of a capture's replayed `steps` (`fast`: their entries in the replay loop, whose
     4th field is the arena buffer a step writes), given its `template` and the arguments of a call; None
@@ -199,9 +199,12 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
     watch: dict[int, np.ndarray] = {}
     start = 0
     for step, entry in zip(steps, fast, strict=True):
-        xs = [own.get(s) for s in step.inputs]
-        known = all(x is not None for x in xs)
-        out = entry[3] if step.destructive is None else xs[step.destructive]
+        found = [own.get(s) for s in step.inputs]
+        xs = [x for x in found if x is not None]
+        known = len(xs) == len(found)
+        out: np.ndarray | None = entry[3]
+        if step.destructive is not None:
+            out = xs[step.destructive] if known else None
         form = None
         if known and step.prim is not None and step.spec.op in VIEWS and not step.dyn_fields:
             view = step.prim(xs, step.spec, None)  # of arrays fixed from call to call: fixed too
@@ -210,7 +213,7 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
                 fixed.append((step.output, view))
                 continue
         if known and out is not None:
-            form = form_of(step, xs, out)  # type: ignore[arg-type]
+            form = form_of(step, xs, out)
         if out is not None:
             own[step.output] = out
         if form is None:
@@ -221,6 +224,7 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
             if out is not None:
                 watch[step.output] = out
             continue
+        assert out is not None  # a form writes it
         forms.append(form)
         fixed.append((step.output, out))
     if not forms:
