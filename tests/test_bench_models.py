@@ -28,6 +28,7 @@ def test_harness_runs_engines_in_children_and_writes_json_and_png(tmp_path: Path
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["peak_rss_mib"] > 50
         assert len(r["tokens"]) == bm.Sizes.tiny().decode
     assert smol["fuel"]["steps_per_token"] > 0 and "overhead_ms_per_token" in smol["fuel"]
+    assert 0 < smol["fuel"]["native_steps_per_token"] <= smol["fuel"]["steps_per_token"]
     assert data["summary"]["smollm2"]["greedy_tokens_equal_transformers"] is True
     minilm = data["results"]["minilm"]
     for r in minilm.values():
