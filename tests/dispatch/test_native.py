@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 import fuel as fl
 from fuel.dispatch import native
+from fuel.dispatch.cpu import gguf_decode
+from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange
+from fuel.graph.registry.qmatmul import QMatMulParams
+from fuel.quant import QuantType
+from fuel.testing.oracle import assert_close_contraction
+from fuel.testing.reference.qmatmul import as_words, qmatmul64, qmatmul_scale, random_weight
 
 H, D, CAP = 2, 16, 24
 HIDDEN = H * D
@@ -231,3 +237,38 @@ def test_binary_steps_match_numpy_on_every_broadcast_layout(pair: tuple[tuple[in
     one = [bb[d] == 1 for d in range(n)]
     served = any((all(one[:t]) and all(whole[t:])) or (all(whole[:t]) and all(one[t:])) for t in range(n + 1))
     assert (cap.native is not None) == served or (op.endswith("scalar") and cap.native is not None)
+
+
+_ONE_ROW_WAYS = [(QuantType.Q4_0, "portable"), (QuantType.Q4_0, "tables"), (QuantType.Q4_1, "tables"),
+                 (QuantType.Q4K, "tables"), (QuantType.Q4K, "words"), (QuantType.Q6K, "portable"),
+                 (QuantType.Q8_0, "portable")]
+
+
+@pytest.mark.parametrize(("qt", "way"), _ONE_ROW_WAYS, ids=lambda v: getattr(v, "ggml_name", v))
+def test_one_row_qmatmul_runs_natively_every_way(qt: QuantType, way: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each one-row decoder (portable, table, words) as a native job, a table kernel's after the job that
+    permutes the activations into its scratch: the Python replay's bytes, and gguf-py's values in float64."""
+    monkeypatch.setattr(gguf_decode, "USE_TABLES", way == "tables")
+    monkeypatch.setattr(gguf_decode, "USE_WORDS", way == "words")
+    k, n = 2 * qt.block_elements, 40
+    params = QMatMulParams(quant_type=qt, k=k, n=n)
+    words = as_words(random_weight(np.random.default_rng(7), qt, n, k))
+    rng = np.random.default_rng(8)
+    xs = [rng.standard_normal((1, k)).astype(np.float32) for _ in range(4)]
+
+    def fn(x: fl.Tensor) -> fl.Tensor:
+        return fl.ops.qmatmul(x, fl.tensor(words), qt, k, n) * 1.0
+
+    with monkeypatch.context() as m:
+        m.setattr(native, "prepare", lambda *a, **kw: None)
+        f = fl.jit(fn)
+        want = [f(x).numpy() for x in xs]
+    f = fl.jit(fn)
+    got = [f(x).numpy() for x in xs]
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+    cap = f.capture_for(xs[0])
+    assert cap is not None and cap.native is not None
+    assert len(cap.native.program.forms) == (2 if way == "tables" else 1)  # the scaling writes the output
+    for x, g in zip(xs, got, strict=True):
+        ref = qmatmul64([x.astype(np.float64), words], params)
+        assert_close_contraction(g, ref, qmatmul_scale([x.astype(np.float64), words], params), DType.F32)

@@ -52,18 +52,20 @@ class Form(NamedTuple):
     most: int
     unit: int = -1
     dyn: tuple[tuple[int, str, int, int], ...] = ()
+    keep: tuple[np.ndarray, ...] = ()  # scratch the argv points at, which only the form holds
 
 
-FusedBuilder = Callable[[list[np.ndarray], np.ndarray, Any], Form | None]
-PrimBuilder = Callable[[list[np.ndarray], OpSpec, np.ndarray, Any], Form | None]
+Forms = Form | tuple[Form, ...]  # a step's jobs, run in order
+FusedBuilder = Callable[[list[np.ndarray], np.ndarray, Any], Forms | None]
+PrimBuilder = Callable[[list[np.ndarray], OpSpec, np.ndarray, Any], Forms | None]
 _FUSED: dict[Any, FusedBuilder] = {}
 _PRIMS: dict[Op, PrimBuilder] = {}
 PRIM_MODULE = "fuel.dispatch.cpu.prim_tasks"  # registers the primitives' builders when imported
 
 
 def fused_form(*kernels: Any) -> Callable[[FusedBuilder], FusedBuilder]:
-    """Register `builder(inputs, out, params) -> Form | None` for steps these fused kernels run (params
-    as built: DynScalar fields unresolved)."""
+    """Register `builder(inputs, out, params) -> Form, tuple of them, or None` for steps these fused
+    kernels run (params as built: DynScalar fields unresolved)."""
 
     def register(builder: FusedBuilder) -> FusedBuilder:
         for k in kernels:
@@ -84,8 +86,8 @@ def prim_form(*ops: Op) -> Callable[[PrimBuilder], PrimBuilder]:
     return register
 
 
-def form_of(step: Step, xs: list[np.ndarray], out: np.ndarray) -> Form | None:
-    """The step's form over these arrays, or None where it has none."""
+def form_of(step: Step, xs: list[np.ndarray], out: np.ndarray) -> Forms | None:
+    """The step's form (or forms, its jobs in order) over these arrays, or None where it has none."""
     if step.prim is not None:
         importlib.import_module(PRIM_MODULE)
         prim = _PRIMS.get(step.spec.op)
@@ -225,7 +227,7 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
                 watch[step.output] = out
             continue
         assert out is not None  # a form writes it
-        forms.append(form)
+        forms.extend((form,) if isinstance(form, Form) else form)  # a Form is a tuple too
         fixed.append((step.output, out))
     if not forms:
         return None

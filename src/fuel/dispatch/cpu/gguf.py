@@ -29,7 +29,7 @@ from fuel.dispatch import launches, native
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu import gguf_tiles, row_blocks
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into
-from fuel.dispatch.cpu.gguf_decode import gemv, one_row_job
+from fuel.dispatch.cpu.gguf_decode import gemv, one_row_job, table_jobs
 from fuel.dispatch.cpu.gguf_gemv import DECODE_ROWS
 from fuel.dispatch.cpu.weight_tiles import F32, tile_rows, tiled_product
 from fuel.dispatch.fused import (
@@ -75,15 +75,24 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
 
 
 @native.fused_form(qmatmul_kernel)
-def qmatmul_form(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> native.Form | None:
-    """One activation row of a non-transposed product: the decode job `qmatmul_kernel` posts."""
+def qmatmul_form(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> native.Forms | None:
+    """One activation row of a non-transposed product: the decode job `qmatmul_kernel` posts (a table
+    kernel's after the job permuting the activations into its scratch, as `gemv` does per call)."""
     a, w = inputs
     if (params.transpose or math.prod(a.shape[:-1]) != 1 or out.size == 0 or params.k == 0
             or a.dtype != np.float32 or not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)):
         return None
     raw = w.view(np.uint8)[:weight_bytes(params)].reshape(params.n, -1)
-    job = one_row_job(params.quant_type, a.reshape(1, a.shape[-1]), raw, out.reshape(1, out.shape[-1]))
-    return None if job is None else native.Form(job.task, job.argv, job.seconds, job.most)
+    a2, o2 = a.reshape(1, a.shape[-1]), out.reshape(1, out.shape[-1])
+    job = one_row_job(params.quant_type, a2, raw, o2)
+    if job is not None:
+        return native.Form(job.task, job.argv, job.seconds, job.most)
+    tables = table_jobs(params.quant_type, a2, raw, o2)
+    if tables is None:
+        return None
+    permute, table, keep = tables
+    return (native.Form(permute.task, permute.argv, permute.seconds, permute.most, keep=keep),
+            native.Form(table.task, table.argv, table.seconds, table.most))
 
 
 def _tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import prange
+from numba import carray, prange
 
 from fuel.dispatch import launches
+from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.gguf_gemv import (
     BIAS,
@@ -313,6 +314,31 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launch
         return None
     launches.run(launch)
     return launch
+
+
+@task()
+def _permute_part(part: int, parts: int, argv: int) -> None:
+    """`permuted` into a scratch [2, k], for a table kernel's job after it (argv: a, scratch, order, k, order
+    size; one part)."""
+    v = carray(pointer(argv, np.int64), (5,))
+    a = carray(pointer(v[0], np.float32), (1, v[3]))
+    out = carray(pointer(v[1], np.float32), (2, v[3]))
+    out[:] = permuted(a, carray(pointer(v[2], np.int64), (v[4],)))
+
+
+def table_jobs(qt: QuantType, a: np.ndarray, w: np.ndarray,
+               out: np.ndarray) -> tuple[launches.Launch, launches.Launch, tuple[np.ndarray, ...]] | None:
+    """A table kernel's one-row call as two jobs, the activations permuted into a scratch of their own and
+    the kernel reading it, and the arrays they point at besides a, w and out; None where no table kernel
+    serves the type."""
+    if not (USE_TABLES and qt in TABLE_KERNELS) or (USE_WORDS and qt in WORD_KERNELS):
+        return None
+    one, order = TABLE_KERNELS[qt]
+    order = np.ascontiguousarray(order, np.int64)
+    scratch = np.empty((2, a.shape[1]), np.float32)
+    argv = np.array([a.ctypes.data, scratch.ctypes.data, order.ctypes.data, a.shape[1], order.size], np.int64)
+    return (launches.prepare(_permute_part, argv, 0.0, 1), _one_row_launch(one, scratch[:1], w, out),
+            (scratch, order))
 
 
 def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:
