@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fuel.dispatch import native
 from fuel.errors import FuelError
 from fuel.io.gguf import bundled_gguf
 from fuel.models import generate as gen
@@ -107,6 +108,26 @@ def test_prefill_logits_are_those_of_one_token_at_a_time(smol: tuple[LlamaModel,
         start += n
     assert model.pos == len(ids) and got.shape == want.shape
     assert_logits_close(got, want, rel=1e-5)
+
+
+def test_decode_runs_natively_with_the_python_replays_logits(smol: tuple[LlamaModel, GGUFTokenizer, Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode step replays natively (`fuel.dispatch.native`) but for the step writing the logits, and
+    gives the bytes a model whose captures stay in Python gives."""
+    model, _, _ = smol
+    ids = [int(t) for t in np.random.default_rng(3).integers(100, 40000, 20)]
+    got, _ = fuel_greedy(model, ids, 6)
+    got_logits = model.decode(got[-1])
+    capture = next(iter(model._decode._captures.values()))
+    assert capture.native is not None
+    assert [item for item in capture.native.items if len(item) != 2] == [capture.fast[-1]]
+    with monkeypatch.context() as m:
+        m.setattr(native, "prepare", lambda *a, **kw: None)
+        python = LlamaModel.load(bundled_gguf("smollm2"), capacity=64)
+        want, _ = fuel_greedy(python, ids, 6)
+        want_logits = python.decode(want[-1])
+    assert next(iter(python._decode._captures.values())).native is None
+    assert got == want and got_logits.tobytes() == want_logits.tobytes()
 
 
 def test_warm_up_captures_every_step_a_timed_run_uses() -> None:
