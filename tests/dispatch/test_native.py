@@ -272,3 +272,30 @@ def test_one_row_qmatmul_runs_natively_every_way(qt: QuantType, way: str, monkey
     for x, g in zip(xs, got, strict=True):
         ref = qmatmul64([x.astype(np.float64), words], params)
         assert_close_contraction(g, ref, qmatmul_scale([x.astype(np.float64), words], params), DType.F32)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product of up to four rows with an f32 weight (the MATMUL kernel's gemv) as two native jobs, the
+    partial sums then their sum: the Python replay's bytes, and torch's float64 product; five rows go to
+    the BLAS, in Python."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((96, 80)).astype(np.float32)
+    xs = [rng.standard_normal((rows, 96)).astype(np.float32) for _ in range(3)]
+
+    def fn(x: fl.Tensor) -> fl.Tensor:
+        return (x @ fl.tensor(w)) * 1.0
+
+    with monkeypatch.context() as m:
+        m.setattr(native, "prepare", lambda *a, **kw: None)
+        f = fl.jit(fn)
+        want = [f(x).numpy() for x in xs]
+    f = fl.jit(fn)
+    got = [f(x).numpy() for x in xs]
+    assert [g.tobytes() for g in got] == [v.tobytes() for v in want]
+    cap = f.capture_for(xs[0])
+    assert cap is not None
+    assert (cap.native is not None and len(cap.native.program.forms) == 2) == (rows <= 4)
+    for x, g in zip(xs, got, strict=True):
+        ref = (torch.from_numpy(x.astype(np.float64)) @ torch.from_numpy(w.astype(np.float64))).numpy()
+        assert_close_contraction(g, ref, np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)), DType.F32)

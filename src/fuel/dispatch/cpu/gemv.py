@@ -78,6 +78,23 @@ def _sum_partials(partial: Any, out: Any) -> None:
         out += partial[s]
 
 
+@spin.task()
+def _sum_task(part: int, parts: int, argv: int) -> None:
+    """`_sum_partials` of f32 as a job (argv: partial, out, M·N; one part), for the native replay."""
+    v = carray(pointer(argv, np.int64), (3,))
+    _sum_partials(carray(pointer(v[0], np.float32), (K_SPLIT, v[2])), carray(pointer(v[1], np.float32), (v[2],)))
+
+
+def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[Any, ...]:
+    """`gemv` of f32 a (C-contiguous), b and out as two jobs: (partial sums task, its argv, one core's
+    seconds, most parts, sum task, its argv, the partial sums' scratch both argvs point at)."""
+    partial = np.empty((K_SPLIT, *out.shape), np.float32)
+    argv = np.empty(6, np.int64)
+    _fill(a, b, partial, argv)
+    return (_gemv_f32, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT, _sum_task,
+            np.array([partial.ctypes.data, out.ctypes.data, out.size], np.int64), partial)
+
+
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out [M, N] <- a [M, K] @ b [K, N] (f32 or f64, b and out C-contiguous). The weight is cut into
     K_SPLIT fixed row ranges: each is one sequential stream, summed alone (on the spinning pool past a

@@ -7,6 +7,7 @@ does, else None (the step stays in Python):
   cols, 1 or 0 and a column stride of 1 or 0 (a whole operand, a row vector broadcast down the rows, a
   column broadcast along them, or one value), which covers a norm's weight, a residual and a scalar.
 - SILU of f32: `logistic`'s own task.
+- MATMUL of a few f32 rows with a weight: `gemv`'s partial sums, then their sum, as two jobs.
 - CACHE_WRITE: the rows copied into the cache at the offset, a DynScalar offset bound at each call.
 Elements are independent, so a job's split into parts never changes a byte.
 """
@@ -20,7 +21,7 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.dispatch import spin
-from fuel.dispatch.cpu import logistic
+from fuel.dispatch.cpu import gemv, logistic
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.native import Form, dyn_name, prim_form
 from fuel.graph.node import Op, OpSpec
@@ -168,6 +169,24 @@ def silu_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> 
     argv = np.array([flat.ctypes.data, rows, cols, stride, out.ctypes.data], np.int64)
     return Form(logistic.SILU_TASK.address, argv, rows * cols * logistic.SECONDS_PER_VALUE,
                 max(1, rows if rows > 1 else cols // 4096))
+
+
+@prim_form(Op.MATMUL)
+def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> tuple[Form, Form] | None:
+    """An f32 product of a few rows with a 2-D weight, which the MATMUL kernel runs as `gemv`: its two jobs."""
+    a, b = xs
+    if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
+        b = b[(0,) * (b.ndim - 2)]  # a weight broadcast over the batch, as the kernel takes it
+    if (a.dtype != F32 or b.dtype != F32 or out.dtype != F32 or b.ndim != 2 or a.ndim < 2 or a.size == 0
+            or b.size == 0 or not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous)):
+        return None
+    rows = math.prod(a.shape[:-1])
+    if rows > gemv.GEMV_MAX_ROWS or b.nbytes > gemv.GEMV_MAX_BYTES:
+        return None
+    task, argv, seconds, most, sum_task, sum_argv, partial = gemv.f32_jobs(
+        a.reshape(rows, a.shape[-1]), b, out.reshape(rows, b.shape[1]))
+    return (Form(task.address, argv, seconds, most, keep=(partial,)),
+            Form(sum_task.address, sum_argv, out.size * SECONDS_PER_VALUE, 1))
 
 
 # ---- CACHE_WRITE ------------------------------------------------------------------------------------
