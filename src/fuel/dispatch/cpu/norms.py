@@ -267,7 +267,7 @@ def rms_norm_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None
 @native.fused_form(rms_norm_f32)
 def rms_norm_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Form | None:
     x = inputs[0]
-    if not (out.size and x.flags.c_contiguous and out.flags.c_contiguous):
+    if not (out.size and x.dtype == out.dtype == np.float32 and x.flags.c_contiguous and out.flags.c_contiguous):
         return None
     argv = _rms_job(x, out, params.eps)
     return native.Form(_rms_f32_part.address, argv, out.size * RMS_SECONDS_PER_VALUE, int(argv[2]))
