@@ -4,6 +4,8 @@ count; a decode-shaped block also against torch in float64. Steps it cannot serv
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
-from fuel.dispatch import native
+from fuel.dispatch import native, spin
 from fuel.dispatch.cpu import gguf_decode
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange
@@ -299,3 +301,30 @@ def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.Monkey
     for x, g in zip(xs, got, strict=True):
         ref = (torch.from_numpy(x.astype(np.float64)) @ torch.from_numpy(w.astype(np.float64))).numpy()
         assert_close_contraction(g, ref, np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)), DType.F32)
+
+
+def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs large enough to post find the pool's workers asleep: the stretch returns to Python after the
+    job, which wakes them, and resumes at the next step; the bytes are NumPy's."""
+    saved = fl.get_num_threads()
+    fl.set_num_threads(2)  # a worker to wake, whatever the host
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((64, 1024)).astype(np.float32)
+    f = fl.jit(lambda t: ((t + 1.0) * 2.0 - t) / 3.0 * 1.0)
+    f(x)
+    pool = spin._pool(1)
+    woken: list[int] = []
+    for w, event in enumerate(pool.events):
+        monkeypatch.setattr(event, "set", lambda w=w, e=event: (woken.append(w), threading.Event.set(e))[1])
+    try:
+        for _ in range(3):
+            pool.park()
+            time.sleep(0.01)  # the workers see PARK and sleep
+            got = f(x).numpy()
+            want = ((x + np.float32(1)) * np.float32(2) - x) / np.float32(3) * np.float32(1)
+            assert got.tobytes() == want.tobytes()
+    finally:
+        fl.set_num_threads(saved)
+    cap = f.capture_for(x)
+    assert cap is not None and cap.native is not None and len(cap.native.program.forms) == 4
+    assert woken  # a stretch found them asleep and Python woke them
