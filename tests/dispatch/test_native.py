@@ -241,6 +241,20 @@ def test_binary_steps_match_numpy_on_every_broadcast_layout(pair: tuple[tuple[in
     assert (cap.native is not None) == served or (op.endswith("scalar") and cap.native is not None)
 
 
+def _native_against_python(fn: Callable[[fl.Tensor], fl.Tensor], xs: list[np.ndarray],
+                           monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[np.ndarray]]:
+    """fn jitted over the calls xs natively, checked byte for byte against a jit of it whose captures keep
+    every step in Python: (the native jit, its outputs)."""
+    with monkeypatch.context() as m:
+        m.setattr(native, "prepare", lambda *a, **kw: None)
+        python = fl.jit(fn)
+        want = [python(x).numpy() for x in xs]
+    f = fl.jit(fn)
+    got = [f(x).numpy() for x in xs]
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+    return f, got
+
+
 _ONE_ROW_WAYS = [(QuantType.Q4_0, "portable"), (QuantType.Q4_0, "tables"), (QuantType.Q4_1, "tables"),
                  (QuantType.Q4K, "tables"), (QuantType.Q4K, "words"), (QuantType.Q6K, "portable"),
                  (QuantType.Q8_0, "portable")]
@@ -261,13 +275,7 @@ def test_one_row_qmatmul_runs_natively_every_way(qt: QuantType, way: str, monkey
     def fn(x: fl.Tensor) -> fl.Tensor:
         return fl.ops.qmatmul(x, fl.tensor(words), qt, k, n) * 1.0
 
-    with monkeypatch.context() as m:
-        m.setattr(native, "prepare", lambda *a, **kw: None)
-        f = fl.jit(fn)
-        want = [f(x).numpy() for x in xs]
-    f = fl.jit(fn)
-    got = [f(x).numpy() for x in xs]
-    assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+    f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
     assert cap is not None and cap.native is not None
     assert len(cap.native.program.forms) == (2 if way == "tables" else 1)  # the scaling writes the output
@@ -288,13 +296,7 @@ def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.Monkey
     def fn(x: fl.Tensor) -> fl.Tensor:
         return (x @ fl.tensor(w)) * 1.0
 
-    with monkeypatch.context() as m:
-        m.setattr(native, "prepare", lambda *a, **kw: None)
-        f = fl.jit(fn)
-        want = [f(x).numpy() for x in xs]
-    f = fl.jit(fn)
-    got = [f(x).numpy() for x in xs]
-    assert [g.tobytes() for g in got] == [v.tobytes() for v in want]
+    f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
     assert cap is not None
     assert (cap.native is not None and len(cap.native.program.forms) == 2) == (rows <= 4)
