@@ -267,22 +267,33 @@ class SpinPool:
             _serve(self.ctl, w, self.limit)
 
     def run(self, fn: int, argv: int, parts: int) -> None:
-        if not self.lock.acquire(blocking=False):
+        if not self._hold():
             _run_here(fn, argv, parts)
             return
         try:
-            if self.closed:
-                _run_here(fn, argv, parts)
-                return
-            if self.current_cpu is not None and self.current_cpu() in self.cores:
-                self._step_aside()
-            sleeping = _post(self.ctl, fn, argv, parts, self.workers)
-            for w in range(self.workers):
-                if sleeping >> w & 1:
-                    self.events[w].set()
+            self._wake(_post(self.ctl, fn, argv, parts, self.workers))
             _join(self.ctl)
         finally:
             self.lock.release()
+
+    def _hold(self) -> bool:
+        """Take the pool for this thread's jobs (release `lock` after them), moving the thread off the
+        workers' cores; False, holding nothing, when another thread has it or it is closed: the jobs then
+        run in the calling thread."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        if self.closed:
+            self.lock.release()
+            return False
+        if self.current_cpu is not None and self.current_cpu() in self.cores:
+            self._step_aside()
+        return True
+
+    def _wake(self, sleeping: int) -> None:
+        """Wake the workers in the mask `_post` returned."""
+        for w in range(self.workers):
+            if sleeping >> w & 1:
+                self.events[w].set()
 
     def park(self) -> None:
         _set(self.ctl, PARK, 1)
@@ -356,21 +367,14 @@ def run_steps(steps: np.ndarray, seconds: np.ndarray, patches: np.ndarray, env: 
         _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
         return
     pool = _pool(n - 1)
-    if not pool.lock.acquire(blocking=False):
+    if not pool._hold():
         _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
         return
     try:
-        if pool.closed:
-            _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
-            return
-        if pool.current_cpu is not None and pool.current_cpu() in pool.cores:
-            pool._step_aside()
         k = start
         while k < stop:
             k, sleeping = _run_steps(pool.ctl, pool.workers, n, steps, seconds, patches, env, k, stop)
-            for w in range(pool.workers):
-                if sleeping >> w & 1:
-                    pool.events[w].set()
+            pool._wake(sleeping)
     finally:
         pool.lock.release()
 
