@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fuel.dispatch import spin
+from fuel.dispatch import launches, spin
 from fuel.dispatch.plan import Step
 from fuel.graph.node import DynScalar, Op, OpSpec
 from fuel.graph.prims import VIEW_OPS
@@ -53,6 +53,12 @@ class Form(NamedTuple):
     unit: int = -1
     dyn: tuple[tuple[int, str, int, int], ...] = ()
     keep: tuple[np.ndarray, ...] = ()  # scratch the argv points at, which only the form holds
+
+
+def form(job: launches.Launch, unit: int = -1, dyn: tuple[tuple[int, str, int, int], ...] = (),
+         keep: tuple[np.ndarray, ...] = ()) -> Form:
+    """A job a kernel prepares (`fuel.dispatch.launches`) as a form."""
+    return Form(job.task, job.argv, job.seconds, job.most, unit, dyn, keep)
 
 
 Forms = Form | tuple[Form, ...]  # a step's jobs, run in order

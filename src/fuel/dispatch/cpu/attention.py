@@ -270,7 +270,7 @@ def flash_attn_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> n
     win = window_of(replace(params, k_len=sk) if name else params, q.shape[2], sk)
     attention_decode.set_mask(job.argv, win, params.softmax_scale, params.softcap or 0.0)
     dyn = ((attention_decode.KEYS, name, 0, sk),) if name else ()
-    return native.Form(job.task, job.argv, job.seconds, job.most, attention_decode.KEYS, dyn)
+    return native.form(job, attention_decode.KEYS, dyn)
 
 
 def attention_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:

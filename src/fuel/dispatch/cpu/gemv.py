@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
-from fuel.dispatch import spin
+from fuel.dispatch import launches, spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.threads import SERIAL_BYTES_PER_SECOND
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_BYTES = 8 << 20
+SUM_SECONDS_PER_VALUE = 0.4e-9  # one core, adding the partial sums
 K_SPLIT = 8  # fixed row ranges of the weight, each summed on its own, then added in order
 
 
@@ -85,14 +86,15 @@ def _sum_task(part: int, parts: int, argv: int) -> None:
     _sum_partials(carray(pointer(v[0], np.float32), (K_SPLIT, v[2])), carray(pointer(v[1], np.float32), (v[2],)))
 
 
-def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[Any, ...]:
-    """`gemv` of f32 a (C-contiguous), b and out as two jobs: (partial sums task, its argv, one core's
-    seconds, most parts, sum task, its argv, the partial sums' scratch both argvs point at)."""
+def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[launches.Launch, launches.Launch, np.ndarray]:
+    """`gemv` of f32 a (C-contiguous), b and out as two jobs, the partial sums into a scratch and their sum
+    into out, and that scratch."""
     partial = np.empty((K_SPLIT, *out.shape), np.float32)
     argv = np.empty(6, np.int64)
     _fill(a, b, partial, argv)
-    return (_gemv_f32, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT, _sum_task,
-            np.array([partial.ctypes.data, out.ctypes.data, out.size], np.int64), partial)
+    total = np.array([partial.ctypes.data, out.ctypes.data, out.size], np.int64)
+    return (launches.prepare(_gemv_f32, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT),
+            launches.prepare(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial)
 
 
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

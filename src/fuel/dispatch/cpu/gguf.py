@@ -86,13 +86,9 @@ def qmatmul_form(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParam
     a2, o2 = a.reshape(1, a.shape[-1]), out.reshape(1, out.shape[-1])
     job = one_row_job(params.quant_type, a2, raw, o2)
     if job is not None:
-        return native.Form(job.task, job.argv, job.seconds, job.most)
-    tables = table_jobs(params.quant_type, a2, raw, o2)
-    if tables is None:
-        return None
-    permute, table, keep = tables
-    return (native.Form(permute.task, permute.argv, permute.seconds, permute.most, keep=keep),
-            native.Form(table.task, table.argv, table.seconds, table.most))
+        return native.form(job)
+    permute, table, keep = table_jobs(params.quant_type, a2, raw, o2)
+    return native.form(permute, keep=keep), native.form(table)
 
 
 def _tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:

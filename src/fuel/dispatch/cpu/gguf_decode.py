@@ -327,12 +327,10 @@ def _permute_part(part: int, parts: int, argv: int) -> None:
 
 
 def table_jobs(qt: QuantType, a: np.ndarray, w: np.ndarray,
-               out: np.ndarray) -> tuple[launches.Launch, launches.Launch, tuple[np.ndarray, ...]] | None:
-    """A table kernel's one-row call as two jobs, the activations permuted into a scratch of their own and
-    the kernel reading it, and the arrays they point at besides a, w and out; None where no table kernel
-    serves the type."""
-    if not (USE_TABLES and qt in TABLE_KERNELS) or (USE_WORDS and qt in WORD_KERNELS):
-        return None
+               out: np.ndarray) -> tuple[launches.Launch, launches.Launch, tuple[np.ndarray, ...]]:
+    """The one-row call of a type `one_row_job` leaves to a table kernel as two jobs, the activations
+    permuted into a scratch of their own and the kernel reading it, and the arrays they point at besides
+    a, w and out."""
     one, order = TABLE_KERNELS[qt]
     order = np.ascontiguousarray(order, np.int64)
     scratch = np.empty((2, a.shape[1]), np.float32)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from numba import carray, njit, prange
 
-from fuel.dispatch import native, spin
+from fuel.dispatch import launches, native, spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
@@ -248,20 +248,24 @@ def _rms_f32_part(part: int, parts: int, argv: int) -> None:
             rms_row_rescaled(x[r], out[r], eps, inv_n, one)
 
 
-def _rms_job(x: np.ndarray, out: np.ndarray, eps: float) -> np.ndarray:
-    """The task's argv for x and out (f32, C-contiguous, one shape)."""
-    cols = out.shape[-1]
-    argv = np.array([x.ctypes.data, out.ctypes.data, out.size // cols, cols, 0, 0], np.int64)
-    e, inv_n, _ = _scalars_for(False, eps, cols)
-    argv[4:5].view(np.float32)[0], argv[5:6].view(np.float32)[0] = e, inv_n
-    return argv
+@njit(cache=True)
+def _fill_rms(x: Any, out: Any, eps: Any, inv_n: Any, argv: Any) -> None:
+    argv[0], argv[1], argv[2], argv[3] = x.ctypes.data, out.ctypes.data, out.size // out.shape[-1], out.shape[-1]
+    f = argv.view(np.float32)  # eps and 1/cols in the low halves of entries 4 and 5 (little-endian)
+    f[8], f[10] = eps, inv_n
+
+
+def _rms_job(x: np.ndarray, out: np.ndarray, eps: float) -> launches.Launch:
+    """The task's job for x and out (f32, C-contiguous, one shape)."""
+    argv = np.zeros(_RMS_ARGS, np.int64)
+    e, inv_n, _ = _scalars_for(False, eps, out.shape[-1])
+    _fill_rms(x, out, e, inv_n, argv)
+    return launches.prepare(_rms_f32_part, argv, out.size * RMS_SECONDS_PER_VALUE, int(argv[2]))
 
 
 def rms_norm_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
-    if not out.size:
-        return
-    argv = _rms_job(inputs[0], out, params.eps)
-    spin.run(_rms_f32_part, argv, spin.parts_for(out.size * RMS_SECONDS_PER_VALUE, int(argv[2])))
+    if out.size:
+        launches.run(_rms_job(inputs[0], out, params.eps))
 
 
 @native.fused_form(rms_norm_f32)
@@ -269,8 +273,7 @@ def rms_norm_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> nat
     x = inputs[0]
     if not (out.size and x.dtype == out.dtype == np.float32 and x.flags.c_contiguous and out.flags.c_contiguous):
         return None
-    argv = _rms_job(x, out, params.eps)
-    return native.Form(_rms_f32_part.address, argv, out.size * RMS_SECONDS_PER_VALUE, int(argv[2]))
+    return native.form(_rms_job(x, out, params.eps))
 
 
 rms_norm_kernels = {**_kernels(_rms, _rms_bf16), DType.F32: rms_norm_f32, DType.F16: via_f32(rms_norm_f32)}

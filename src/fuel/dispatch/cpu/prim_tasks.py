@@ -23,7 +23,7 @@ from numba import carray, njit
 from fuel.dispatch import spin
 from fuel.dispatch.cpu import gemv, logistic
 from fuel.dispatch.cpu.atomics import pointer
-from fuel.dispatch.native import Form, dyn_name, prim_form
+from fuel.dispatch.native import Form, dyn_name, form, prim_form
 from fuel.graph.node import Op, OpSpec
 
 SECONDS_PER_VALUE = 0.4e-9  # one core, an f32 operation streamed from cache
@@ -183,10 +183,8 @@ def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -
     rows = math.prod(a.shape[:-1])
     if rows > gemv.GEMV_MAX_ROWS or b.nbytes > gemv.GEMV_MAX_BYTES:
         return None
-    task, argv, seconds, most, sum_task, sum_argv, partial = gemv.f32_jobs(
-        a.reshape(rows, a.shape[-1]), b, out.reshape(rows, b.shape[1]))
-    return (Form(task.address, argv, seconds, most, keep=(partial,)),
-            Form(sum_task.address, sum_argv, out.size * SECONDS_PER_VALUE, 1))
+    partials, total, scratch = gemv.f32_jobs(a.reshape(rows, a.shape[-1]), b, out.reshape(rows, b.shape[1]))
+    return form(partials, keep=(scratch,)), form(total)
 
 
 # ---- CACHE_WRITE ------------------------------------------------------------------------------------

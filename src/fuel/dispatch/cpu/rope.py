@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from numba import carray, njit, prange
 
-from fuel.dispatch import native, spin
+from fuel.dispatch import launches, native, spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.dispatch.cpu.half import bits, narrow_bf16_row, via_f32
@@ -116,26 +116,30 @@ def _rope_f32_part(part: int, parts: int, argv: int) -> None:
         _rope_row(x[r], cos[t], sin[t], out[r], d // 2)
 
 
-def _rope_job(inputs: list[np.ndarray], out: np.ndarray) -> np.ndarray:
-    """The task's argv for x, cos, sin and out (f32, C-contiguous)."""
+@njit(cache=True)
+def _fill_rope(x: Any, cos: Any, sin: Any, out: Any, argv: Any) -> None:
+    argv[0], argv[1], argv[2], argv[3] = x.ctypes.data, cos.ctypes.data, sin.ctypes.data, out.ctypes.data
+    argv[4], argv[5], argv[6] = out.size // out.shape[-1], out.shape[-1], cos.shape[0]
+
+
+def _rope_job(inputs: list[np.ndarray], out: np.ndarray) -> launches.Launch:
+    """The task's job for x, cos, sin and out (f32, C-contiguous)."""
     x, cos, sin = inputs
-    d = out.shape[-1]
-    return np.array([x.ctypes.data, cos.ctypes.data, sin.ctypes.data, out.ctypes.data, out.size // d, d,
-                     cos.shape[0]], np.int64)
+    argv = np.empty(_ARGS, np.int64)
+    _fill_rope(x, cos, sin, out, argv)
+    return launches.prepare(_rope_f32_part, argv, out.size * SECONDS_PER_VALUE, int(argv[4]))
 
 
 def rope_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     if out.size:
-        argv = _rope_job(inputs, out)
-        spin.run(_rope_f32_part, argv, spin.parts_for(out.size * SECONDS_PER_VALUE, int(argv[4])))
+        launches.run(_rope_job(inputs, out))
 
 
 @native.fused_form(rope_f32)
 def rope_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Form | None:
     if not (out.size and all(a.flags.c_contiguous and a.dtype == np.float32 for a in (*inputs, out))):
         return None
-    argv = _rope_job(inputs, out)
-    return native.Form(_rope_f32_part.address, argv, out.size * SECONDS_PER_VALUE, int(argv[4]))
+    return native.form(_rope_job(inputs, out))
 
 
 rope_f16 = via_f32(rope_f32)
