@@ -36,14 +36,11 @@ from fuel.dispatch.plan import Plan, Step
 from fuel.dtype import from_numpy
 from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, topo_order
-from fuel.graph.prims import VIEW_OPS
+from fuel.graph.prims import MAY_ALIAS
 from fuel.graph.registry import default_registry
 
 _QUIET = contextlib.nullcontext()
 _NOTHING: dict[int, np.ndarray] = {}
-
-# Steps whose result aliases their input's memory (a reshape NumPy must copy is caught where it matters).
-_VIEWS = VIEW_OPS | {Op.RESHAPE}
 
 Signature = tuple[tuple[tuple[int, ...], np.dtype[Any]], ...]
 
@@ -213,7 +210,7 @@ def _fold(steps: Sequence[Step], template: list[Any], outputs: Sequence[int], vi
             if step.prim is None or step.output in out_slots or not all(s in fixed for s in step.inputs):
                 left.append(step)
                 continue
-            view = step.spec.op in _VIEWS
+            view = step.spec.op in MAY_ALIAS
             if not view and views_only:
                 left.append(step)
                 continue
@@ -240,7 +237,7 @@ def _arena(steps: list[Step], outputs: Sequence[int], reuse_outputs: bool) -> tu
     for k, step in enumerate(steps):
         if step.slots is not None:
             continue  # a multi-output step's buffers are allocated per call (its views alias them)
-        alias = 0 if step.prim is not None and step.spec.op in _VIEWS else step.destructive
+        alias = 0 if step.prim is not None and step.spec.op in MAY_ALIAS else step.destructive
         if alias is None:
             base[step.output] = k
             owner.add(k)

@@ -38,7 +38,7 @@ import numpy as np
 from fuel.dispatch import launches, spin
 from fuel.dispatch.plan import Step
 from fuel.graph.node import DynScalar, Op, OpSpec
-from fuel.graph.prims import VIEW_OPS
+from fuel.graph.prims import MAY_ALIAS
 
 
 class Form(NamedTuple):
@@ -162,7 +162,6 @@ def program(forms: Sequence[Form]) -> Program:
                    tuple(names), tuple(low), tuple(high), list(forms))
 
 
-VIEWS = VIEW_OPS | {Op.RESHAPE}  # steps whose result may alias their input (a copying reshape is left to run)
 STAGE_MAX_BYTES = 4 << 20  # arguments up to this size are copied into the capture's own buffers
 
 
@@ -213,18 +212,18 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
         out: np.ndarray | None = entry[3]
         if step.destructive is not None:
             out = xs[step.destructive] if known else None
-        form = None
-        if known and step.prim is not None and step.spec.op in VIEWS and not step.dyn_fields:
+        jobs = None
+        if known and step.prim is not None and step.spec.op in MAY_ALIAS and not step.dyn_fields:
             view = step.prim(xs, step.spec, None)  # of arrays fixed from call to call: fixed too
             if view.size and np.may_share_memory(view, xs[0]):
                 own[step.output] = view
                 fixed.append((step.output, view))
                 continue
         if known and out is not None:
-            form = form_of(step, xs, out)
+            jobs = form_of(step, xs, out)
         if out is not None:
             own[step.output] = out
-        if form is None:
+        if jobs is None:
             if len(forms) > start:
                 items.append((start, len(forms)))
                 start = len(forms)
@@ -233,7 +232,7 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
                 watch[step.output] = out
             continue
         assert out is not None  # a form writes it
-        forms.extend((form,) if isinstance(form, Form) else form)  # a Form is a tuple too
+        forms.extend((jobs,) if isinstance(jobs, Form) else jobs)  # a Form is a tuple too
         fixed.append((step.output, out))
     if not forms:
         return None

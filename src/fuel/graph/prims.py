@@ -22,6 +22,9 @@ UNARY = frozenset({
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.POW})
 COMPARE = frozenset({Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE})
 VIEW_OPS = frozenset({Op.BROADCAST_TO, Op.PERMUTE, Op.SLICE, Op.UNSQUEEZE, Op.SQUEEZE, Op.VIEW})
+# Steps whose result may alias their input's memory: the views, and a reshape NumPy can do as one (a copying
+# reshape is caught where it matters).
+MAY_ALIAS = VIEW_OPS | {Op.RESHAPE}
 DESTRUCTIVE_PRIMS: dict[Op, int] = {Op.CACHE_WRITE: 0}  # op -> the input it writes in place (and returns)
 
 
