@@ -34,7 +34,7 @@ class Launch(NamedTuple):
 
 
 def prepare(task: spin.Task, argv: np.ndarray, seconds: float, most: int) -> Launch:
-    return Launch(task.address, argv, int(argv.ctypes.data), seconds, most)
+    return Launch(task.address, argv, spin.address_of(argv), seconds, most)  # (`.ctypes.data`: 1 µs of Python)
 
 
 def run(launch: Launch) -> None:
