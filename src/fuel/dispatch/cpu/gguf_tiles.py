@@ -1,7 +1,7 @@
 """QMatMul's many-row path as tasks of the spinning pool, one per GGUF type (named, so that Numba's cache
 finds them again): each part dequantises its tiles of W rows (`gguf_blocks`' block decoders, gguf-py's
 values bit for bit) into a scratch slot and multiplies each (`weight_tiles`: fuel's tile kernel on AVX-512
-hosts, one OpenBLAS sgemm elsewhere)."""
+and AVX2 hosts, one OpenBLAS sgemm elsewhere)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ Two paths, chosen by shape:
   activation row on AVX-512 and AVX2 hosts goes by table instead (`nf4_table`: 0.37 against 0.54 ms
   warm on AVX-512).
 - tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile multiplied
-  by fuel's tile kernel on AVX-512 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere, the
+  by fuel's tile kernel on AVX-512 and AVX2 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere, the
   tiles split over fuel's threads (`weight_tiles`). The transposed product `g @ W` of the gradient
   dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each multiplied as one-thread
   GEMMs on fixed row blocks (`row_blocks`). Every product's sum for an output element is then fixed by

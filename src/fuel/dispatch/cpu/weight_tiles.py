@@ -4,11 +4,13 @@ are fixed by the weight's shape and run on fuel's threads (`split_work`), so the
 thread count.
 
 How a tile is multiplied (`MODE`):
-- OWN, on AVX-512 hosts for up to `OWN_MAX_ROWS` activation rows: fuel's register-blocked kernel
-  (`tile_gemm`), `tile @ Aᵀ` into a [tile rows, Rp] scratch copied transposed into the output, Aᵀ packed
-  once per call. Nothing is repacked per tile, where OpenBLAS repacks both operands on every call:
-  105-116 GFLOP/s a core against OpenBLAS's 70-95 at R = 64-128.
-- Otherwise one one-thread OpenBLAS sgemm a tile, every output element one sgemm's dot over all of K.
+- OWN, on AVX-512 and AVX2 hosts for up to `OWN_MAX_ROWS` activation rows: fuel's register-blocked
+  kernel (`tile_gemm`), `tile @ Aᵀ` into a [tile rows, Rp] scratch copied transposed into the output, Aᵀ
+  packed once per call. Nothing is repacked per tile, where OpenBLAS repacks both operands on every call:
+  105-116 GFLOP/s a core against OpenBLAS's 70-95 at R = 64-128 on AVX-512, 88-96 against 84-87 on
+  Zen 3 (AVX2), where NF4's 4096² product at R = 64 fell from 14.8-15.4 to 13.4-14.2 ms.
+- Otherwise (and wherever `OWN_KERNEL` is switched off) one one-thread OpenBLAS sgemm a tile, every
+  output element one sgemm's dot over all of K.
   For up to `FLIP_ROWS` activation rows and at least `FLIP_MIN_N` weight rows the tile is the sgemm's
   left operand (FLIPPED: `tile @ Aᵀ`, stored transposed), otherwise the right one (DIRECT: `A @ tileᵀ`
   straight into the output columns). Measured here (OpenBLAS 0.3.31, 2 threads, interleaved medians),
@@ -37,6 +39,7 @@ from fuel.dispatch.cpu.atomics import release_slot as release
 from fuel.dispatch.cpu.sgemm import sgemm
 from fuel.dispatch.cpu.tile_gemm import AVAILABLE as OWN_KERNEL
 from fuel.dispatch.cpu.tile_gemm import (
+    PANEL,
     pack_activations,
     padded_width,
     tile_times_at,
@@ -79,9 +82,10 @@ def tile_rows(k: int, n: int | None = None) -> int:
 
 
 def own_mode(rows: int) -> bool:
-    """Whether fuel's kernel multiplies the tiles for R = rows: on AVX-512 hosts, up to OWN_MAX_ROWS. Its
-    packed Aᵀ and each slot's product scale with R, and from about 512 rows OpenBLAS's straight product
-    is as fast (at R = 512, K = 4096: 100 against 95 GFLOP/s a core)."""
+    """Whether fuel's kernel multiplies the tiles for R = rows: where it has a geometry for the host, up to
+    OWN_MAX_ROWS. Its packed Aᵀ and each slot's product scale with R, and from about 512 rows OpenBLAS's
+    straight product is as fast (at R = 512, K = 4096: 100 against 95 GFLOP/s a core on AVX-512, 85-89
+    against 86-89 on Zen 3)."""
     return OWN_KERNEL and rows <= OWN_MAX_ROWS
 
 
@@ -102,7 +106,7 @@ class _Layout:
         if own_mode(self.rows):
             self.mode, self.a_t_cols = OWN, padded_width(self.rows)
             self.a_t = POOL.empty((self.k * self.a_t_cols,), F32)
-            pack_activations(a2, self.a_t, self.a_t_cols)
+            pack_activations(a2, self.a_t, self.a_t_cols, PANEL)
         elif flipped(self.rows, n):
             self.mode, self.a_t, self.a_t_cols = FLIPPED, np.ascontiguousarray(a2.T), self.rows
         else:
