@@ -19,7 +19,9 @@ How a tile is multiplied (`MODE`):
   0.77 at 32, 0.95 at 64; but with N = 576, K = 1536-2048 1.07-1.24 at R = 64.
 
 Tiles of about `TILE_BYTES` (at most 256 rows): at K = 4096, 4 MiB tiles (in L3) ran 5-9% faster than
-1 MiB ones (in L2) with OpenBLAS.
+1 MiB ones (in L2) with OpenBLAS. Fuel's kernel, which repacks nothing per tile, runs best on tiles of
+`OWN_TILE_BYTES`: NF4 4096² at R = 64 on Zen 3 (interleaved medians) took 13.6 / 14.3-15.0 ms with 1 MiB
+tiles against 13.9 / 15.2-16.7 with 4 MiB, and 15.6-16.7 with 2 MiB or 512 KiB.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from fuel.dispatch.cpu.tile_gemm import (
 )
 from fuel.dispatch.threads import split_work
 
-TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile
+TILE_BYTES = 4 << 20  # f32 bytes of one dequantised tile multiplied by OpenBLAS
+OWN_TILE_BYTES = 1 << 20  # ... by fuel's kernel (OWN mode)
 TILE_GROUPS = 4  # tile counts are multiples of this, so 2 or 4 threads get equal shares
 OWN_MAX_ROWS = 512  # activation rows up to which fuel's kernel multiplies the tiles (OWN mode)
 FLIP_ROWS = 64  # activation rows up to which the tile is the left operand ...
@@ -68,12 +71,13 @@ A, ROWS, K, A_T, A_T_COLS, N, OUT, TILE, TILES, SCRATCH, C_SCRATCH, SLOTS, CLAIM
 Fill = Callable[[int, int, np.ndarray], None]
 
 
-def tile_rows(k: int, n: int | None = None) -> int:
-    """Rows of W per dequantised tile: at most about TILE_BYTES of f32, a multiple of 16, 16..256. Given
+def tile_rows(k: int, n: int | None = None, budget: int | None = None) -> int:
+    """Rows of W per dequantised tile: at most about `budget` (TILE_BYTES by default) of f32, a multiple of
+    16, 16..256. Given
     the weight's n rows, the tiles are evened out to a count divisible by TILE_GROUPS (fixed by the shape,
     never by the thread count): [576, 576] in three tiles of 256, 256, 64 left one of two threads idle a
     third of the time, in four of 144 neither."""
-    most = min(256, max(16, TILE_BYTES // (4 * max(k, 1)) // 16 * 16))
+    most = min(256, max(16, (TILE_BYTES if budget is None else budget) // (4 * max(k, 1)) // 16 * 16))
     if n is None or n <= 0:
         return most
     tiles = math.ceil(n / most)
@@ -100,7 +104,7 @@ class _Layout:
 
     def __init__(self, a2: np.ndarray, n: int) -> None:
         self.rows, self.k = a2.shape
-        self.tile = tile_rows(self.k, n)
+        self.tile = tile_rows(self.k, n, OWN_TILE_BYTES if own_mode(self.rows) else TILE_BYTES)
         self.a_t: np.ndarray | None = None
         self.a_t_cols = 0
         if own_mode(self.rows):
