@@ -1,5 +1,8 @@
 """Fuel: a lazy tensor graph with an open registry of fused ops and exact, fast CPU kernels."""
 
+from fuel.dispatch import cache_stamps  # noqa: F401  (first: cached kernels are stamped with their imports)
+
+# isort: split
 from fuel import ops
 from fuel.dispatch.executor import realize, trace
 from fuel.dispatch.fused import default_kernel_registry as kernels
