@@ -73,10 +73,9 @@ Fill = Callable[[int, int, np.ndarray], None]
 
 def tile_rows(k: int, n: int | None = None, budget: int | None = None) -> int:
     """Rows of W per dequantised tile: at most about `budget` (TILE_BYTES by default) of f32, a multiple of
-    16, 16..256. Given
-    the weight's n rows, the tiles are evened out to a count divisible by TILE_GROUPS (fixed by the shape,
-    never by the thread count): [576, 576] in three tiles of 256, 256, 64 left one of two threads idle a
-    third of the time, in four of 144 neither."""
+    16, 16..256. Given the weight's n rows, the tiles are evened out to a count divisible by TILE_GROUPS
+    (fixed by the shape, never by the thread count): [576, 576] in three tiles of 256, 256, 64 left one of
+    two threads idle a third of the time, in four of 144 neither."""
     most = min(256, max(16, (TILE_BYTES if budget is None else budget) // (4 * max(k, 1)) // 16 * 16))
     if n is None or n <= 0:
         return most
