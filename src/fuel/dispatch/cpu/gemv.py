@@ -86,15 +86,21 @@ def _sum_task(part: int, parts: int, argv: int) -> None:
     _sum_partials(carray(pointer(v[0], np.float32), (K_SPLIT, v[2])), carray(pointer(v[1], np.float32), (v[2],)))
 
 
+def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[launches.Launch, np.ndarray]:
+    """`gemv`'s first job, the K_SPLIT partial sums of a (C-contiguous) @ b into a scratch, and that scratch."""
+    partial = np.empty((K_SPLIT, *out.shape), out.dtype)
+    argv = np.empty(6, np.int64)
+    _fill(a, b, partial, argv)
+    task = _gemv_f64 if b.dtype == np.float64 else _gemv_f32
+    return launches.prepare(task, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT), partial
+
+
 def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[launches.Launch, launches.Launch, np.ndarray]:
     """`gemv` of f32 a (C-contiguous), b and out as two jobs, the partial sums into a scratch and their sum
     into out, and that scratch."""
-    partial = np.empty((K_SPLIT, *out.shape), np.float32)
-    argv = np.empty(6, np.int64)
-    _fill(a, b, partial, argv)
+    partials, partial = _partials_job(a, b, out)
     total = np.array([partial.ctypes.data, out.ctypes.data, out.size], np.int64)
-    return (launches.prepare(_gemv_f32, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT),
-            launches.prepare(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial)
+    return partials, launches.prepare(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial
 
 
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -102,10 +108,6 @@ def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     K_SPLIT fixed row ranges: each is one sequential stream, summed alone (on the spinning pool past a
     few microseconds of weight), and the partial sums are added in order, so the bytes never depend on
     who computed which range."""
-    a = np.ascontiguousarray(a)
-    partial = np.empty((K_SPLIT, *out.shape), out.dtype)
-    argv = np.empty(6, np.int64)
-    _fill(a, b, partial, argv)
-    parts = spin.parts_for(b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT)
-    spin.run(_gemv_f64 if b.dtype == np.float64 else _gemv_f32, argv, parts)
+    partials, partial = _partials_job(np.ascontiguousarray(a), b, out)
+    launches.run(partials)
     _sum_partials(partial, out)
