@@ -103,10 +103,11 @@ class _Layout:
 
     def __init__(self, a2: np.ndarray, n: int) -> None:
         self.rows, self.k = a2.shape
-        self.tile = tile_rows(self.k, n, OWN_TILE_BYTES if own_mode(self.rows) else TILE_BYTES)
+        own = own_mode(self.rows)
+        self.tile = tile_rows(self.k, n, OWN_TILE_BYTES if own else TILE_BYTES)
         self.a_t: np.ndarray | None = None
         self.a_t_cols = 0
-        if own_mode(self.rows):
+        if own:
             self.mode, self.a_t_cols = OWN, padded_width(self.rows)
             self.a_t = POOL.empty((self.k * self.a_t_cols,), F32)
             pack_activations(a2, self.a_t, self.a_t_cols, PANEL)
