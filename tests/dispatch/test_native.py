@@ -257,7 +257,7 @@ def _native_against_python(fn: Callable[[fl.Tensor], fl.Tensor], xs: list[np.nda
 
 _ONE_ROW_WAYS = [(QuantType.Q4_0, "portable"), (QuantType.Q4_0, "tables"), (QuantType.Q4_1, "tables"),
                  (QuantType.Q4K, "tables"), (QuantType.Q4K, "words"), (QuantType.Q6K, "portable"),
-                 (QuantType.Q8_0, "portable")]
+                 (QuantType.Q6K, "words"), (QuantType.Q8_0, "portable")]
 
 
 @pytest.mark.parametrize(("qt", "way"), _ONE_ROW_WAYS, ids=lambda v: getattr(v, "ggml_name", v))

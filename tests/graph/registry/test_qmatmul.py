@@ -253,7 +253,7 @@ def test_decode_kernel_same_bytes_on_any_threads(qt: QuantType, m: int) -> None:
     assert len(set(results)) == 1
 
 
-_ONE_ROW_WAYS = [(qt, way) for qt in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4K)
+_ONE_ROW_WAYS = [(qt, way) for qt in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4K, QuantType.Q6K)
                  for way in ("portable", "tables", "words")
                  if (way != "tables" or LUT16) and (way != "words" or qt in gguf_decode.WORD_KERNELS)]
 
@@ -261,8 +261,8 @@ _ONE_ROW_WAYS = [(qt, way) for qt in (QuantType.Q4_0, QuantType.Q4_1, QuantType.
 @pytest.mark.parametrize(("qt", "way"), _ONE_ROW_WAYS, ids=lambda v: getattr(v, "ggml_name", v))
 def test_table_word_and_portable_decoders_all_match(qt: QuantType, way: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """One-row decoding by table (AVX-512 hosts), by 32-bit words (Q4_K elsewhere: lanes in another order,
-    the activations permuted and scaled to it) and by the portable widening all match float64, exact on
+    """One-row decoding by table (AVX-512 hosts), by 32-bit words (Q4_K and Q6_K elsewhere: lanes in another
+    order, the activations permuted and scaled to it) and by the portable widening all match float64, exact on
     identity rows, bit-stable across threads."""
     monkeypatch.setattr(gguf_decode, "USE_TABLES", way == "tables")
     monkeypatch.setattr(gguf_decode, "USE_WORDS", way == "words")
