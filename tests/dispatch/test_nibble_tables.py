@@ -1,6 +1,6 @@
-"""`nibble_tables.lookup32` (Nf4Matmul's code lookups on AVX2 hosts: byte shuffles) against NumPy's
-indexing, for every lane order Nf4Matmul asks of it, on any host with AVX2 (the AVX-512 hosts too, though
-their kernels look codes up by vpermps)."""
+"""`nibble_tables.lookup32` and `lookup64` (Nf4Matmul's code lookups on AVX2 hosts: byte shuffles) against
+NumPy's indexing, for every lane order Nf4Matmul asks of them, on any host with AVX2 (the AVX-512 hosts too,
+though their kernels look codes up by vpermps)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from fuel.dispatch.cpu import nf4
-from fuel.dispatch.cpu.nibble_tables import ELEMENT_LANES, SHIFTED_LANES, lookup32
+from fuel.dispatch.cpu.nibble_tables import ELEMENT_LANES, LOOKUP64_LANES, SHIFTED_LANES, lookup32, lookup64
 from fuel.dispatch.cpu.simd16 import _I8, _VF
 
 ORDERS = {"shifted": SHIFTED_LANES, "element": ELEMENT_LANES, "split": nf4._SPLIT_LANES}
 
 
-def _looked_up(lanes: list[tuple[int, int]]) -> Any:
-    """A jitted (codes u8 [16·n], table f32 [16]) -> f32 [32·n]: `lookup32` of each 16 bytes in `lanes`."""
+def _looked_up(lanes: list[tuple[int, int]] | None) -> Any:
+    """A jitted (codes u8 [16·n], table f32 [16]) -> f32 [32·n]: `lookup32` of each 16 bytes in `lanes`, or
+    (lanes None) `lookup64` of each 32 bytes."""
+    group = 16 if lanes else 32
 
     @intrinsic
     def lookup(typingctx: Any, codes: Any, off: Any, table: Any, out: Any, out_off: Any) -> Any:
@@ -32,9 +34,9 @@ def _looked_up(lanes: list[tuple[int, int]]) -> Any:
             vec = builder.load(builder.bitcast(tdata, _VF.as_pointer()), align=4)
             odata = context.make_array(t[3])(context, builder, args[3]).data
             dst = builder.bitcast(builder.gep(odata, [args[4]]), _VF.as_pointer())
-            first, second = lookup32(builder, at, vec, lanes)
-            builder.store(first, dst, align=4)
-            builder.store(second, builder.gep(dst, [ir.Constant(ir.IntType(32), 1)]), align=4)
+            vectors = lookup32(builder, at, vec, lanes) if lanes else lookup64(builder, at, vec)
+            for i, v in enumerate(vectors):
+                builder.store(v, builder.gep(dst, [ir.Constant(ir.IntType(32), i)]), align=4)
             return context.get_dummy_value()
 
         return types.void(codes, off, table, out, out_off), codegen
@@ -42,23 +44,23 @@ def _looked_up(lanes: list[tuple[int, int]]) -> Any:
     @njit
     def run(codes: Any, table: Any) -> Any:
         out = np.empty(2 * codes.size, np.float32)
-        for s in range(codes.size // 16):
-            lookup(codes, 16 * s, table, out, 32 * s)
+        for s in range(codes.size // group):
+            lookup(codes, group * s, table, out, 2 * group * s)
         return out
 
     return run
 
 
-@pytest.mark.parametrize("order", sorted(ORDERS))
-def test_lookup32_matches_indexing(order: str) -> None:
+@pytest.mark.parametrize("order", [*sorted(ORDERS), "lookup64"])
+def test_lookups_match_indexing(order: str) -> None:
     """Every byte value at every position, against table[nibble] in the lanes' order; the table's floats
     carry all four bytes (negative, subnormal, NaN payloads), so a misplaced byte plane shows."""
-    lanes = ORDERS[order]
+    lanes, group = (LOOKUP64_LANES, 32) if order == "lookup64" else (ORDERS[order], 16)
     rng = np.random.default_rng(3)
-    codes = np.concatenate([np.arange(256, dtype=np.uint8), rng.integers(0, 256, 16 * 40, dtype=np.uint8)])
+    codes = np.concatenate([np.arange(256, dtype=np.uint8), rng.integers(0, 256, 32 * 40, dtype=np.uint8)])
     table = rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32).view(np.float32)
     table[:3] = np.array([-0.6961928009986877, 1e-40, 0.07958029955625534], np.float32)
-    got = _looked_up(lanes)(codes, table).view(np.uint32)
-    nibbles = np.stack([codes & 15, codes >> 4], axis=-1).reshape(-1, 16, 2)  # [group, byte, nibble]
+    got = _looked_up(None if order == "lookup64" else lanes)(codes, table).view(np.uint32)
+    nibbles = np.stack([codes & 15, codes >> 4], axis=-1).reshape(-1, group, 2)  # [group, byte, nibble]
     want = np.stack([table.view(np.uint32)[nibbles[:, b, h]] for b, h in lanes], axis=-1).reshape(-1)
     np.testing.assert_array_equal(got, want)

@@ -49,7 +49,7 @@ from fuel.dispatch.cpu import row_blocks
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.nf4_table import TABLE_ORDER, decode_table, table_args
+from fuel.dispatch.cpu.nf4_table import table_args, table_kernel
 from fuel.dispatch.cpu.nibble_tables import BYTE_LUT, ELEMENT_LANES, LUT32, lookup32, permute16, permuted
 from fuel.dispatch.cpu.weight_tiles import (
     WEIGHT,
@@ -269,7 +269,8 @@ def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out:
     """The decode path (rows <= DECODE_MAX_ROWS) on the spinning pool."""
     argv = np.empty(10, np.int64)
     if USE_TABLE and x.shape[0] == 1:
-        xp = permuted(x, TABLE_ORDER)  # alive until the job ends
+        decode_table, order = table_kernel(bs)
+        xp = permuted(x, order)  # alive until the job ends
         table_args(xp, w, absmax, _LUT, out, bs, argv)
         spin.run(decode_table, argv, spin.parts_for(w.shape[0] * x.shape[1] / WEIGHTS_PER_SECOND,
                                                      chunk_count(w.shape[0])))

@@ -1,12 +1,14 @@
 """Nf4Matmul's one-row decode by table (AVX-512 and AVX2 hosts; `nf4` dispatches, the portable path is there).
 
 Each block's codes are looked up 16 bytes at a time (`nibble_tables.nibble_lookup32`: a vpermps of the
-NF4 table per 8 bytes on AVX-512, byte shuffles on AVX2), dotted with the activations permuted once a
-call to the lanes' order, and the block's absmax applied once to their sum, where the portable path
-splits the codes by k's parity and scales every value. 4096² at block 64, two threads: on AVX-512 0.37/0.44
-ms warm/from memory against 0.54/0.59 (interleaved medians); on AVX2 (Zen 3) 0.8-1.0 ms warm against
-1.2 (one thread: 1.5 against 2.3), where a scalar lookup per code had taken 9 ms. Each output is one
-row's fixed sequence of operations, in fixed chunks of rows, so its bytes never depend on the thread count.
+NF4 table per 8 bytes on AVX-512, byte shuffles on AVX2), or on AVX2 32 bytes at a time where blocks hold
+a multiple of 64 codes (`decode_table64`, `nibble_lookup64`: one load and one index build for two
+lookups), dotted with the activations permuted once a call to the lanes' order, and the block's absmax
+applied once to their sum, where the portable path splits the codes by k's parity and scales every value.
+4096² at block 64, two threads: on AVX-512 0.37/0.44 ms warm/from memory against 0.54/0.59 (interleaved
+medians); on AVX2 (Zen 3) 0.8-1.0 ms warm against 1.2 (one thread: 1.33-1.36 by 32 bytes, 1.48-1.51 by 16,
+2.3 portable), where a scalar lookup per code had taken 9 ms. Each output is one row's fixed sequence of
+operations, in fixed chunks of rows, so its bytes never depend on the thread count.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from numba import carray, njit
 from fuel.dispatch import spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
-from fuel.dispatch.cpu.nibble_tables import lookup32_lanes, nibble_lookup32
+from fuel.dispatch.cpu.nibble_tables import BYTE_LUT, LOOKUP64_LANES, lookup32_lanes, nibble_lookup32, nibble_lookup64
 from fuel.dispatch.cpu.simd16 import fma, fmas, hsum, vload, vmul, vzero
 
 # An NF4 byte holds elements 2b (high nibble) and 2b + 1: the element of `lookup32_lanes`' lane j, 16 bytes.
 TABLE_ORDER = np.array([2 * b + 1 - h for b, h in lookup32_lanes()])
+TABLE_ORDER64 = np.array([2 * b + 1 - h for b, h in LOOKUP64_LANES])  # `decode_table64`'s, 32 bytes
 
 
 @njit(cache=True)
@@ -60,3 +63,37 @@ def decode_table(part: int, parts: int, argv: int) -> None:
                     inner = fma(second, vload(x, xo + 32 * s + 16), fma(first, vload(x, xo + 32 * s), inner))
                 acc = fmas(absmax[r * nb + b], inner, acc)
             out[0, r] = hsum(acc)
+
+
+@spin.task()
+def decode_table64(part: int, parts: int, argv: int) -> None:
+    """`decode_table` for blocks of a multiple of 64 codes on AVX2 hosts: each 32 bytes looked up at once
+    (`nibble_tables.lookup64`), the activations permuted to `TABLE_ORDER64`."""
+    v = carray(pointer(argv, np.int64), (10,))
+    kh, n, nb, bs = v[2], v[4], v[6], v[9]
+    x = carray(pointer(v[0], np.float32), (2 * kh,))
+    w = carray(pointer(v[3], np.uint8), (n * kh,))
+    absmax = carray(pointer(v[5], np.float32), (n * nb,))
+    table = vload(carray(pointer(v[7], np.float32), (16,)), 0)
+    out = carray(pointer(v[8], np.float32), (1, n))
+    chunks = chunk_count(n)
+    for c in range(part * chunks // parts, (part + 1) * chunks // parts):
+        lo, hi = chunk_bounds(c, n, chunks)
+        for r in range(lo, hi):
+            acc = vzero()
+            for b in range(nb):
+                o, xo = r * kh + b * bs // 2, b * bs
+                inner = vzero()
+                for s in range(bs // 64):
+                    v0, v1, v2, v3 = nibble_lookup64(w, o + 32 * s, table)
+                    inner = fma(v1, vload(x, xo + 64 * s + 16), fma(v0, vload(x, xo + 64 * s), inner))
+                    inner = fma(v3, vload(x, xo + 64 * s + 48), fma(v2, vload(x, xo + 64 * s + 32), inner))
+                acc = fmas(absmax[r * nb + b], inner, acc)
+            out[0, r] = hsum(acc)
+
+
+def table_kernel(bs: int) -> tuple[spin.Task, np.ndarray]:
+    """The one-row table task for blocks of bs codes and the order it reads the activations in."""
+    if BYTE_LUT and bs % 64 == 0:
+        return decode_table64, TABLE_ORDER64
+    return decode_table, TABLE_ORDER
