@@ -37,11 +37,34 @@ def table_args(xp: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: 
         out.ctypes.data, bs
 
 
-@spin.task()
-def decode_table(part: int, parts: int, argv: int) -> None:
-    """`nf4._decode` for one activation row by table (`nibble_tables`, AVX-512): each block's codes looked up
-    8 bytes at a time, dotted with the permuted activations, the block's absmax applied once to their
-    sum (where the portable path scales every value)."""
+@njit(inline="always", cache=True)
+def _block32(w: Any, o: int, x: Any, xo: int, bs: int, table: Any) -> Any:
+    """Σ table[code]·x over the block at byte o of w (activations x[xo:] in `TABLE_ORDER`), 16 bytes at a
+    time."""
+    first, second = nibble_lookup32(w, o, table)
+    inner = fma(second, vload(x, xo + 16), vmul(first, vload(x, xo)))
+    for s in range(1, bs // 32):
+        first, second = nibble_lookup32(w, o + 16 * s, table)
+        inner = fma(second, vload(x, xo + 32 * s + 16), fma(first, vload(x, xo + 32 * s), inner))
+    return inner
+
+
+@njit(inline="always", cache=True)
+def _block64(w: Any, o: int, x: Any, xo: int, bs: int, table: Any) -> Any:
+    """`_block32` 32 bytes at a time (bs a multiple of 64, AVX2's `lookup64`), x in `TABLE_ORDER64`."""
+    v0, v1, v2, v3 = nibble_lookup64(w, o, table)
+    inner = fma(v1, vload(x, xo + 16), vmul(v0, vload(x, xo)))
+    inner = fma(v3, vload(x, xo + 48), fma(v2, vload(x, xo + 32), inner))
+    for s in range(1, bs // 64):
+        v0, v1, v2, v3 = nibble_lookup64(w, o + 32 * s, table)
+        inner = fma(v1, vload(x, xo + 64 * s + 16), fma(v0, vload(x, xo + 64 * s), inner))
+        inner = fma(v3, vload(x, xo + 64 * s + 48), fma(v2, vload(x, xo + 64 * s + 32), inner))
+    return inner
+
+
+@njit(inline="always", cache=True)
+def _rows(block: Any, part: int, parts: int, argv: int) -> None:
+    """Part `part` of `parts` of the rows: each block's `block` sum times its absmax, the row's lanes summed."""
     v = carray(pointer(argv, np.int64), (10,))
     kh, n, nb, bs = v[2], v[4], v[6], v[9]
     x = carray(pointer(v[0], np.float32), (2 * kh,))
@@ -55,41 +78,23 @@ def decode_table(part: int, parts: int, argv: int) -> None:
         for r in range(lo, hi):
             acc = vzero()
             for b in range(nb):
-                o, xo = r * kh + b * bs // 2, b * bs
-                first, second = nibble_lookup32(w, o, table)
-                inner = fma(second, vload(x, xo + 16), vmul(first, vload(x, xo)))
-                for s in range(1, bs // 32):
-                    first, second = nibble_lookup32(w, o + 16 * s, table)
-                    inner = fma(second, vload(x, xo + 32 * s + 16), fma(first, vload(x, xo + 32 * s), inner))
-                acc = fmas(absmax[r * nb + b], inner, acc)
+                acc = fmas(absmax[r * nb + b], block(w, r * kh + b * bs // 2, x, b * bs, bs, table), acc)
             out[0, r] = hsum(acc)
+
+
+@spin.task()
+def decode_table(part: int, parts: int, argv: int) -> None:
+    """`nf4._decode` for one activation row by table (`nibble_tables`): each block's codes looked up 8 bytes
+    at a time on AVX-512, 16 on AVX2, dotted with the permuted activations, the block's absmax applied
+    once to their sum (where the portable path scales every value)."""
+    _rows(_block32, part, parts, argv)
 
 
 @spin.task()
 def decode_table64(part: int, parts: int, argv: int) -> None:
     """`decode_table` for blocks of a multiple of 64 codes on AVX2 hosts: each 32 bytes looked up at once
     (`nibble_tables.lookup64`), the activations permuted to `TABLE_ORDER64`."""
-    v = carray(pointer(argv, np.int64), (10,))
-    kh, n, nb, bs = v[2], v[4], v[6], v[9]
-    x = carray(pointer(v[0], np.float32), (2 * kh,))
-    w = carray(pointer(v[3], np.uint8), (n * kh,))
-    absmax = carray(pointer(v[5], np.float32), (n * nb,))
-    table = vload(carray(pointer(v[7], np.float32), (16,)), 0)
-    out = carray(pointer(v[8], np.float32), (1, n))
-    chunks = chunk_count(n)
-    for c in range(part * chunks // parts, (part + 1) * chunks // parts):
-        lo, hi = chunk_bounds(c, n, chunks)
-        for r in range(lo, hi):
-            acc = vzero()
-            for b in range(nb):
-                o, xo = r * kh + b * bs // 2, b * bs
-                inner = vzero()
-                for s in range(bs // 64):
-                    v0, v1, v2, v3 = nibble_lookup64(w, o + 32 * s, table)
-                    inner = fma(v1, vload(x, xo + 64 * s + 16), fma(v0, vload(x, xo + 64 * s), inner))
-                    inner = fma(v3, vload(x, xo + 64 * s + 48), fma(v2, vload(x, xo + 64 * s + 32), inner))
-                acc = fmas(absmax[r * nb + b], inner, acc)
-            out[0, r] = hsum(acc)
+    _rows(_block64, part, parts, argv)
 
 
 def table_kernel(bs: int) -> tuple[spin.Task, np.ndarray]:
