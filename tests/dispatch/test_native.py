@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 import fuel as fl
 from fuel.dispatch import native, spin
 from fuel.dispatch.cpu import gguf_decode
+from fuel.dispatch.cpu import nf4 as nf4_kernels
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange
 from fuel.graph.registry.qmatmul import QMatMulParams
-from fuel.quant import QuantType
+from fuel.quant import QuantType, nf4_quantize
 from fuel.testing.oracle import assert_close_contraction
+from fuel.testing.reference.nf4_matmul import dequant64
 from fuel.testing.reference.qmatmul import as_words, qmatmul64, qmatmul_scale, random_weight
 
 H, D, CAP = 2, 16, 24
@@ -282,6 +284,31 @@ def test_one_row_qmatmul_runs_natively_every_way(qt: QuantType, way: str, monkey
     for x, g in zip(xs, got, strict=True):
         ref = qmatmul64([x.astype(np.float64), words], params)
         assert_close_contraction(g, ref, qmatmul_scale([x.astype(np.float64), words], params), DType.F32)
+
+
+@pytest.mark.parametrize(("bs", "shape"), [(32, (1, 128)), (64, (1, 1, 256)), (128, (1, 384)), (24, (1, 96))],
+                         ids=str)
+def test_one_row_nf4_matmul_runs_natively(bs: int, shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nf4Matmul's one-row table decode as two native jobs, the activations permuted into the form's own
+    scratch and then the table task (32 or 64 codes a lookup by block size): the Python replay's bytes, and
+    float64 dequantise-then-matmul's values. A block size no 16-byte step fits stays in Python."""
+    rng = np.random.default_rng(11)
+    n, k = 40, shape[-1]
+    packed, absmax = nf4_quantize(rng.standard_normal((n, k)).astype(np.float32), bs)
+    xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(4)]
+
+    def fn(x: fl.Tensor) -> fl.Tensor:
+        return fl.ops.nf4_matmul(x, fl.tensor(packed), fl.tensor(absmax), bs) * 1.0
+
+    f, got = _native_against_python(fn, xs, monkeypatch)
+    cap = f.capture_for(xs[0])
+    assert cap is not None
+    served = nf4_kernels.USE_TABLE and bs % 32 == 0
+    assert (cap.native is not None and len(cap.native.program.forms) == 2) == served
+    deq = dequant64(packed, absmax, bs)
+    for x, g in zip(xs, got, strict=True):
+        x64 = x.astype(np.float64)
+        assert_close_contraction(g, x64 @ deq.T, np.abs(x64) @ np.abs(deq).T, DType.F32)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5])

@@ -17,8 +17,8 @@ What makes a step native:
   step's result that does not come back in its arena buffer is copied there. A fresh output, or what a
   step allocates outside the arena, keeps the steps that touch it in Python.
 A form's task must compute the same bytes as the step's Python kernel: the norms and rope run the same
-task both ways, the elementwise primitives are single IEEE operations, and QMatMul and FlashAttn post the
-jobs their kernels prepare.
+task both ways, the elementwise primitives are single IEEE operations, and QMatMul, Nf4Matmul and FlashAttn
+post the jobs their kernels prepare.
 
 DynScalars: a form names the argv entries that take a DynScalar's value (`Form.dyn`) with the range the
 value must lie in; a call whose values fall outside any range runs in Python, whose kernels raise the

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import carray, prange
+from numba import prange
 
 from fuel.dispatch import launches
-from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.gguf_gemv import (
     BIAS,
@@ -56,7 +55,7 @@ from fuel.dispatch.cpu.gguf_units import (
     _v_q8_1,
 )
 from fuel.dispatch.cpu.gguf_words import Q4K_LAYOUT, Q6K_LAYOUT, kpair_q4k, kpair_q6k, word_activations
-from fuel.dispatch.cpu.nibble_tables import LUT16, permuted
+from fuel.dispatch.cpu.nibble_tables import LUT16, permute_job, permuted
 from fuel.dispatch.spin import task
 from fuel.quant import QuantType
 
@@ -325,27 +324,14 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launch
     return launch
 
 
-@task()
-def _permute_part(part: int, parts: int, argv: int) -> None:
-    """`permuted` into a scratch [2, k], for a table kernel's job after it (argv: a, scratch, order, k, order
-    size; one part)."""
-    v = carray(pointer(argv, np.int64), (5,))
-    a = carray(pointer(v[0], np.float32), (1, v[3]))
-    out = carray(pointer(v[1], np.float32), (2, v[3]))
-    out[:] = permuted(a, carray(pointer(v[2], np.int64), (v[4],)))
-
-
 def table_jobs(qt: QuantType, a: np.ndarray, w: np.ndarray,
                out: np.ndarray) -> tuple[launches.Launch, launches.Launch, tuple[np.ndarray, ...]]:
     """The one-row call of a type `one_row_job` leaves to a table kernel as two jobs, the activations
     permuted into a scratch of their own and the kernel reading it, and the arrays they point at besides
     a, w and out."""
     one, order = TABLE_KERNELS[qt]
-    order = np.ascontiguousarray(order, np.int64)
-    scratch = np.empty((2, a.shape[1]), np.float32)
-    argv = np.array([a.ctypes.data, scratch.ctypes.data, order.ctypes.data, a.shape[1], order.size], np.int64)
-    return (launches.prepare(_permute_part, argv, 0.0, 1), _one_row_launch(one, scratch[:1], w, out),
-            (scratch, order))
+    permute, scratch, keep = permute_job(a, order)
+    return permute, _one_row_launch(one, scratch[:1], w, out), keep
 
 
 def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:

@@ -43,14 +43,14 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fuel.dispatch import spin
+from fuel.dispatch import native, spin
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu import row_blocks
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
-from fuel.dispatch.cpu.nf4_table import table_args, table_kernel
-from fuel.dispatch.cpu.nibble_tables import BYTE_LUT, ELEMENT_LANES, LUT32, lookup32, permute16, permuted
+from fuel.dispatch.cpu.nf4_table import WEIGHTS_PER_SECOND, decode_one_row, table_forms
+from fuel.dispatch.cpu.nibble_tables import BYTE_LUT, ELEMENT_LANES, LUT32, lookup32, permute16
 from fuel.dispatch.cpu.weight_tiles import (
     WEIGHT,
     N,
@@ -258,23 +258,15 @@ def _decode(part: int, parts: int, argv: int) -> None:
                 _dot4(w, r * kh, absmax, r * nb, lut, nb, steps, split, out, r, n)
 
 
-# One core decodes and multiplies about this many NF4 weights a second per activation row.
-WEIGHTS_PER_SECOND = 10e9
-
-
 USE_TABLE = LUT32  # one row by table (`nf4_table`); tests turn it off to run the portable path here too
 
 
 def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
     """The decode path (rows <= DECODE_MAX_ROWS) on the spinning pool."""
-    argv = np.empty(10, np.int64)
     if USE_TABLE and x.shape[0] == 1:
-        decode_table, order = table_kernel(bs)
-        xp = permuted(x, order)  # alive until the job ends
-        table_args(xp, w, absmax, _LUT, out, bs, argv)
-        spin.run(decode_table, argv, spin.parts_for(w.shape[0] * x.shape[1] / WEIGHTS_PER_SECOND,
-                                                     chunk_count(w.shape[0])))
+        decode_one_row(x, w, absmax, _LUT, out, bs)
         return
+    argv = np.empty(10, np.int64)
     split = _decode_args(x, w, absmax, _LUT, out, bs, argv)
     n = w.shape[0]
     seconds = x.shape[0] * n * x.shape[1] / WEIGHTS_PER_SECOND
@@ -377,6 +369,12 @@ def nf4_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
         _forward(x2, w, absmax, params.block_size, o2)
     if acc is not out:
         narrow_into(acc, out)
+
+
+@native.fused_form(nf4_kernel)
+def nf4_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Forms | None:
+    """One f32 activation row of the forward product by table: the jobs `_decode_rows` runs a call."""
+    return table_forms(inputs, out, params.block_size, _LUT) if USE_TABLE and not params.transpose else None
 
 
 def nf4_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:

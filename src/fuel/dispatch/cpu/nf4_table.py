@@ -13,20 +13,31 @@ operations, in fixed chunks of rows, so its bytes never depend on the thread cou
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 from numba import carray, njit
 
-from fuel.dispatch import spin
+from fuel.dispatch import launches, native, spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
-from fuel.dispatch.cpu.nibble_tables import BYTE_LUT, LOOKUP64_LANES, lookup32_lanes, nibble_lookup32, nibble_lookup64
+from fuel.dispatch.cpu.nibble_tables import (
+    BYTE_LUT,
+    LOOKUP64_LANES,
+    lookup32_lanes,
+    nibble_lookup32,
+    nibble_lookup64,
+    permute_job,
+    permuted,
+)
 from fuel.dispatch.cpu.simd16 import fma, fmas, hsum, vload, vmul, vzero
 
 # An NF4 byte holds elements 2b (high nibble) and 2b + 1: the element of `lookup32_lanes`' lane j, 16 bytes.
 TABLE_ORDER = np.array([2 * b + 1 - h for b, h in lookup32_lanes()])
 TABLE_ORDER64 = np.array([2 * b + 1 - h for b, h in LOOKUP64_LANES])  # `decode_table64`'s, 32 bytes
+# One core decodes and multiplies about this many NF4 weights a second per activation row.
+WEIGHTS_PER_SECOND = 10e9
 
 
 @njit(cache=True)
@@ -102,3 +113,32 @@ def table_kernel(bs: int) -> tuple[spin.Task, np.ndarray]:
     if BYTE_LUT and bs % 64 == 0:
         return decode_table64, TABLE_ORDER64
     return decode_table, TABLE_ORDER
+
+
+def decode_one_row(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray, out: np.ndarray,
+                   bs: int) -> None:
+    """out [1, N] <- x [1, K] @ dequant(W)ᵀ by table on the spinning pool."""
+    task, order = table_kernel(bs)
+    xp = permuted(x, order)  # alive until the job ends
+    argv = np.empty(10, np.int64)
+    table_args(xp, w, absmax, lut, out, bs, argv)
+    n = w.shape[0]
+    spin.run(task, argv, spin.parts_for(n * x.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n)))
+
+
+def table_forms(inputs: list[np.ndarray], out: np.ndarray, bs: int, lut: np.ndarray) -> native.Forms | None:
+    """The native replay's form of one f32 activation row [.., 1, K] of the forward product (None for
+    any other call): two jobs, the row permuted into a scratch of the form's own and the table task
+    reading it, what `decode_one_row` runs a call."""
+    act, w, absmax = inputs
+    if (math.prod(act.shape[:-1]) != 1 or out.size == 0 or act.shape[-1] == 0 or bs % 32 or act.dtype != np.float32
+            or out.dtype != np.float32 or not all(a.flags.c_contiguous for a in (act, w, absmax, out))):
+        return None
+    x = act.reshape(1, -1)
+    task, order = table_kernel(bs)
+    permute, scratch, keep = permute_job(x, order)
+    argv = np.empty(10, np.int64)
+    table_args(scratch[:1], w, absmax, lut, out, bs, argv)
+    n = w.shape[0]
+    table = launches.prepare(task, argv, n * x.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n))
+    return native.form(permute, keep=keep), native.form(table)

@@ -21,10 +21,12 @@ from typing import Any
 
 import numpy as np
 from llvmlite import binding, ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from fuel.dispatch import launches, spin
+from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.simd16 import _F32, _I8, _I32, _V8, _VF, _W, VEC, _ptr
 
 _HOST = binding.get_host_cpu_features()
@@ -50,6 +52,25 @@ def permuted(a: Any, order: Any) -> Any:
             out[0, u + t] = x[u + order[t]]
     out[1] = x
     return out
+
+
+@spin.task()
+def _permute_part(part: int, parts: int, argv: int) -> None:
+    """`permuted` into a scratch [2, k], for a table kernel's job after it (argv: a, scratch, order, k, order
+    size; one part)."""
+    v = carray(pointer(argv, np.int64), (5,))
+    a = carray(pointer(v[0], np.float32), (1, v[3]))
+    out = carray(pointer(v[1], np.float32), (2, v[3]))
+    out[:] = permuted(a, carray(pointer(v[2], np.int64), (v[4],)))
+
+
+def permute_job(a: np.ndarray, order: np.ndarray) -> tuple[launches.Launch, np.ndarray, tuple[np.ndarray, ...]]:
+    """A job writing `permuted(a, order)` (a [1, k]) into a scratch of its own, for a table kernel's job
+    after it to read at every call: (the job, the scratch, the arrays it points at besides a)."""
+    order = np.ascontiguousarray(order, np.int64)
+    scratch = np.empty((2, a.shape[1]), np.float32)
+    argv = np.array([a.ctypes.data, scratch.ctypes.data, order.ctypes.data, a.shape[1], order.size], np.int64)
+    return launches.prepare(_permute_part, argv, 0.0, 1), scratch, (scratch, order)
 
 
 def _nibble_index(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:
