@@ -21,11 +21,12 @@ Q6_K (`_super_q6k`) builds each half super-block's 128 six-bit codes in place, f
 low nibbles OR'd with their 2-bit high parts shifted to bits 4-5 of each byte (a load of the high bytes
 serves two units). Byte b of a word is then `word & (63 << 8b)`, less 32·2^(8b): the integer
 (q - 32)·2^(8b), which one vcvtdq2ps converts exactly; its activations are scaled by 2^(-8b). A lane's
-four bytes are elements of one 16-element group, so its products (q - 32)·x are summed first and times
-the group's scale once: four codes a multiply where gguf-py's values d·scale·(q - 32) cost one more
-(a value is never formed, but the codes are exact, so a zero weight adds nothing and an identity row
-gives gguf-py's value). No shuffle widens a byte: 4096² at one activation row on one core of this Zen
-3, 1.6 ms against 2.3-2.5 ms for the portable decoder (which widens by vpmovsxbd).
+four bytes are elements of one 16-element group, so its products (q - 32)·x are summed first and then
+multiplied by the group's scale: one multiply per four codes, where forming gguf-py's values
+d·scale·(q - 32) took one per code. A value is never formed, but the codes are exact, so a zero weight
+adds nothing and an identity row gives gguf-py's value. No shuffle widens a byte: 4096² at one activation
+row on one core of this Zen 3, 1.6 ms against 2.3-2.5 ms for the portable decoder (which widens by
+vpmovsxbd).
 """
 
 from __future__ import annotations
