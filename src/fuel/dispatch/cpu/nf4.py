@@ -374,7 +374,7 @@ def nf4_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
 @native.fused_form(nf4_kernel)
 def nf4_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Forms | None:
     """One f32 activation row of the forward product by table: the jobs `_decode_rows` runs a call."""
-    return table_forms(inputs, out, params.block_size, _LUT) if USE_TABLE and not params.transpose else None
+    return table_forms(inputs, out, params, _LUT) if USE_TABLE else None
 
 
 def nf4_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:

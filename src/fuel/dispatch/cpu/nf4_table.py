@@ -115,30 +115,33 @@ def table_kernel(bs: int) -> tuple[spin.Task, np.ndarray]:
     return decode_table, TABLE_ORDER
 
 
+def _table_job(task: spin.Task, xp: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray,
+               out: np.ndarray, bs: int) -> launches.Launch:
+    """The table task's job over the activation row xp, already in the task's order."""
+    argv = np.empty(10, np.int64)
+    table_args(xp, w, absmax, lut, out, bs, argv)
+    n = w.shape[0]
+    return launches.prepare(task, argv, n * xp.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n))
+
+
 def decode_one_row(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray, out: np.ndarray,
                    bs: int) -> None:
     """out [1, N] <- x [1, K] @ dequant(W)ᵀ by table on the spinning pool."""
     task, order = table_kernel(bs)
     xp = permuted(x, order)  # alive until the job ends
-    argv = np.empty(10, np.int64)
-    table_args(xp, w, absmax, lut, out, bs, argv)
-    n = w.shape[0]
-    spin.run(task, argv, spin.parts_for(n * x.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n)))
+    launches.run(_table_job(task, xp[:1], w, absmax, lut, out, bs))
 
 
-def table_forms(inputs: list[np.ndarray], out: np.ndarray, bs: int, lut: np.ndarray) -> native.Forms | None:
+def table_forms(inputs: list[np.ndarray], out: np.ndarray, params: Any, lut: np.ndarray) -> native.Forms | None:
     """The native replay's form of one f32 activation row [.., 1, K] of the forward product (None for
     any other call): two jobs, the row permuted into a scratch of the form's own and the table task
     reading it, what `decode_one_row` runs a call."""
     act, w, absmax = inputs
-    if (math.prod(act.shape[:-1]) != 1 or out.size == 0 or act.shape[-1] == 0 or bs % 32 or act.dtype != np.float32
-            or out.dtype != np.float32 or not all(a.flags.c_contiguous for a in (act, w, absmax, out))):
+    bs = params.block_size
+    if (params.transpose or math.prod(act.shape[:-1]) != 1 or out.size == 0 or act.shape[-1] == 0 or bs % 32
+            or act.dtype != np.float32 or out.dtype != np.float32
+            or not all(a.flags.c_contiguous for a in (act, w, absmax, out))):
         return None
-    x = act.reshape(1, -1)
     task, order = table_kernel(bs)
-    permute, scratch, keep = permute_job(x, order)
-    argv = np.empty(10, np.int64)
-    table_args(scratch[:1], w, absmax, lut, out, bs, argv)
-    n = w.shape[0]
-    table = launches.prepare(task, argv, n * x.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n))
-    return native.form(permute, keep=keep), native.form(table)
+    permute, scratch, keep = permute_job(act.reshape(1, -1), order)
+    return native.form(permute, keep=keep), native.form(_table_job(task, scratch[:1], w, absmax, lut, out, bs))
