@@ -109,19 +109,26 @@ def _nibble(typingctx: Any, v: Any, t: Any) -> Any:
     return VEC(v, t), codegen
 
 
+# Lane patterns of `spread`: which of four scales each of the 16 lanes takes.
+EVEN_PAIRS = 0  # Q4_K's even nibbles: scale 0 in lanes 0-7, scale 2 in lanes 8-15
+ODD_PAIRS = 1  # its odd nibbles: scales 1 and 3
+QUADS = 2  # Q6_K: scale t // 4 in lane t
+_SPREADS = ([0] * 8 + [2] * 8, [1] * 8 + [3] * 8, [t // 4 for t in range(_W)])
+
+
 @intrinsic(prefer_literal=True)
-def _spread4(typingctx: Any, sc: Any, i: Any, parity: Any) -> Any:
-    """sc[i + parity] in lanes 0-7, sc[i + 2 + parity] in lanes 8-15 (parity a literal, 0 or 1)."""
-    if not isinstance(parity, types.IntegerLiteral):
+def _spread(typingctx: Any, sc: Any, i: Any, pattern: Any) -> Any:
+    """sc[i + _SPREADS[pattern][t]] in lane t (pattern a literal)."""
+    if not isinstance(pattern, types.IntegerLiteral):
         return None
-    p = int(parity.literal_value)
+    lanes = _SPREADS[int(pattern.literal_value)]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         four = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_F32, 4)),
                             align=4)
-        return builder.shuffle_vector(four, four, ir.Constant(ir.VectorType(_I32, _W), [p] * 8 + [p + 2] * 8))
+        return builder.shuffle_vector(four, four, ir.Constant(ir.VectorType(_I32, _W), lanes))
 
-    return VEC(sc, i, parity), codegen
+    return VEC(sc, i, pattern), codegen
 
 
 @intrinsic
@@ -166,25 +173,12 @@ def _code6(typingctx: Any, v: Any, b: Any) -> Any:
     return VEC(v, b), codegen
 
 
-@intrinsic
-def _quads(typingctx: Any, sc: Any, i: Any) -> Any:
-    """sc[i + t // 4] in lane t."""
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        four = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_F32, 4)),
-                            align=4)
-        return builder.shuffle_vector(four, four, ir.Constant(ir.VectorType(_I32, _W), [t // 4 for t in range(_W)]))
-
-    return VEC(sc, i), codegen
-
-
 permute128: Any = _permute128
 words: Any = _words
 nibble: Any = _nibble
-spread4: Any = _spread4
+spread: Any = _spread
 q6k_words: Any = _q6k_words
 code6: Any = _code6
-quads: Any = _quads
 
 
 @njit(inline="always", cache=True)
@@ -226,8 +220,8 @@ def _super(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: 
         od = fma(nibble(v, 5), vload(x, xg + 80), od)
         ev = fma(nibble(v, 6), vload(x, xg + 96), ev)
         od = fma(nibble(v, 7), vload(x, xg + 112), od)
-        acc = fma(spread4(sc, 4 * g, 0), ev, acc)
-        acc = fma(spread4(sc, 4 * g, 1), od, acc)
+        acc = fma(spread(sc, 4 * g, EVEN_PAIRS), ev, acc)
+        acc = fma(spread(sc, 4 * g, ODD_PAIRS), od, acc)
     return acc, fma(hi8(vload(sc, 0)), vload(sx, so), mv)
 
 
@@ -255,12 +249,12 @@ def _super_q6k(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, 
         inner = fma(code6(first, 1), vload(x, xh + 16), inner)
         inner = fma(code6(first, 2), vload(x, xh + 32), inner)
         inner = fma(code6(first, 3), vload(x, xh + 48), inner)
-        acc = fma(quads(sc, 8 * h), inner, acc)
+        acc = fma(spread(sc, 8 * h, QUADS), inner, acc)
         inner = vmul(code6(last, 0), vload(x, xh + 64))
         inner = fma(code6(last, 1), vload(x, xh + 80), inner)
         inner = fma(code6(last, 2), vload(x, xh + 96), inner)
         inner = fma(code6(last, 3), vload(x, xh + 112), inner)
-        acc1 = fma(quads(sc, 8 * h + 4), inner, acc1)
+        acc1 = fma(spread(sc, 8 * h + 4, QUADS), inner, acc1)
     return acc, acc1
 
 
