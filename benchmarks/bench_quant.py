@@ -43,16 +43,22 @@ TYPES = ("Q4_0", "Q4_K", "Q6_K", "Q8_0", "NF4")
 
 @dataclass(frozen=True)
 class Sizes:
-    """The weight `[n, k]`, the activation rows `ms` and the types; `Sizes.tiny()` runs in seconds."""
+    """The weight `[n, k]`, the activation rows `ms` and the types; `Sizes.tiny()` runs in seconds.
+
+    `one_row_rounds`: the fewest timed rounds of an M = 1 case, whatever `repeat` asks. A round there takes
+    ~60 ms (torch's dequantisation and the cache flushes), so 10 rounds span 0.6 s, shorter than the slow
+    phases of this VM's host (0.1 s to seconds, in which a 0.67 ms two-thread NF4 call takes 0.83): one
+    phase could make a whole case's median. 40 rounds span 2.5 s, so a short phase no longer does."""
 
     k: int = 4096
     n: int = 4096
     ms: tuple[int, ...] = (1, 64)
     types: tuple[str, ...] = TYPES
+    one_row_rounds: int = 40
 
     @staticmethod
     def tiny() -> Sizes:
-        return Sizes(k=256, n=48, ms=(1, 5))
+        return Sizes(k=256, n=48, ms=(1, 5), one_row_rounds=1)
 
 
 # ---------------------------------------------------------------------------------------------- output
@@ -156,8 +162,8 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
     sz = sizes or Sizes()
     torch.set_num_threads(THREADS)
     fl.set_num_threads(THREADS)
-    print(f"quant: {THREADS} threads, repeat {repeat}, W [{sz.n}, {sz.k}], M {list(sz.ms)}, types {list(sz.types)}",
-          flush=True)
+    print(f"quant: {THREADS} threads, repeat {repeat} (M = 1: at least {sz.one_row_rounds}), W [{sz.n}, {sz.k}], "
+          f"M {list(sz.ms)}, types {list(sz.types)}", flush=True)
     limits = limits or measure_limits()
     print(f"  read bandwidth {limits['read_gbs']:.1f} GB/s (the roofline's), copy {limits['bandwidth_gbs']:.1f} "
           f"GB/s (read + write bytes), sgemm {limits['gemm_gflops']:.0f} GFLOP/s", flush=True)
@@ -183,7 +189,8 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
             continue
         for m in sz.ms:
             try:
-                results.append(run_case(qtype, m, wt, repeat, limits, sz.k, sz.n))
+                rounds = max(repeat, sz.one_row_rounds) if m == 1 else repeat
+                results.append(run_case(qtype, m, wt, rounds, limits, sz.k, sz.n))
             except Exception as e:  # a kernel still landing, say: report and go on
                 results.append(skipped(qtype, m, sz.k, sz.n, f"failed: {type(e).__name__}: {str(e)[:300]}"))
             _report(results[-1])
