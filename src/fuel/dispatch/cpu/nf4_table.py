@@ -116,16 +116,19 @@ def decode_table(part: int, parts: int, argv: int) -> None:
 def decode_table64(part: int, parts: int, argv: int) -> None:
     """`decode_table` for blocks of a multiple of 64 codes on AVX2 hosts: each 32 bytes looked up at once
     (`nibble_tables.lookup64`), the activations permuted to `TABLE_ORDER64`."""
-    if carray(pointer(argv, np.int64), (10,))[9] == 64:
-        _rows(_block64_once, part, parts, argv)
-    else:
-        _rows(_block64, part, parts, argv)
+    _rows(_block64, part, parts, argv)
+
+
+@spin.task()
+def decode_table64_once(part: int, parts: int, argv: int) -> None:
+    """`decode_table64` for blocks of exactly 64 codes: each block one step (`_block64_once`)."""
+    _rows(_block64_once, part, parts, argv)
 
 
 def table_kernel(bs: int) -> tuple[spin.Task, np.ndarray]:
     """The one-row table task for blocks of bs codes and the order it reads the activations in."""
     if BYTE_LUT and bs % 64 == 0:
-        return decode_table64, TABLE_ORDER64
+        return decode_table64_once if bs == 64 else decode_table64, TABLE_ORDER64
     return decode_table, TABLE_ORDER
 
 
