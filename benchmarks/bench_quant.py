@@ -202,7 +202,10 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
     print(f"\nload average (1, 5, 15 min) at start {meta['loadavg_start']}, at end {meta['loadavg_end']} "
           f"({THREADS} cores: above ~{THREADS} something else competed with these timings)")
     print(f"roofline: weight bytes (+ NF4 absmax) / {limits['read_gbs']:.1f} GB/s read bandwidth (measured: "
-          f"sum over 256 MiB; copy bandwidth {limits['bandwidth_gbs']:.1f} GB/s read + write, not used); at M > 1 "
+          f"the fastest of a two-thread vector read, a two-thread scalar sum and a NumPy sum over 256 MiB: "
+          f"{limits.get('read_vector_gbs', float('nan')):.1f}, {limits.get('read_numba_gbs', float('nan')):.1f} and "
+          f"{limits.get('read_numpy_gbs', float('nan')):.1f} GB/s; copy bandwidth {limits['bandwidth_gbs']:.1f} GB/s "
+          f"read + write, not used); at M > 1 "
           f"the larger of that and flops / {limits['gemm_gflops']:.0f} GFLOP/s sgemm; over fuel's best way, at M = 1 "
           f"counting jit weight-cold (the full-flush fraction beside it). Cold cache: each timed call follows an "
           f"untimed {FLUSH_BYTES >> 20} MiB read (jit warm: none, the weight in L3 from the jit call before it; "

@@ -85,7 +85,14 @@ def test_evict_leaves_values_alone() -> None:
 
 def test_read_bandwidth_is_measured() -> None:
     bw = qc.read_bandwidth(repeat=1, nbytes=8 << 20)
-    assert bw["read_gbs"] == max(bw["read_numba_gbs"], bw["read_numpy_gbs"]) > 0
+    assert bw["read_gbs"] == pytest.approx(max(bw["read_vector_gbs"], bw["read_numba_gbs"], bw["read_numpy_gbs"]))
+    assert bw["read_gbs"] > 0
+
+
+def test_stream_sum_reads_every_element() -> None:
+    a = np.arange(4096, dtype=np.float32)
+    assert qc._stream_sum(a, 0, a.size) == a.sum(dtype=np.float64)
+    assert qc._stream_sum(a, 1024, 2048) == a[1024:2048].sum(dtype=np.float64)
 
 
 def test_cli_flag_reaches_the_harness(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
