@@ -318,7 +318,8 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launch
     launch = one_row_job(qt, a, w, out)
     if launch is None:  # a table kernel
         one, order = TABLE_KERNELS[qt]
-        launches.run(_one_row_launch(one, permuted(a, order)[:1], w, out))  # x as given is read from the row after
+        xp = permuted(a, order)  # alive until the job ends: the job holds only its address
+        launches.run(_one_row_launch(one, xp[:1], w, out))  # x as given is read from the row after
         return None
     launches.run(launch)
     return launch
