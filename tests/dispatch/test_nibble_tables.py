@@ -1,6 +1,6 @@
-"""`nibble_tables.lookup32` and `lookup64` (Nf4Matmul's code lookups on AVX2 hosts: byte shuffles) against
-NumPy's indexing, for every lane order Nf4Matmul asks of them, on any host with AVX2 (the AVX-512 hosts too,
-though their kernels look codes up by vpermps)."""
+"""`nibble_tables.lookup32` and `lookup64` (Nf4Matmul's code lookups on AVX2 hosts: byte shuffles) and
+`nibble_codes32` (Q4_0's and Q4_1's on AVX2 hosts) against NumPy's indexing, for every lane order Nf4Matmul
+asks of them, on any host with AVX2 (the AVX-512 hosts too, though their kernels look codes up by vpermps)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,16 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from fuel.dispatch.cpu import nf4
-from fuel.dispatch.cpu.nibble_tables import ELEMENT_LANES, LOOKUP64_LANES, SHIFTED_LANES, lookup32, lookup64
-from fuel.dispatch.cpu.simd16 import _I8, _VF
+from fuel.dispatch.cpu.nibble_tables import (
+    CODES32_LANES,
+    ELEMENT_LANES,
+    LOOKUP64_LANES,
+    SHIFTED_LANES,
+    lookup32,
+    lookup64,
+    nibble_codes32,
+)
+from fuel.dispatch.cpu.simd16 import _I8, _VF, vstore
 
 ORDERS = {"shifted": SHIFTED_LANES, "element": ELEMENT_LANES, "split": nf4._SPLIT_LANES}
 
@@ -64,3 +72,29 @@ def test_lookups_match_indexing(order: str) -> None:
     nibbles = np.stack([codes & 15, codes >> 4], axis=-1).reshape(-1, group, 2)  # [group, byte, nibble]
     want = np.stack([table.view(np.uint32)[nibbles[:, b, h]] for b, h in lanes], axis=-1).reshape(-1)
     np.testing.assert_array_equal(got, want)
+
+
+@njit(cache=True)
+def _codes32_of(w: Any, out: Any, sub8: bool) -> None:
+    """`nibble_codes32` of each 16 bytes of w (sub 8 or 0, literals) into out [2·w.size]."""
+    for s in range(w.size // 16):
+        if sub8:
+            first, second = nibble_codes32(w, 16 * s, 8)
+        else:
+            first, second = nibble_codes32(w, 16 * s, 0)
+        vstore(out, 32 * s, first)
+        vstore(out, 32 * s + 16, second)
+
+
+@pytest.mark.parametrize("sub", [0, 8])
+def test_codes32_are_the_nibbles_less_sub_in_their_lanes(sub: int) -> None:
+    """Every byte value in every position: lane j holds element CODES32_LANES[j] of its 16 bytes (element b
+    the low nibble of byte b, element 16 + b its high nibble), less sub, as an exact float."""
+    assert sorted(CODES32_LANES) == list(range(32))
+    rng = np.random.default_rng(4)
+    w = np.concatenate([np.arange(256, dtype=np.uint8), rng.integers(0, 256, 16 * 20, dtype=np.uint8)])
+    got = np.empty(2 * w.size, np.float32)
+    _codes32_of(w, got, sub == 8)
+    blocks = w.reshape(-1, 16)
+    elements = np.concatenate([blocks & 15, blocks >> 4], axis=1).astype(np.float32) - sub
+    np.testing.assert_array_equal(got.reshape(-1, 32), elements[:, CODES32_LANES])

@@ -10,7 +10,6 @@ import torch
 import fuel as fl
 from fuel.dispatch.cpu import gguf as kernel_module
 from fuel.dispatch.cpu import gguf_decode, weight_tiles
-from fuel.dispatch.cpu.nibble_tables import LUT16
 from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
@@ -255,15 +254,16 @@ def test_decode_kernel_same_bytes_on_any_threads(qt: QuantType, m: int) -> None:
 
 _ONE_ROW_WAYS = [(qt, way) for qt in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q4K, QuantType.Q6K)
                  for way in ("portable", "tables", "words")
-                 if (way != "tables" or LUT16) and (way != "words" or qt in gguf_decode.WORD_KERNELS)]
+                 if (way != "tables" or qt in gguf_decode.TABLE_KERNELS)
+                 and (way != "words" or qt in gguf_decode.WORD_KERNELS)]
 
 
 @pytest.mark.parametrize(("qt", "way"), _ONE_ROW_WAYS, ids=lambda v: getattr(v, "ggml_name", v))
 def test_table_word_and_portable_decoders_all_match(qt: QuantType, way: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """One-row decoding by table (AVX-512 hosts), by 32-bit words (Q4_K and Q6_K elsewhere: lanes in another
-    order, the activations permuted and scaled to it) and by the portable widening all match float64, exact on
-    identity rows, bit-stable across threads."""
+    """One-row decoding by table (AVX-512 hosts: Q4_0, Q4_1, Q4_K; AVX2 hosts: Q4_0, Q4_1), by 32-bit words (Q4_K
+    and Q6_K elsewhere: lanes in another order, the activations permuted and scaled to it) and by the portable
+    widening all match float64, exact on identity rows, bit-stable across threads."""
     monkeypatch.setattr(gguf_decode, "USE_TABLES", way == "tables")
     monkeypatch.setattr(gguf_decode, "USE_WORDS", way == "words")
     k, n = 4096 + (64 if qt.block_elements == 32 else 256), 37

@@ -33,8 +33,11 @@ from fuel.dispatch.cpu.gguf_gemv import (
     rows_one,
 )
 from fuel.dispatch.cpu.gguf_units import (
+    BYTE_ORDER_Q4_0,
     UNIT_ORDER_Q4_0,
     UNIT_ORDER_Q4K,
+    _b_q4_0,
+    _b_q4_1,
     _p_none,
     _p_q2k,
     _p_q3k,
@@ -55,7 +58,7 @@ from fuel.dispatch.cpu.gguf_units import (
     _v_q8_1,
 )
 from fuel.dispatch.cpu.gguf_words import Q4K_LAYOUT, Q6K_LAYOUT, kpair_q4k, kpair_q6k, word_activations
-from fuel.dispatch.cpu.nibble_tables import LUT16, permute_job, permuted
+from fuel.dispatch.cpu.nibble_tables import BYTE_LUT, LUT16, permute_job, permuted
 from fuel.dispatch.spin import task
 from fuel.quant import QuantType
 
@@ -74,6 +77,14 @@ def _q4_0_one_table(part: int, parts: int, argv: int) -> None:
     sx, x, row = block_sums(activations_as_given(a), SHARED), a.reshape(a.size), w.reshape(w.size)
     for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_t_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
+
+
+@task()
+def _q4_0_one_bytes(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
+    sx, x, row = block_sums(activations_as_given(a), SHARED), a.reshape(a.size), w.reshape(w.size)
+    for c in range(*part_chunks(part, parts, w.shape[0])):
+        rows_one(_b_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
 
 
 @row_kernel()
@@ -97,6 +108,14 @@ def _q4_1_one_table(part: int, parts: int, argv: int) -> None:
     sx, x, row = block_sums(activations_as_given(a), SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_t_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
+
+
+@task()
+def _q4_1_one_bytes(part: int, parts: int, argv: int) -> None:
+    a, w, out = gemv_args(argv)
+    sx, x, row = block_sums(activations_as_given(a), SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
+    for c in range(*part_chunks(part, parts, w.shape[0])):
+        rows_one(_b_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
 
 
 @row_kernel()
@@ -282,17 +301,23 @@ KERNELS: dict[QuantType, tuple[Any, Any]] = {
 }
 
 
-# One-row kernels decoding 4-bit codes by table (AVX-512 hosts), with the order their lanes hold a unit's
-# elements in: they read the activations permuted to it. The same products and sums as the kernels in
-# KERNELS, each lane's elements in another order: 4096² Q4_0 at R = 1 in 0.43 ms warm and 0.53 ms from
-# memory against 0.49 and 0.59 (interleaved medians, two threads). Q4_K goes by unit pairs (the low and
-# high nibbles of the same bytes: `gguf_gemv.kpair_q4k_table`).
+# One-row kernels decoding 4-bit codes by table, with the order their lanes hold a unit's elements in: they
+# read the activations permuted to it. The same products and sums as the kernels in KERNELS, each lane's
+# elements in another order. AVX-512 hosts look 16 codes up by one vpermps (`nibble_codes`): 4096² Q4_0 at
+# R = 1 in 0.43 ms warm and 0.53 ms from memory against 0.49 and 0.59 (interleaved medians, two threads);
+# Q4_K goes by unit pairs (the low and high nibbles of the same bytes: `gguf_gemv.kpair_q4k_table`). AVX2
+# hosts look a block's 32 codes up as bfloat16 bits by byte shuffles (`nibble_codes32`) and its f16 scale up
+# in `F16_VALUES`: 4096² Q4_0 one row on one Zen 3 core in 1.16-1.19 ms against 1.35-1.36, two threads with
+# the weight evicted 0.66-0.72 against 0.75 (interleaved medians).
 TABLE_KERNELS: dict[QuantType, tuple[Any, np.ndarray]] = {
     QuantType.Q4_0: (_q4_0_one_table, UNIT_ORDER_Q4_0),
     QuantType.Q4_1: (_q4_1_one_table, UNIT_ORDER_Q4_0),
     QuantType.Q4K: (_q4k_one_table, UNIT_ORDER_Q4K),
-}
-USE_TABLES = LUT16  # tests turn it off to run the portable kernels on the same host
+} if LUT16 else {
+    QuantType.Q4_0: (_q4_0_one_bytes, BYTE_ORDER_Q4_0),
+    QuantType.Q4_1: (_q4_1_one_bytes, BYTE_ORDER_Q4_0),
+} if BYTE_LUT else {}
+USE_TABLES = bool(TABLE_KERNELS)  # tests turn it off to run the portable kernels on the same host
 
 # One-row kernels decoding codes in place in 32-bit words (`gguf_words`), for hosts without the tables. They
 # read the activations as given and permute them themselves (each part its own copy: 0.2 ns an element),

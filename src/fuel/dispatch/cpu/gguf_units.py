@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from fuel.dispatch.cpu.nibble_tables import nibble_codes, nibble_lanes
+from fuel.dispatch.cpu.nibble_tables import CODES32_LANES, nibble_codes, nibble_codes32, nibble_lanes
 from fuel.dispatch.cpu.simd16 import bytes16, codes, codes2, f16_at, muls, muls2, u32_at, vstore
 
 Z = np.float32(0)
@@ -57,6 +57,36 @@ def _t_q4_0(row: Any, o: int, j: int, sc: Any) -> Any:
 def _t_q4_1(row: Any, o: int, j: int, sc: Any) -> Any:
     d, m = f16_at(row, o), f16_at(row, o + 2)
     return nibble_codes(row, o + 4, 0), nibble_codes(row, o + 12, 0), d, d, m, m
+
+
+# Every f16's value, indexed by its bits: a scale is then one load, which a vector broadcast takes from memory
+# with no shuffle (F16C's convert and broadcast are two shuffle-pipe operations a block).
+F16_VALUES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+@njit(inline="always", cache=True)
+def f16_value_at(row: Any, o: int) -> Any:
+    """The f16 at row[o:o + 2] (a block's first bytes: the four at o are in the block)."""
+    return F16_VALUES[u32_at(row, o) & 0xFFFF]
+
+
+# The byte-table decoders (`nibble_tables.nibble_codes32`, AVX2): a block's 32 codes from one lookup, lanes in
+# `CODES32_LANES` order, the order the activations are permuted into for them.
+BYTE_ORDER_Q4_0 = np.array(CODES32_LANES)
+
+
+@njit(inline="always", cache=True)
+def _b_q4_0(row: Any, o: int, j: int, sc: Any) -> Any:
+    d = f16_value_at(row, o)
+    q0, q1 = nibble_codes32(row, o + 2, 8)
+    return q0, q1, d, d, Z, Z
+
+
+@njit(inline="always", cache=True)
+def _b_q4_1(row: Any, o: int, j: int, sc: Any) -> Any:
+    d, m = f16_at(row, o), f16_at(row, o + 2)
+    q0, q1 = nibble_codes32(row, o + 4, 0)
+    return q0, q1, d, d, m, m
 
 
 @njit(inline="always", cache=True)

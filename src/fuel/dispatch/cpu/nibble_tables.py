@@ -11,8 +11,9 @@ element order, so the activations a kernel dots them with are permuted once a ca
 products differs; NF4's applies each block's absmax to the block's sum (`nf4_table`).
 
 AVX2 has no 16-float permute (its vpermps reads 8), but vpshufb looks up 32 bytes in a 16-byte table:
-`lookup32` looks up each of the table floats' four bytes and interleaves them (Nf4Matmul's only; GGUF's
-integer codes convert faster than that on AVX2, so its table kernels stay AVX-512's).
+`lookup32` looks up each of the table floats' four bytes and interleaves them (Nf4Matmul's). Small integer
+codes (GGUF's 4-bit ones) are exact bfloat16s, two bytes a code: `codes32` looks up those two and takes two
+codes' floats from each 32-bit lane of their interleave by a mask and a shift.
 """
 
 from __future__ import annotations
@@ -167,29 +168,37 @@ def lookup64(builder: Any, at: Any, table: Any) -> tuple[Any, Any, Any, Any]:
     return first[0], first[1], second[0], second[1]
 
 
+def _unpack(builder: Any, a: Any, b: Any, size: int, high: int) -> Any:
+    """vpunpck{l,h} of two 32-byte vectors: per 128-bit half, the low (high = 0) or high half's units of
+    `size` bytes of a and b interleaved."""
+    units = 16 // size
+    vt = ir.VectorType(ir.IntType(8 * size), 2 * units)
+    a, b = builder.bitcast(a, vt), builder.bitcast(b, vt)
+    mask = [x for half in (0, units) for u in range(units // 2)
+            for x in (half + high * units // 2 + u, 2 * units + half + high * units // 2 + u)]
+    return builder.bitcast(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * units), mask)),
+                           ir.VectorType(_I8, 32))
+
+
+def _pshufb(builder: Any, table: Any, index: Any) -> Any:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(table.type, [table.type, index.type]),
+                                        "llvm.x86.avx2.pshuf.b")
+    return builder.call(fn, [table, index])
+
+
 def _lookup_index(builder: Any, index: Any, table: Any) -> tuple[Any, Any]:
     """table[index] for a 32-byte index of nibbles, as two 16-float vectors whose lane j holds index position
     _POSITIONS[j]. Each of the table floats' four bytes is looked up by one vpshufb, and the four byte
     vectors are interleaved into floats by two rounds of unpacks: 12 shuffles for 32 floats, where two
     vpermps, a mask, a compare and a blend per 8 floats took 20 (4096² one row, one core: 1.5 against
     2.5 ms)."""
-    v32, sel = ir.VectorType(_I8, 32), ir.VectorType(_I32, 32)
+    sel = ir.VectorType(_I32, 32)
     fbytes = builder.bitcast(table, ir.VectorType(_I8, 4 * _W))
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.pshuf.b")
-    planes = [builder.call(fn, [builder.shuffle_vector(fbytes, fbytes, ir.Constant(
-        sel, [4 * c + j for c in range(16)] * 2)), index]) for j in range(4)]
-
-    def unpack(a: Any, b: Any, size: int, high: int) -> Any:
-        """vpunpck{l,h}: per 128-bit half, the low (high = 0) or high half's units of a and b interleaved."""
-        units = 16 // size
-        vt = ir.VectorType(ir.IntType(8 * size), 2 * units)
-        a, b = builder.bitcast(a, vt), builder.bitcast(b, vt)
-        mask = [x for half in (0, units) for u in range(units // 2)
-                for x in (half + high * units // 2 + u, 2 * units + half + high * units // 2 + u)]
-        return builder.bitcast(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * units), mask)), v32)
-
-    floats = [builder.bitcast(unpack(unpack(planes[0], planes[1], 1, hi), unpack(planes[2], planes[3], 1, hi), 2, h),
-                              ir.VectorType(_F32, 8)) for hi in (0, 1) for h in (0, 1)]
+    planes = [_pshufb(builder, builder.shuffle_vector(fbytes, fbytes, ir.Constant(
+        sel, [4 * c + j for c in range(16)] * 2)), index) for j in range(4)]
+    floats = [builder.bitcast(_unpack(builder, _unpack(builder, planes[0], planes[1], 1, hi),
+                                      _unpack(builder, planes[2], planes[3], 1, hi), 2, h), ir.VectorType(_F32, 8))
+              for hi in (0, 1) for h in (0, 1)]
     whole = ir.Constant(ir.VectorType(_I32, _W), list(range(_W)))
     return builder.shuffle_vector(floats[0], floats[1], whole), builder.shuffle_vector(floats[2], floats[3], whole)
 
@@ -239,7 +248,58 @@ def _pair_scales(typingctx: Any, sc: Any, i: Any) -> Any:
     return VEC(sc, i), codegen
 
 
+# `nibble_codes32`'s lane j (of 32): the index position, so the element of a 32-element block whose byte b
+# holds elements b (low nibble) and b + 16 (high nibble), as Q4_0's and Q4_1's do.
+CODES32_LANES = [p + 16 * g + 8 * v + o for v in (0, 1) for o in (0, 1) for g in (0, 1) for p in range(0, 8, 2)]
+
+
+def _bf16(v: int) -> int:
+    """The bfloat16 bits of a small integer (exact: |v| < 256)."""
+    return int(np.array(v, np.float32).view(np.uint32)) >> 16
+
+
+def codes32(builder: Any, at: Any, sub: int) -> tuple[Any, Any]:
+    """AVX2: the 32 nibbles of the 16 bytes at the i8 pointer `at`, less sub, as exact floats in two 16-float
+    vectors in `CODES32_LANES` order. The codes' bfloat16 bits are looked up as two byte planes (the 16
+    bytes in both 128-bit halves, the upper half's nibbles shifted down, one vpshufb a plane) and interleaved
+    into 16-bit units by one round of unpacks; a 32-bit lane then holds two codes' bfloat16 bits, which are
+    floats as they stand: the high one masked, the low one shifted up. No widening of bytes to 32-bit lanes
+    and no int-to-float convert (`simd16.codes`' way)."""
+    v16, v32, i32x8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32), ir.VectorType(_I32, 8)
+    raw = builder.load(builder.bitcast(at, v16.as_pointer()), align=1)
+    both = builder.bitcast(builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2)),
+                           i32x8)
+    index = builder.and_(builder.bitcast(builder.lshr(both, ir.Constant(i32x8, [0] * 4 + [4] * 4)), v32),
+                         ir.Constant(v32, [15] * 32))
+    bits = [_bf16(c - sub) for c in range(16)]
+    planes = [_pshufb(builder, ir.Constant(v32, [(b >> shift) & 255 for b in bits] * 2), index) for shift in (0, 8)]
+    floats = []
+    for high in (0, 1):
+        units = builder.bitcast(_unpack(builder, planes[0], planes[1], 1, high), i32x8)
+        floats += [builder.bitcast(builder.shl(units, ir.Constant(i32x8, [16] * 8)), ir.VectorType(_F32, 8)),
+                   builder.bitcast(builder.and_(units, ir.Constant(i32x8, [-65536] * 8)), ir.VectorType(_F32, 8))]
+    whole = ir.Constant(ir.VectorType(_I32, _W), list(range(_W)))
+    return builder.shuffle_vector(floats[0], floats[1], whole), builder.shuffle_vector(floats[2], floats[3], whole)
+
+
+@intrinsic(prefer_literal=True)
+def _nibble_codes32(typingctx: Any, src: Any, off: Any, sub: Any) -> Any:
+    """(the 32 four-bit codes of the 16 bytes at src[off], less sub, as exact floats) as two vectors in
+    `CODES32_LANES` order (`codes32`, AVX2). sub a literal."""
+    if not isinstance(sub, types.IntegerLiteral):
+        return None
+    less = int(sub.literal_value)
+    pair = types.UniTuple(VEC, 2)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        at = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        return context.make_tuple(builder, pair, list(codes32(builder, at, less)))
+
+    return pair(src, off, sub), codegen
+
+
 nibble_codes: Any = _nibble_codes
+nibble_codes32: Any = _nibble_codes32
 nibble_lookup32: Any = _nibble_lookup32
 nibble_lookup64: Any = _nibble_lookup64
 pair_scales: Any = _pair_scales
