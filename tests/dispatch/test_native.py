@@ -257,7 +257,7 @@ def _native_against_python(fn: Callable[[fl.Tensor], fl.Tensor], xs: list[np.nda
     return f, got
 
 
-# The table ways this host has (AVX-512: Q4_0, Q4_1, Q4_K; AVX2: Q4_0, Q4_1).
+# The table ways this host has (AVX-512: Q4_0, Q4_1, Q4_K; AVX2: Q4_0).
 _ONE_ROW_WAYS = [(qt, way) for qt, way in [
     (QuantType.Q4_0, "portable"), (QuantType.Q4_0, "tables"), (QuantType.Q4_1, "tables"), (QuantType.Q4K, "tables"),
     (QuantType.Q4K, "words"), (QuantType.Q6K, "portable"), (QuantType.Q6K, "words"), (QuantType.Q8_0, "portable")]

@@ -1,5 +1,5 @@
 """`nibble_tables.lookup32` and `lookup64` (Nf4Matmul's code lookups on AVX2 hosts: byte shuffles) and
-`nibble_codes32` (Q4_0's and Q4_1's on AVX2 hosts) against NumPy's indexing, for every lane order Nf4Matmul
+`nibble_codes32` (Q4_0's on AVX2 hosts) against NumPy's indexing, for every lane order Nf4Matmul
 asks of them, on any host with AVX2 (the AVX-512 hosts too, though their kernels look codes up by vpermps)."""
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from fuel.dispatch.cpu.gguf_units import (
     UNIT_ORDER_Q4_0,
     UNIT_ORDER_Q4K,
     _b_q4_0,
-    _b_q4_1,
     _p_none,
     _p_q2k,
     _p_q3k,
@@ -108,14 +107,6 @@ def _q4_1_one_table(part: int, parts: int, argv: int) -> None:
     sx, x, row = block_sums(activations_as_given(a), SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
     for c in range(*part_chunks(part, parts, w.shape[0])):
         rows_one(_t_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
-
-
-@task()
-def _q4_1_one_bytes(part: int, parts: int, argv: int) -> None:
-    a, w, out = gemv_args(argv)
-    sx, x, row = block_sums(activations_as_given(a), SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in range(*part_chunks(part, parts, w.shape[0])):
-        rows_one(_b_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row, bpair)
 
 
 @row_kernel()
@@ -313,10 +304,7 @@ TABLE_KERNELS: dict[QuantType, tuple[Any, np.ndarray]] = {
     QuantType.Q4_0: (_q4_0_one_table, UNIT_ORDER_Q4_0),
     QuantType.Q4_1: (_q4_1_one_table, UNIT_ORDER_Q4_0),
     QuantType.Q4K: (_q4k_one_table, UNIT_ORDER_Q4K),
-} if LUT16 else {
-    QuantType.Q4_0: (_q4_0_one_bytes, BYTE_ORDER_Q4_0),
-    QuantType.Q4_1: (_q4_1_one_bytes, BYTE_ORDER_Q4_0),
-} if BYTE_LUT else {}
+} if LUT16 else {QuantType.Q4_0: (_q4_0_one_bytes, BYTE_ORDER_Q4_0)} if BYTE_LUT else {}
 USE_TABLES = bool(TABLE_KERNELS)  # tests turn it off to run the portable kernels on the same host
 
 # One-row kernels decoding codes in place in 32-bit words (`gguf_words`), for hosts without the tables. They

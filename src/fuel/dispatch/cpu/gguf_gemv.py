@@ -19,7 +19,7 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   the offsets as one vector FMA per super-block (mins times the units' sums of x). On AVX-512 hosts
   Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit pairs in
   `kpair_q4k_table`), the activations permuted to the lanes' order (`gguf_decode`); on AVX2 hosts Q4_0
-  and Q4_1 look a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and Q6_K take
+  looks a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and Q6_K take
   their codes from 32-bit words in place (`gguf_words`).
 - 1 < R <= DECODE_ROWS: each unit's values code·s + b are formed once (gguf-py's operations) and FMA'd
   into up to four activation rows' accumulators at a time.

@@ -249,7 +249,7 @@ def _pair_scales(typingctx: Any, sc: Any, i: Any) -> Any:
 
 
 # `nibble_codes32`'s lane j (of 32): the index position, so the element of a 32-element block whose byte b
-# holds elements b (low nibble) and b + 16 (high nibble), as Q4_0's and Q4_1's do.
+# holds elements b (low nibble) and b + 16 (high nibble), as Q4_0's (and Q4_1's) do.
 CODES32_LANES = [p + 16 * g + 8 * v + o for v in (0, 1) for o in (0, 1) for g in (0, 1) for p in range(0, 8, 2)]
 
 
