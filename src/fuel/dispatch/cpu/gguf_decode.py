@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from fuel.dispatch import launches
 from fuel.dispatch.cpu.driver import row_kernel
@@ -70,20 +70,23 @@ def _q4_0_one(part: int, parts: int, argv: int) -> None:
         rows_one(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
 
 
-@task()
-def _q4_0_one_table(part: int, parts: int, argv: int) -> None:
+@njit(inline="always", cache=True)
+def _q4_0_permuted_rows(unit: Any, part: int, parts: int, argv: int) -> None:
+    """A Q4_0 one-row part by a table decoder `unit`, the activations permuted to its lanes' order."""
     a, w, out = gemv_args(argv)
     sx, x, row = block_sums(activations_as_given(a), SHARED), a.reshape(a.size), w.reshape(w.size)
     for c in range(*part_chunks(part, parts, w.shape[0])):
-        rows_one(_t_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
+        rows_one(unit, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
+
+
+@task()
+def _q4_0_one_table(part: int, parts: int, argv: int) -> None:
+    _q4_0_permuted_rows(_t_q4_0, part, parts, argv)
 
 
 @task()
 def _q4_0_one_bytes(part: int, parts: int, argv: int) -> None:
-    a, w, out = gemv_args(argv)
-    sx, x, row = block_sums(activations_as_given(a), SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in range(*part_chunks(part, parts, w.shape[0])):
-        rows_one(_b_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row, bpair)
+    _q4_0_permuted_rows(_b_q4_0, part, parts, argv)
 
 
 @row_kernel()
