@@ -32,7 +32,9 @@ from benchmarks.quant_cases import (
     WARM_WAY,
     WAYS,
     build_weight,
+    judge_roofline,
     measure_limits,
+    read_bandwidth,
     run_case,
     skipped,
 )
@@ -164,7 +166,8 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
     fl.set_num_threads(THREADS)
     print(f"quant: {THREADS} threads, repeat {repeat} (M = 1: at least {sz.one_row_rounds}), W [{sz.n}, {sz.k}], "
           f"M {list(sz.ms)}, types {list(sz.types)}", flush=True)
-    limits = limits or measure_limits()
+    measured = limits is None
+    limits = dict(limits or measure_limits())
     print(f"  read bandwidth {limits['read_gbs']:.1f} GB/s (the roofline's), copy {limits['bandwidth_gbs']:.1f} "
           f"GB/s (read + write bytes), sgemm {limits['gemm_gflops']:.0f} GFLOP/s", flush=True)
     folder = Path(out_dir)
@@ -197,12 +200,22 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
             _write(folder, meta, results)
         del wt
     meta["loadavg_end"] = os.getloadavg()
+    if measured:  # the host's speed drifts: a slow phase at the start would understate the roofline
+        end = read_bandwidth()
+        meta["read_gbs_start"], meta["read_gbs_end"] = limits["read_gbs"], end["read_gbs"]
+        limits["read_gbs"] = max(limits["read_gbs"], end["read_gbs"])
+        for r in results:
+            if not r["skipped"]:
+                judge_roofline(r, limits)
+        print(f"  read bandwidth at the end {end['read_gbs']:.1f} GB/s: the roofline takes "
+              f"{limits['read_gbs']:.1f}, the larger", flush=True)
     _write(folder, meta, results)
     print_table(results)
     print(f"\nload average (1, 5, 15 min) at start {meta['loadavg_start']}, at end {meta['loadavg_end']} "
           f"({THREADS} cores: above ~{THREADS} something else competed with these timings)")
     print(f"roofline: weight bytes (+ NF4 absmax) / {limits['read_gbs']:.1f} GB/s read bandwidth (measured: "
-          f"the fastest of a two-thread vector read, a two-thread scalar sum and a NumPy sum over 256 MiB: "
+          f"the fastest of a two-thread vector read, a two-thread scalar sum and a NumPy sum over 256 MiB, at the "
+          f"start and again at the end, the larger taken; at the start "
           f"{limits.get('read_vector_gbs', float('nan')):.1f}, {limits.get('read_numba_gbs', float('nan')):.1f} and "
           f"{limits.get('read_numpy_gbs', float('nan')):.1f} GB/s; copy bandwidth {limits['bandwidth_gbs']:.1f} GB/s "
           f"read + write, not used); at M > 1 "

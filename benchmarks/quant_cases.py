@@ -348,25 +348,33 @@ def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[s
     ms: dict[str, float | None] = {w: medians.get(w) for w in (*WAYS, WARM_WAY, EVICT_WAY)}
     best_way = min(FUEL_WAYS, key=lambda w: medians[w])
     fuel_ms = medians[best_way]
-    flops = 2 * m * n * k
-    roof_ms = floor_ms(wt["bytes"], flops if m > 1 else 0, limits)
-    roof_way = min((best_way, EVICT_WAY) if m == 1 else (best_way,), key=lambda w: medians[w])
     impls = _impls(build)
-    return {
+    record = {
         "type": qtype, "m": m, "k": k, "n": n, "shape": f"x[{m}, {k}] W[{n}, {k}]", "ms": ms, "rounds": rounds,
         "fuel_best_way": best_way, "fuel_ms": fuel_ms,
         "fuel_over_torch_deq_mm": fuel_ms / medians["torch_deq_mm"],
         "fuel_over_torch_mm": fuel_ms / medians["torch_mm"],
         "fuel_over_bnb_4bit": fuel_ms / medians["bnb_4bit"] if "bnb_4bit" in medians else None,
-        "weight_bytes": wt["bytes"], "dequantised_bytes": 4 * n * k, "flops": flops,
-        "roofline_ms": roof_ms, "roofline_way": roof_way, "roofline_fraction": roof_ms / medians[roof_way],
-        "roofline_fraction_full_flush": roof_ms / fuel_ms,
+        "weight_bytes": wt["bytes"], "dequantised_bytes": 4 * n * k, "flops": 2 * m * n * k,
+        "roofline_way": min((best_way, EVICT_WAY) if m == 1 else (best_way,), key=lambda w: medians[w]),
         "roofline_basis": "weight bytes / read bandwidth" + (" or flops / sgemm peak, the larger" if m > 1 else ""),
         "meets_ratio_target": fuel_ms / medians["torch_deq_mm"] <= TARGET_RATIO,
-        "meets_roofline_target": (roof_ms / medians[roof_way] >= TARGET_ROOF) if m == 1 else None,
         "impls": impls, "correctness": correctness,
         "bnb_bytes_identical": wt.get("bnb_bytes_identical"), "skipped": None,
     }
+    judge_roofline(record, limits)
+    return record
+
+
+def judge_roofline(record: dict[str, Any], limits: dict[str, float]) -> None:
+    """Set a timed record's roofline floor, its fractions and whether it meets the M = 1 target, for the
+    machine's `limits` (the harness judges again at the end with the larger bandwidth measured)."""
+    m, ms = record["m"], record["ms"]
+    roof_ms = floor_ms(record["weight_bytes"], record["flops"] if m > 1 else 0, limits)
+    fraction = roof_ms / ms[record["roofline_way"]]
+    record.update({"roofline_ms": roof_ms, "roofline_fraction": fraction,
+                   "roofline_fraction_full_flush": roof_ms / record["fuel_ms"],
+                   "meets_roofline_target": fraction >= TARGET_ROOF if m == 1 else None})
 
 
 def _in_inference_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
