@@ -24,7 +24,8 @@ from fuel.dispatch import spin
 
 class Launch(NamedTuple):
     """A prepared job: the task's address, its argv (kept alive here) and argv's address, the one-core
-    time estimate and the most parts it can be cut into."""
+    time estimate and the most parts it can be cut into. argv holds only the addresses of the arrays the
+    task reads and writes: whoever runs the job keeps those arrays alive until it has run."""
 
     task: int
     argv: np.ndarray
