@@ -310,12 +310,14 @@ TABLE_KERNELS: dict[QuantType, tuple[Any, np.ndarray]] = {
 } if LUT16 else {QuantType.Q4_0: (_q4_0_one_bytes, BYTE_ORDER_Q4_0)} if BYTE_LUT else {}
 USE_TABLES = bool(TABLE_KERNELS)  # tests turn it off to run the portable kernels on the same host
 
-# One-row kernels decoding codes in place in 32-bit words (`gguf_words`), for hosts without the tables. They
-# read the activations as given and permute them themselves (each part its own copy: 0.2 ns an element),
-# so their jobs can be posted again. 4096², one row: Q4_K 0.62-0.65 ms against 0.94-0.97 (two threads);
-# Q6_K 1.6 against 2.3-2.5 ms (one thread).
+# One-row kernels decoding codes in place in 32-bit words (`gguf_words`), for the types the host has no table
+# kernel for (a table kernel comes first). They read the activations as given and permute them themselves
+# (each part its own copy: 0.2 ns an element), so their jobs can be posted again. 4096², one row, Zen 3 (AVX2):
+# Q4_K 0.62-0.65 ms against 0.94-0.97 (two threads); Q6_K 1.6 against 2.3-2.5 ms (one thread). On an AVX-512
+# Xeon (interleaved in one process) Q6_K takes 0.92x the portable kernel's time (one core, L2-resident) and
+# 0.93x (two threads, weight evicted); Q4_K keeps its table kernel there (0.82x; words 0.88x).
 WORD_KERNELS: dict[QuantType, Any] = {QuantType.Q4K: _q4k_one_words, QuantType.Q6K: _q6k_one_words}
-USE_WORDS = not LUT16  # tests turn it off to run the portable kernels on the same host
+USE_WORDS = True  # tests turn it off to run the portable kernels on the same host
 
 
 # One core decodes and multiplies about this many weights a second at R = 1 (10-15 G measured).
@@ -355,10 +357,10 @@ def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) ->
     """The job of one activation row a [1, k] against w into out [1, n], posted as it is at every call
     (the native replay's form too); None where a table kernel serves the type, which reads a per-call
     permuted copy of a."""
-    if USE_WORDS and qt in WORD_KERNELS:
-        return _one_row_launch(WORD_KERNELS[qt], a, w, out)
     if USE_TABLES and qt in TABLE_KERNELS:
         return None
+    if USE_WORDS and qt in WORD_KERNELS:
+        return _one_row_launch(WORD_KERNELS[qt], a, w, out)
     return _one_row_launch(KERNELS[qt][0], a, w, out)
 
 

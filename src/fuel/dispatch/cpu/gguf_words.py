@@ -1,4 +1,5 @@
-"""One-row Q4_K and Q6_K decoding by 32-bit words, for hosts without AVX-512's table kernels.
+"""One-row Q4_K and Q6_K decoding by 32-bit words, for the types the host has no table kernel for (Q4_K
+and Q6_K on AVX2 hosts, Q6_K on AVX-512 ones: `gguf_decode.WORD_KERNELS`).
 
 The portable decoders (`simd16.codes2`) widen code bytes to 32-bit lanes (vpmovzxbd and the extracts that
 feed it) before converting them. Here 64 code bytes are loaded as 16 little-endian 32-bit words, one a
