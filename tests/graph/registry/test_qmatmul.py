@@ -262,8 +262,9 @@ _ONE_ROW_WAYS = [(qt, way) for qt in (QuantType.Q4_0, QuantType.Q4_1, QuantType.
 def test_table_word_and_portable_decoders_all_match(qt: QuantType, way: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """One-row decoding by table (AVX-512 hosts: Q4_0, Q4_1, Q4_K; AVX2 hosts: Q4_0), by 32-bit words (Q4_K
-    and Q6_K elsewhere: lanes in another order, the activations permuted and scaled to it) and by the portable
-    widening all match float64, exact on identity rows, bit-stable across threads."""
+    and Q6_K where the host has no table kernel for them: lanes in another order, the activations permuted and
+    scaled to it) and by the portable widening all match float64, exact on identity rows, bit-stable across
+    threads."""
     monkeypatch.setattr(gguf_decode, "USE_TABLES", way == "tables")
     monkeypatch.setattr(gguf_decode, "USE_WORDS", way == "words")
     k, n = 4096 + (64 if qt.block_elements == 32 else 256), 37
