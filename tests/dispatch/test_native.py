@@ -283,6 +283,7 @@ def test_one_row_qmatmul_runs_natively_every_way(qt: QuantType, way: str, monkey
     cap = f.capture_for(xs[0])
     assert cap is not None and cap.native is not None
     assert len(cap.native.program.forms) == (2 if way == "tables" else 1)  # the scaling writes the output
+    assert cap.native.step_count == 1  # one step however many jobs it posts
     for x, g in zip(xs, got, strict=True):
         ref = qmatmul64([x.astype(np.float64), words], params)
         assert_close_contraction(g, ref, qmatmul_scale([x.astype(np.float64), words], params), DType.F32)

@@ -176,6 +176,7 @@ class Native:
     stage: list[tuple[int, np.ndarray]]
     fixed: list[tuple[int, np.ndarray]]
     watch: dict[int, np.ndarray]  # a Python step's output slot -> the array native steps read it from
+    step_count: int  # the replayed steps that run as native jobs (a step may post two: `program` has its jobs)
 
     def enter(self, slots: list[Any]) -> None:
         for s, buf in self.stage:
@@ -204,7 +205,7 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
     items: list[tuple[Any, ...]] = []
     fixed: list[tuple[int, np.ndarray]] = []
     watch: dict[int, np.ndarray] = {}
-    start = 0
+    start = step_count = 0
     for step, entry in zip(steps, fast, strict=True):
         found = [own.get(s) for s in step.inputs]
         xs = [x for x in found if x is not None]
@@ -234,8 +235,9 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
         assert out is not None  # a form writes it
         forms.extend((jobs,) if isinstance(jobs, Form) else jobs)  # a Form is a tuple too
         fixed.append((step.output, out))
+        step_count += 1
     if not forms:
         return None
     if len(forms) > start:
         items.append((start, len(forms)))
-    return Native(program(forms), items, list(stage.items()), fixed, watch)
+    return Native(program(forms), items, list(stage.items()), fixed, watch, step_count)
