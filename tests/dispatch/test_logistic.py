@@ -107,3 +107,22 @@ def test_large_tensors_split_over_threads_give_the_same_bytes(name: str, shape: 
         fl.set_num_threads(before)
     assert outs[0].tobytes() == outs[-1].tobytes()
     assert ulp_error(outs[-1], oracle(name, x), DType.F32) <= ULPS[DType.F32]
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+def test_a_nan_gives_itself_bit_for_bit_eager_and_replayed(name: str) -> None:
+    """Every NaN (either sign, any payload, signalling too) comes out as its own bits, from the eager kernel
+    and from the native replay's task alike (two compiled copies, which had ordered a NaN product's operands
+    differently)."""
+    nans = np.array([0x7FC00000, 0xFFC00000, 0x7FC12345, 0xFF812345, 0x7F800001], np.uint32).view(np.float32)
+    x = np.concatenate([nans, np.linspace(-5, 5, 59, dtype=np.float32)])
+    alone = getattr(fl.tensor(x), name)().numpy()
+    assert alone[:5].view(np.uint32).tolist() == nans.view(np.uint32).tolist()
+
+    def fn(t: fl.Tensor) -> fl.Tensor:
+        return getattr(t * 1.0, name)() * 1.0
+
+    eager = fn(fl.tensor(x)).numpy()
+    f = fl.jit(fn)
+    for _ in range(3):  # capture, the checked first replay, then the native steady state
+        assert f(x).numpy().tobytes() == eager.tobytes()
