@@ -13,8 +13,8 @@ once at the end, so silu stays accurate while its result is normal (to v ≈ -92
 results are rounded once.
 Large tensors (a prefill's) are cut over the spinning pool's threads by rows, or a single row by
 fixed chunks: each value is computed alone, so the split never changes a byte.
-A NaN gives that NaN, bit for bit, silu(+inf) = +inf, sigmoid(±inf) = 1 or 0, and silu(-inf) is NaN (-inf·0), as in
-NumPy's and torch's spellings. f64 keeps NumPy's path; the half types are widened to f32, computed
+silu(+inf) = +inf, sigmoid(±inf) = 1 or 0, and silu(-inf) is NaN (-inf·0), as in NumPy's and torch's
+spellings; a NaN gives that same NaN, bit for bit. f64 keeps NumPy's path; the half types are widened to f32, computed
 here and rounded once. The same input bytes always give the same output bytes.
 """
 
@@ -44,10 +44,9 @@ def _exp_and_scaled(t: Any) -> tuple[Any, Any]:
     return big * _DOWN, big
 
 
-# _NAN_BITS: a NaN input's result is that NaN, bit for bit. Computed, it was v·e with e NaN too, and x86 returns
-# the first operand's NaN, so its sign depended on which operand order LLVM chose in each compiled copy of the
-# kernel: on an AVX-512 Xeon the eager call gave silu(0x7fc00000) = 0xffc00000 and the native replay's task
-# 0x7fc00000, and jit replay's bytes differed from eager ones.
+# A NaN input is returned as it is: computed, it would be v·e with e NaN too, and x86 returns the NaN of
+# whichever operand LLVM placed first, which differs between this kernel's compiled copies (the eager call's
+# and the native replay's task), so the same input bytes would give NaNs of either sign.
 # Rows by slices: indexing x[r * stride + c] directly kept LLVM from vectorising (a possibly negative
 # index gets a wraparound test), 3x slower.
 @njit(cache=True, error_model="numpy")
@@ -61,7 +60,7 @@ def _silu_f32(x: Any, rows: int, cols: int, stride: int, out: Any) -> None:
             # past EXP_LOW, 1 + e rounds to 1 and v·e is taken from the unrounded e·2^32
             neg = (v * big) * _DOWN if t < EXP_LOW else (v * e) / (_ONE + e)
             value = v / (_ONE + e) if v >= 0 else neg
-            orow[c] = v if v != v else value  # NaN: the input's own bits (`_NAN_BITS`)
+            orow[c] = v if v != v else value
 
 
 @njit(cache=True, error_model="numpy")
@@ -72,7 +71,7 @@ def _sigmoid_f32(x: Any, rows: int, cols: int, stride: int, out: Any) -> None:
             v = xr[c]
             e, _ = _exp_and_scaled(-abs(v))
             value = _ONE / (_ONE + e) if v >= 0 else e / (_ONE + e)
-            orow[c] = v if v != v else value  # NaN: the input's own bits (`_NAN_BITS`)
+            orow[c] = v if v != v else value
 
 
 def _one_row(x: np.ndarray) -> tuple[np.ndarray, int, int, int]:
