@@ -12,9 +12,12 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   rows: 3 vector operations per 32 weights besides the conversion, where the values cost 6. Its rounding
   is ~u·(|s·code| + |b|)·|x| rather than ~u·|s·code + b|·|x|: larger only where code·s + b cancels (the
   impl's PrecisionGuarantee). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the values: the same cost
-  there. W rows j and j + h (the two halves of a chunk) run together: independent FMA chains, and two
-  sequential streams for the prefetcher (adjacent rows interleaved ran at half the memory speed), with a
-  software prefetch PF bytes ahead in each. K-quants go super-block by super-block (`_super`), the units
+  there. W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
+  prefetching its share of the next pair's bytes into L1, so the next pair is in L1 when it starts
+  (`rows_one`). Adjacent rows with no software prefetch ran at half the memory speed; rows j and j + h
+  of a chunk, each stream prefetched 4 KiB ahead into L2, took 1.08x the time for Q4_0, 1.05x for Q4_K,
+  1.02x for Q6_K and 0.97x for Q8_0 (4096², two threads, weight evicted, interleaved in one process on
+  an AVX-512 Xeon; not measured on AVX2 hosts). K-quants go super-block by super-block (`_super`), the units
   written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time of a loop over units),
   the offsets as one vector FMA per super-block (mins times the units' sums of x). On AVX-512 hosts
   Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit pairs in
@@ -58,8 +61,7 @@ from fuel.dispatch.cpu.simd16 import (
 DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
 CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
 Z = np.float32(0)
-# Bytes of a W row read ahead by software prefetch, into L2. Cold weights on two threads, [3072, 576]:
-# Q4_1 92-96 µs against 137-143 µs for 1 KiB ahead into L1, Q8_0 110-120 against 128-131 µs.
+# Bytes of a W row read ahead by software prefetch where activation rows share one W row (R = 2).
 PF = 4096
 
 
@@ -135,9 +137,10 @@ def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, 
 
 @njit(inline="always", cache=True)
 def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, i: int, i1: int,
-          k: int, sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
+          k: int, sx: Any, sc: Any, sc1: Any, ahead: int, step: int) -> tuple[Any, Any]:
     """W row rb with activation row i and W row rb1 with activation row i1, interleaved: independent FMA
-    chains (each pair element is computed exactly as `_row1` computes it)."""
+    chains (each pair element is computed exactly as `_row1` computes it). Unit u prefetches the `step`
+    bytes at rb + ahead + step·u (`rows_one`: the next pair's)."""
     a0 = vzero()
     a1 = vzero()
     m0 = m1 = Z
@@ -146,9 +149,8 @@ def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
         if kind & SUPER and u & 7 == 0:
             prep(row, rb + bpb * (u >> 3), sc)
             prep(row, rb1 + bpb * (u >> 3), sc1)
-        if PF:  # the streams' lines PF bytes ahead (the hardware's prefetch ran short)
-            prefetch(row, rb + bpb * u + PF)
-            prefetch(row, rb1 + bpb * u + PF)
+        for t in range(0, step, 64):
+            prefetch(row, rb + ahead + step * u + t)
         q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
         a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
         q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb1, u, sc1)
@@ -174,8 +176,6 @@ def _super(vals: Any, prep: Any, bpb: int, kind: int, row: Any, o: int, sc: Any,
     time, written out, so that every shift is a constant (LLVM did not unroll a loop of Q6_K's units, and a
     variable byte shift costs x86 a widening to 16-bit lanes and back); Q4_K/Q5_K's factored offsets as one
     vector FMA, their mins (sc[8:16]) times the units' sums of x (sx[so + 8:so + 16], lanes 0-7 zero)."""
-    for t in range(0, bpb, 64):  # the stream's lines PF bytes ahead (the hardware's prefetch ran short)
-        prefetch(row, o + PF + t)
     prep(row, o, sc)
     for h in range(2):  # units 4h + c: every type's shifts depend on c only (Q3_K's high bits aside)
         acc = _kunit(vals, kind, row, o, 4 * h + 0, sc, x, xo, acc)
@@ -188,8 +188,16 @@ def _super(vals: Any, prep: Any, bpb: int, kind: int, row: Any, o: int, sc: Any,
 
 
 @njit(inline="always", cache=True)
+def prefetch_pair(row: Any, rb: int, ahead: int, bpb: int, b: int) -> None:
+    """Prefetch the 2·bpb bytes at rb + ahead + 2·bpb·b: at a pair's super-block b, the next pair's (two
+    adjacent rows of super-blocks of bpb bytes, `rows_one`)."""
+    for t in range(0, 2 * bpb, 64):
+        prefetch(row, rb + ahead + 2 * bpb * b + t)
+
+
+@njit(inline="always", cache=True)
 def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
-           sc: Any, sc1: Any) -> tuple[Any, Any]:
+           sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """K-quant W rows rb and rb1 dotted with x (R = 1), super-block by super-block: Σ lanes of the
     products, less Σ lanes of the offset terms (one fixed sequence per row, whichever its partner)."""
     a0 = vzero()
@@ -197,6 +205,7 @@ def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
     m0 = vzero()
     m1 = vzero()
     for b in range(k // 256):
+        prefetch_pair(row, rb, ahead, bpb, b)
         a0, m0 = _super(vals, prep, bpb, kind, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
         a1, m1 = _super(vals, prep, bpb, kind, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
     return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
@@ -208,8 +217,6 @@ def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc:
     """`_super` for Q4_K by table (`nibble_tables.nibble_codes`): its unit pairs 2p, 2p + 1 (the low and high
     nibbles of the same 32 bytes) as four 16-lane vectors, each lane scaled by its unit's scale; x holds
     each 64 activations in `gguf_units.UNIT_ORDER_Q4K` order."""
-    for t in range(0, 144, 64):
-        prefetch(row, o + PF + t)
     prep(row, o, sc)
     for p in range(4):
         src, xp = o + 16 + 32 * p, xo + 64 * p
@@ -223,14 +230,16 @@ def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc:
 
 @njit(inline="always", cache=True)
 def pair_supers(sup: Any, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any, sc: Any,
-                sc1: Any) -> tuple[Any, Any, Any, Any]:
+                sc1: Any, ahead: int) -> tuple[Any, Any, Any, Any]:
     """The (products, offsets) accumulators of K-quant W rows rb and rb1 over their super-blocks, each
-    taken by `sup(prep, row, o, sc, x, xo, acc, mv, sx, so)` (a table or word decoder's super-block)."""
+    taken by `sup(prep, row, o, sc, x, xo, acc, mv, sx, so)` (a table or word decoder's super-block), the
+    next pair's bytes prefetched as in `kpair`."""
     a0 = vzero()
     a1 = vzero()
     m0 = vzero()
     m1 = vzero()
     for b in range(k // 256):
+        prefetch_pair(row, rb, ahead, bpb, b)
         a0, m0 = sup(prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
         a1, m1 = sup(prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
     return a0, m0, a1, m1
@@ -238,17 +247,18 @@ def pair_supers(sup: Any, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: A
 
 @njit(inline="always", cache=True)
 def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
-                    sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
+                    sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """`kpair` for Q4_K by table (vals and kind unused: the decoding is `_super_q4k_table`'s)."""
-    a0, m0, a1, m1 = pair_supers(_super_q4k_table, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1)
+    a0, m0, a1, m1 = pair_supers(_super_q4k_table, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
 
 
 @njit(inline="always", cache=True)
 def bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
-           sc: Any, sc1: Any) -> tuple[Any, Any]:
-    """32-element block W rows rb and rb1 dotted with x (R = 1)."""
-    return _row2(vals, prep, bpb, kind, row, rb, rb1, x, 0, 0, k, sx, sc, sc1)
+           sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
+    """32-element block W rows rb and rb1 dotted with x (R = 1), the next pair's bytes prefetched: the
+    2·bpb at rb + ahead + 2·bpb·u at unit u."""
+    return _row2(vals, prep, bpb, kind, row, rb, rb1, x, 0, 0, k, sx, sc, sc1, ahead, 2 * bpb)
 
 
 @njit(inline="always", cache=True)
@@ -281,17 +291,16 @@ def _rows4(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any,
 def rows_one(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
               row: Any, pair: Any) -> None:
     """Chunk c of out <- a @ dequant(w)ᵀ for one activation row (x and row: a and w flat; pair: the two-row
-    dot, `bpair` or `kpair`): W rows j and j + h together, two sequential streams (adjacent rows ran at
-    half the speed)."""
+    dot, `bpair` or `kpair`): W rows j and j + 1 together, one sequential stream, while the pair's dot
+    prefetches the next pair's bytes (2·rl ahead) into L1 as it goes."""
     k = a.shape[1]
     lo, hi = _bounds(c, w.shape[0])
     rl = w.shape[1]
     sc0 = carray(stack_f32(32), (32,))
     sc1 = carray(stack_f32(32), (32,))
-    h = (hi - lo) // 2
-    for t in range(h + ((hi - lo) & 1)):  # an odd last row as a pair with itself: the same operations
-        j0, j1 = (lo + t, lo + t + h) if t < h else (hi - 1, hi - 1)
-        out[0, j0], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j0, rl * j1, x, k, sx, sc0, sc1)
+    for j in range(lo, hi, 2):
+        j1 = min(j + 1, hi - 1)  # an odd last row as a pair with itself: the same operations
+        out[0, j], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j, rl * j1, x, k, sx, sc0, sc1, 2 * rl)
 
 
 @njit(inline="always", cache=True)
@@ -313,7 +322,7 @@ def rows_many(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: An
             g += 4
         if m - g == 2:
             out[g, j], out[g + 1, j] = _row2(vals, prep, bpb, kind, row, rl * j, rl * j, x, g, g + 1, k, sx, sc0,
-                                             sc1)
+                                             sc1, PF, bpb)
         elif m - g == 1:
             out[g, j] = _row1(vals, prep, bpb, kind, row, rl * j, x, g, k, sx, sc0)
 

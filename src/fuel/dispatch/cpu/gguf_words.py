@@ -40,8 +40,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from fuel.dispatch.cpu.gguf_gemv import PF, pair_supers
-from fuel.dispatch.cpu.simd16 import _F32, _I32, _VF, _W, VEC, _ptr, fma, hi8, hsum, prefetch, vadd, vload, vmul
+from fuel.dispatch.cpu.gguf_gemv import pair_supers
+from fuel.dispatch.cpu.simd16 import _F32, _I32, _VF, _W, VEC, _ptr, fma, hi8, hsum, vadd, vload, vmul
 
 GROUP = 128  # weights one load of words holds: 16 lanes, 8 nibbles each
 
@@ -207,8 +207,6 @@ def word_activations(a: Any, layout: int) -> Any:
 def _super(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any, so: int) -> Any:
     """(acc, mv) after the Q4_K super-block at byte o dotted with x[xo:xo + 256] (in `ORDER`); the
     offsets as in `gguf_gemv._super`."""
-    for t in range(0, 144, 64):
-        prefetch(row, o + PF + t)
     prep(row, o, sc)
     for g in range(2):
         v = words(row, o + 16 + 64 * g)
@@ -228,10 +226,10 @@ def _super(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: 
 
 @njit(inline="always", cache=True)
 def kpair_q4k(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
-              sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
+              sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """`gguf_gemv.kpair` for Q4_K by words (vals and kind unused); x from `word_activations`, its element
     k the factor that undoes their normalisation."""
-    a0, m0, a1, m1 = pair_supers(_super, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1)
+    a0, m0, a1, m1 = pair_supers(_super, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(a0) * x[k] - hsum(m0), hsum(a1) * x[k] - hsum(m1)
 
 
@@ -240,8 +238,6 @@ def _super_q6k(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, 
     """The two accumulators (of each half's first and last 64 elements) after the Q6_K super-block at byte o
     dotted with x[xo:xo + 256] (in `ORDER_Q6K`): each lane's four products (q - 32)·x summed, then times
     its group's scale d·scale_g (sc[0:16], from `prep`)."""
-    for t in range(0, 210, 64):
-        prefetch(row, o + PF + t)
     prep(row, o, sc)
     for h in range(2):
         first, last = q6k_words(row, o + 64 * h, o + 128 + 32 * h)
@@ -261,8 +257,8 @@ def _super_q6k(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, 
 
 @njit(inline="always", cache=True)
 def kpair_q6k(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
-              sx: Any, sc: Any, sc1: Any) -> tuple[Any, Any]:
+              sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """`gguf_gemv.kpair` for Q6_K by words (vals, kind and sx unused); x from `word_activations` (layout
     `Q6K_LAYOUT`), its element k the factor that undoes their normalisation."""
-    a0, b0, a1, b1 = pair_supers(_super_q6k, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1)
+    a0, b0, a1, b1 = pair_supers(_super_q6k, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(vadd(a0, b0)) * x[k], hsum(vadd(a1, b1)) * x[k]

@@ -295,13 +295,13 @@ def _hi8(typingctx: Any, v: Any) -> Any:
 
 @intrinsic
 def _prefetch(typingctx: Any, a: Any, off: Any) -> Any:
-    """A read prefetch of the cache line holding a[off] into L2 (a hint: no fault, no effect on any value)."""
+    """A read prefetch of the cache line holding a[off] into L1 (a hint: no fault, no effect on any value)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         ptr = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32,
                                             _I32, _I32]), "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 2), ir.Constant(_I32, 1)])
+        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         return context.get_dummy_value()
 
     return types.void(a, off), codegen
