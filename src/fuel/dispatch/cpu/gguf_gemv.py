@@ -15,9 +15,9 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   there. W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
   prefetching its share of the next pair's bytes into L1, so the next pair is in L1 when it starts
   (`rows_one`). Adjacent rows with no software prefetch ran at half the memory speed; rows j and j + h
-  of a chunk, each stream prefetched 4 KiB ahead into L2, took 1.08x the time for Q4_0, 1.05x for Q4_K,
-  1.02x for Q6_K and 0.97x for Q8_0 (4096², two threads, weight evicted, interleaved in one process on
-  an AVX-512 Xeon; not measured on AVX2 hosts). K-quants go super-block by super-block (`_super`), the units
+  of a chunk, each stream prefetched 4 KiB ahead into L2, took 1.08-1.13x the time for Q4_0, 1.05x for
+  Q4_K, 1.02x for Q6_K and 0.99-1.02x for Q8_0 (4096², two threads, weight evicted, interleaved in one
+  process on an AVX-512 Xeon; not measured on AVX2 hosts). K-quants go super-block by super-block (`_super`), the units
   written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time of a loop over units),
   the offsets as one vector FMA per super-block (mins times the units' sums of x). On AVX-512 hosts
   Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit pairs in
@@ -61,8 +61,6 @@ from fuel.dispatch.cpu.simd16 import (
 DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
 CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
 Z = np.float32(0)
-# Bytes of a W row read ahead by software prefetch where activation rows share one W row (R = 2).
-PF = 4096
 
 
 # ---- the driver -------------------------------------------------------------------------------------
@@ -136,11 +134,23 @@ def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, 
 
 
 @njit(inline="always", cache=True)
+def _next_pair(row: Any, rb: int, rb1: int, ahead: int, bpb: int, u: int) -> None:
+    """At unit u of the adjacent rows rb, rb1, prefetch the next pair's unit-u bytes: one line a unit
+    where the pair's 2·bpb bytes fit one, else a line in each row (Q8_0 and Q8_1; one line at every 2·bpb
+    skips lines, and two took 1.05x the time: 4096², two threads, weight evicted, on a Xeon)."""
+    if 2 * bpb <= 64:
+        prefetch(row, rb + ahead + 2 * bpb * u)
+    else:
+        prefetch(row, rb + ahead + bpb * u)
+        prefetch(row, rb1 + ahead + bpb * u)
+
+
+@njit(inline="always", cache=True)
 def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, i: int, i1: int,
-          k: int, sx: Any, sc: Any, sc1: Any, ahead: int, step: int) -> tuple[Any, Any]:
+          k: int, sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """W row rb with activation row i and W row rb1 with activation row i1, interleaved: independent FMA
-    chains (each pair element is computed exactly as `_row1` computes it). Unit u prefetches the `step`
-    bytes at rb + ahead + step·u (`rows_one`: the next pair's)."""
+    chains (each pair element is computed exactly as `_row1` computes it). Where ahead > 0 the rows are
+    adjacent (`rows_one`) and each unit prefetches its share of the next pair, `ahead` bytes on."""
     a0 = vzero()
     a1 = vzero()
     m0 = m1 = Z
@@ -149,8 +159,8 @@ def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
         if kind & SUPER and u & 7 == 0:
             prep(row, rb + bpb * (u >> 3), sc)
             prep(row, rb1 + bpb * (u >> 3), sc1)
-        for t in range(0, step, 64):
-            prefetch(row, rb + ahead + step * u + t)
+        if ahead:
+            _next_pair(row, rb, rb1, ahead, bpb, u)
         q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
         a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
         q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb1, u, sc1)
@@ -256,9 +266,9 @@ def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int
 @njit(inline="always", cache=True)
 def bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
            sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
-    """32-element block W rows rb and rb1 dotted with x (R = 1), the next pair's bytes prefetched: the
-    2·bpb at rb + ahead + 2·bpb·u at unit u."""
-    return _row2(vals, prep, bpb, kind, row, rb, rb1, x, 0, 0, k, sx, sc, sc1, ahead, 2 * bpb)
+    """32-element block W rows rb and rb1 dotted with x (R = 1), the next pair's bytes (`ahead` on)
+    prefetched as they go."""
+    return _row2(vals, prep, bpb, kind, row, rb, rb1, x, 0, 0, k, sx, sc, sc1, ahead)
 
 
 @njit(inline="always", cache=True)
@@ -322,7 +332,7 @@ def rows_many(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: An
             g += 4
         if m - g == 2:
             out[g, j], out[g + 1, j] = _row2(vals, prep, bpb, kind, row, rl * j, rl * j, x, g, g + 1, k, sx, sc0,
-                                             sc1, PF, bpb)
+                                             sc1, 0)
         elif m - g == 1:
             out[g, j] = _row1(vals, prep, bpb, kind, row, rl * j, x, g, k, sx, sc0)
 
