@@ -17,12 +17,12 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   (`rows_one`). Adjacent rows with no software prefetch ran at half the memory speed; rows j and j + h
   of a chunk, each stream prefetched 4 KiB ahead into L2, took 1.08-1.13x the time for Q4_0, 1.05x for
   Q4_K, 1.02x for Q6_K and 0.99-1.02x for Q8_0 (4096², two threads, weight evicted, interleaved in one
-  process on an AVX-512 Xeon; not measured on AVX2 hosts). K-quants go super-block by super-block (`_super`), the units
-  written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time of a loop over units),
-  the offsets as one vector FMA per super-block (mins times the units' sums of x). On AVX-512 hosts
-  Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit pairs in
-  `kpair_q4k_table`), the activations permuted to the lanes' order (`gguf_decode`); on AVX2 hosts Q4_0
-  looks a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and Q6_K take
+  process on an AVX-512 Xeon; not measured on AVX2 hosts). K-quants go super-block by super-block
+  (`_super`), the units written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time
+  of a loop over units), the offsets as one vector FMA per super-block (mins times the units' sums of
+  x). On AVX-512 hosts Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit
+  pairs in `kpair_q4k_table`), the activations permuted to the lanes' order (`gguf_decode`); on AVX2
+  hosts Q4_0 looks a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and Q6_K take
   their codes from 32-bit words in place (`gguf_words`).
 - 1 < R <= DECODE_ROWS: each unit's values code·s + b are formed once (gguf-py's operations) and FMA'd
   into up to four activation rows' accumulators at a time.
