@@ -13,11 +13,12 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   is ~u·(|s·code| + |b|)·|x| rather than ~u·|s·code + b|·|x|: larger only where code·s + b cancels (the
   impl's PrecisionGuarantee). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the values: the same cost
   there. W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
-  prefetching its share of the next pair's bytes into L1, so the next pair is in L1 when it starts
-  (`rows_one`). Adjacent rows with no software prefetch ran at half the memory speed; rows j and j + h
-  of a chunk, each stream prefetched 4 KiB ahead into L2, took 1.08-1.13x the time for Q4_0, 1.05x for
-  Q4_K, 1.02x for Q6_K and 0.99-1.02x for Q8_0 (4096², two threads, weight evicted, interleaved in one
-  process on an AVX-512 Xeon; not measured on AVX2 hosts). K-quants go super-block by super-block
+  prefetching its share of a later pair's bytes into L1 (the next pair, or the first at least 4 KiB on:
+  `driver.ahead_of`), so that pair is in L1 when it starts (`rows_one`). Adjacent rows with no software
+  prefetch ran at half the memory speed; rows j and j + h of a chunk, each stream prefetched 4 KiB ahead
+  into L2, took 1.08-1.13x the time for Q4_0, 1.05x for Q4_K, 1.02x for Q6_K and 0.99-1.02x for Q8_0
+  (4096², two threads, weight evicted, interleaved in one process on an AVX-512 Xeon; not measured on
+  AVX2 hosts). K-quants go super-block by super-block
   (`_super`), the units written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time
   of a loop over units), the offsets as one vector FMA per super-block (mins times the units' sums of
   x). On AVX-512 hosts Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit
@@ -42,6 +43,7 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.dispatch.cpu.atomics import pointer
+from fuel.dispatch.cpu.driver import ahead_of
 from fuel.dispatch.cpu.nibble_tables import nibble_codes, pair_scales
 from fuel.dispatch.cpu.simd16 import (
     adds,
@@ -135,7 +137,7 @@ def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, 
 
 @njit(inline="always", cache=True)
 def _next_pair(row: Any, rb: int, rb1: int, ahead: int, bpb: int, u: int) -> None:
-    """At unit u of the adjacent rows rb, rb1, prefetch the next pair's unit-u bytes: one line a unit
+    """At unit u of the adjacent rows rb, rb1, prefetch the unit-u bytes of the pair `ahead` on: one line a unit
     where the pair's 2·bpb bytes fit one, else a line in each row (Q8_0 and Q8_1; one line at every 2·bpb
     skips lines, and two took 1.05x the time: 4096², two threads, weight evicted, on a Xeon)."""
     if 2 * bpb <= 64:
@@ -199,8 +201,8 @@ def _super(vals: Any, prep: Any, bpb: int, kind: int, row: Any, o: int, sc: Any,
 
 @njit(inline="always", cache=True)
 def prefetch_pair(row: Any, rb: int, ahead: int, bpb: int, b: int) -> None:
-    """Prefetch the 2·bpb bytes at rb + ahead + 2·bpb·b: at a pair's super-block b, the next pair's (two
-    adjacent rows of super-blocks of bpb bytes, `rows_one`)."""
+    """Prefetch the 2·bpb bytes at rb + ahead + 2·bpb·b: at a pair's super-block b, the pair's `ahead` on
+    (two adjacent rows of super-blocks of bpb bytes, `rows_one`)."""
     for t in range(0, 2 * bpb, 64):
         prefetch(row, rb + ahead + 2 * bpb * b + t)
 
@@ -302,15 +304,16 @@ def rows_one(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any
               row: Any, pair: Any) -> None:
     """Chunk c of out <- a @ dequant(w)ᵀ for one activation row (x and row: a and w flat; pair: the two-row
     dot, `bpair` or `kpair`): W rows j and j + 1 together, one sequential stream, while the pair's dot
-    prefetches the next pair's bytes (2·rl ahead) into L1 as it goes."""
+    prefetches a pair ahead's bytes (`ahead_of`) into L1 as it goes."""
     k = a.shape[1]
     lo, hi = _bounds(c, w.shape[0])
     rl = w.shape[1]
     sc0 = carray(stack_f32(32), (32,))
     sc1 = carray(stack_f32(32), (32,))
+    ahead = ahead_of(2 * rl)
     for j in range(lo, hi, 2):
         j1 = min(j + 1, hi - 1)  # an odd last row as a pair with itself: the same operations
-        out[0, j], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j, rl * j1, x, k, sx, sc0, sc1, 2 * rl)
+        out[0, j], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j, rl * j1, x, k, sx, sc0, sc1, ahead)
 
 
 @njit(inline="always", cache=True)

@@ -22,7 +22,7 @@ from numba import carray, njit
 
 from fuel.dispatch import launches, native, spin
 from fuel.dispatch.cpu.atomics import pointer
-from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
+from fuel.dispatch.cpu.driver import ahead_of, chunk_bounds, chunk_count
 from fuel.dispatch.cpu.nibble_tables import (
     BYTE_LUT,
     LOOKUP64_LANES,
@@ -111,9 +111,10 @@ def _rows(block: Any, part: int, parts: int, argv: int) -> None:
     for c in range(part * chunks // parts, (part + 1) * chunks // parts):
         lo, hi = chunk_bounds(c, n, chunks)
         if LUT16:
+            ahead = ahead_of(2 * kh)
             for r in range(lo, hi, 2):
                 r1 = min(r + 1, hi - 1)  # an odd last row as a pair with itself: the same operations
-                out[0, r], out[0, r1] = _pair(block, w, absmax, x, table, kh, nb, bs, r, r1)
+                out[0, r], out[0, r1] = _pair(block, w, absmax, x, table, kh, nb, bs, r, r1, ahead)
             continue
         for r in range(lo, hi):
             acc = vzero()
@@ -124,17 +125,18 @@ def _rows(block: Any, part: int, parts: int, argv: int) -> None:
 
 @njit(inline="always", cache=True)
 def _pair(block: Any, w: Any, absmax: Any, x: Any, table: Any, kh: int, nb: int, bs: int, r: int,
-          r1: int) -> tuple[Any, Any]:
+          r1: int, ahead: int) -> tuple[Any, Any]:
     """Rows r and r1 (r + 1, or r for an odd last row) as `_rows` takes one, interleaved: two independent
-    chains, each row's the same operations. Block b prefetches the bs bytes at (r + 2)·kh + bs·b into L1,
-    the next pair's, one sequential stream: 4096² at block 64, two threads, weight evicted, 0.75x the time
-    of a row at a time (interleaved in one process on a Xeon), and 0.82x with rows r and r + h of the
-    chunk paired and no prefetch; adjacent rows with no prefetch took 1.6x."""
+    chains, each row's the same operations. Block b prefetches the bs bytes at r·kh + ahead + bs·b into
+    L1, a later pair's (`driver.ahead_of`: the next at K = 4096), one sequential stream: 4096² at block
+    64, two threads, weight evicted, 0.75x the time of a row at a time (interleaved in one process on a
+    Xeon), and 0.82x with rows r and r + h of the chunk paired and no prefetch; adjacent rows with no
+    prefetch took 1.6x."""
     a0 = vzero()
     a1 = vzero()
     for b in range(nb):
         for t in range(0, bs, 64):
-            prefetch(w, (r + 2) * kh + bs * b + t)
+            prefetch(w, r * kh + ahead + bs * b + t)
         a0 = fmas(absmax[r * nb + b], block(w, r * kh + b * bs // 2, x, b * bs, bs, table), a0)
         a1 = fmas(absmax[r1 * nb + b], block(w, r1 * kh + b * bs // 2, x, b * bs, bs, table), a1)
     return hsum(a0), hsum(a1)
