@@ -14,8 +14,10 @@ results are rounded once.
 Large tensors (a prefill's) are cut over the spinning pool's threads by rows, or a single row by
 fixed chunks: each value is computed alone, so the split never changes a byte.
 silu(+inf) = +inf, sigmoid(±inf) = 1 or 0, and silu(-inf) is NaN (-inf·0), as in NumPy's and torch's
-spellings; a NaN gives that same NaN, bit for bit. f64 keeps NumPy's path; the half types are widened to f32, computed
-here and rounded once. The same input bytes always give the same output bytes.
+spellings. The half types are widened to f32, computed here and rounded once; in f32 and the half types a
+NaN gives that same NaN, bit for bit. f64 keeps NumPy's path, where a NaN stays a NaN but may come out
+quieted or with its sign flipped (sigmoid of 0x7ff0000000000001 is 0xfff8000000000001). The same input
+bytes always give the same output bytes.
 """
 
 from __future__ import annotations
