@@ -336,8 +336,9 @@ def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.Monkey
 
 
 def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Jobs large enough to post find the pool's workers asleep: the stretch returns to Python after the
-    job, which wakes them, and resumes at the next step; the bytes are NumPy's."""
+    """Jobs large enough to post find the pool's workers asleep: the stretch returns to Python with the
+    job posted and no part of it taken, Python wakes them, joins it and resumes at the next step; the
+    bytes are NumPy's."""
     saved = fl.get_num_threads()
     fl.set_num_threads(2)  # a worker to wake, whatever the host
     rng = np.random.default_rng(9)
@@ -346,8 +347,15 @@ def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.Monkey
     f(x)
     pool = spin._pool(1)
     woken: list[int] = []
+    taken: list[int] = []  # the parts of the posted job claimed when Python wakes the workers
+
+    def wake(w: int, e: threading.Event) -> None:
+        woken.append(w)
+        taken.append(int(pool.ctl[spin.CLAIM]) & spin.UNCLAIMABLE)
+        threading.Event.set(e)
+
     for w, event in enumerate(pool.events):
-        monkeypatch.setattr(event, "set", lambda w=w, e=event: (woken.append(w), threading.Event.set(e))[1])
+        monkeypatch.setattr(event, "set", lambda w=w, e=event: wake(w, e))
     try:
         for _ in range(3):
             pool.park()
@@ -359,4 +367,4 @@ def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.Monkey
         fl.set_num_threads(saved)
     cap = f.capture_for(x)
     assert cap is not None and cap.native is not None and len(cap.native.program.forms) == 4
-    assert woken  # a stretch found them asleep and Python woke them
+    assert woken and not any(taken)  # a stretch found them asleep and Python woke them before joining

@@ -119,6 +119,24 @@ def test_parked_workers_go_to_sleep(two_threads: None) -> None:
     assert (_counts_after(8) == 1).all()  # and a later job still runs every part
 
 
+
+def test_wake_brings_sleeping_workers_up(two_threads: None) -> None:
+    """`spin.wake()` wakes sleeping workers (for a caller about to time a job after an idle gap); they
+    spin and take parts as usual, then sleep again."""
+    _counts_after(8)
+    pool = spin._pool(1)
+    pool.park()
+    deadline = time.monotonic() + 2.0
+    while pool.ctl[spin.AWAKE] and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    assert pool.ctl[spin.AWAKE] == 0
+    spin.wake()
+    deadline = time.monotonic() + 2.0
+    while not pool.ctl[spin.AWAKE] and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    assert pool.ctl[spin.AWAKE] == 1
+    assert (_counts_after(8) == 1).all()
+
 def test_workers_are_pinned_each_to_a_core_the_poster_keeps_free(two_threads: None) -> None:
     allowed = sorted(os.sched_getaffinity(0))
     assert spin.worker_cores(1) == allowed[1:2]

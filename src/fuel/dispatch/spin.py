@@ -15,7 +15,8 @@ workers' side.
   means the others take more parts; which thread runs a part never changes its bytes, because a part
   is a fixed slice of the work.
 - Workers spin for `SPIN_SECONDS` after their last part and then sleep on an event. The posting
-  thread never waits for a sleeping worker: it wakes it for the next job and runs the parts itself.
+  thread never waits for a sleeping worker: it wakes it and takes parts meanwhile; the worker joins
+  when it is up (50-200 µs after the wake on a 2-core Xeon VM, the GIL free).
   `park()` sends spinning workers to sleep at once: `split_work` calls it before starting its threads,
   so the spinners do not take a core those wait for. Numba's pool and the BLAS are not parked for: the
   executor starts them for steps whose kernels may well post here (a 2 ms QMatMul), and a spinner
@@ -173,8 +174,9 @@ def _run_steps(ctl: Any, workers: int, threads_now: int, steps: Any, seconds: An
                start: int, stop: int) -> tuple[int, int]:
     """Run prepared jobs start..stop-1 in order (`fuel.dispatch.native`): each step's DynScalar values
     stored into its argv, its part count chosen as `parts_for` would, then run here or posted and joined.
-    Returns (the next step, the mask of sleeping workers) after a job that found workers asleep, which
-    only Python can wake; else (stop, 0)."""
+    A job that finds workers asleep is left posted and not joined: returns (its step, the mask of the
+    sleeping workers), for Python to wake them and then join it (joined first, the job ran on this thread
+    alone: a 4096² one-row QMatMul after an idle gap took 1.4-1.6x the time). Else (stop, 0)."""
     for k in range(start, stop):
         fn, argv, most, unit, p0, p1 = steps[k, 0], steps[k, 1], steps[k, 2], steps[k, 3], steps[k, 4], steps[k, 5]
         for p in range(p0, p1):
@@ -187,9 +189,9 @@ def _run_steps(ctl: Any, workers: int, threads_now: int, steps: Any, seconds: An
             _run_here(fn, argv, 1)  # a task's bytes never depend on its part count
             continue
         sleeping = _post(ctl, fn, argv, parts, workers)
-        _join(ctl)
         if sleeping:
-            return k + 1, sleeping
+            return k, sleeping
+        _join(ctl)
     return stop, 0
 
 
@@ -358,10 +360,21 @@ def run_address(address: int, args: int, parts: int) -> None:
     _pool(threads.get_num_threads() - 1).run(address, args, parts)
 
 
+def wake() -> None:
+    """Wake the pool's sleeping workers now, so that the next job finds them spinning: one posted to
+    sleeping workers runs without them until they are up (50-200 µs on a 2-core Xeon VM). For a caller
+    about to time a call after an idle gap, as a decode loop's workers spin from step to step."""
+    pool = _POOL
+    if pool is not None and os.getpid() == _POOL_PID and not pool.closed:
+        _set(pool.ctl, PARK, 0)  # a parked worker would go straight back to sleep
+        pool._wake(sum(1 << w for w in range(pool.workers) if pool.ctl[AWAKE + w] == 0))
+
+
 def run_steps(steps: np.ndarray, seconds: np.ndarray, patches: np.ndarray, env: np.ndarray, start: int,
               stop: int) -> None:
     """Run prepared jobs start..stop-1 of a native program (`fuel.dispatch.native`) on the pool, as `run`
-    runs one: one compiled call for the lot, back in Python only to wake a sleeping worker."""
+    runs one: one compiled call for the lot, back in Python only to wake sleeping workers for a job
+    posted, before joining it."""
     n = threads.get_num_threads()
     if n <= 1 or threads.MODE.forced or threads.MODE.nested:
         _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
@@ -374,7 +387,12 @@ def run_steps(steps: np.ndarray, seconds: np.ndarray, patches: np.ndarray, env: 
         k = start
         while k < stop:
             k, sleeping = _run_steps(pool.ctl, pool.workers, n, steps, seconds, patches, env, k, stop)
-            pool._wake(sleeping)
+            if sleeping:  # job k is posted: wake them, then take its parts alongside them
+                try:
+                    pool._wake(sleeping)
+                finally:
+                    _join(pool.ctl)
+                k += 1
     finally:
         pool.lock.release()
 
