@@ -130,8 +130,8 @@ def test_a_decode_block_runs_natively_with_the_python_replays_bytes(monkeypatch:
     cap = f.capture_for(xs[0], block.cos[:1], block.sin[:1])
     assert cap is not None and cap.native is not None
     python_steps = [item for item in cap.native.items if len(item) != 2]
-    # every step but the last, which writes the fresh output, is native
-    assert len(cap.native.program.forms) == cap.n_steps - 1 and len(python_steps) == 1
+    # every step is native, the last writing the fresh output into a buffer of the capture's, copied out
+    assert len(cap.native.program.forms) == cap.n_steps and not python_steps and cap.native.copied
     assert set(cap.native.program.names) == {"pos", "k_len"}
 
 
@@ -201,6 +201,49 @@ def test_reused_outputs_come_from_native_steps() -> None:
     assert cap is not None and cap.native is not None and len(cap.native.program.forms) == cap.n_steps - 1
     assert not [item for item in cap.native.items if len(item) != 2]  # b broadcast once, from its staged copy
 
+
+
+def test_small_fresh_outputs_are_written_natively_and_handed_out_as_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without `reuse_outputs`, a native step writes a small output (or what a view of it returns) into a
+    buffer of the capture's own, and each call hands out a copy: results already handed out keep their
+    values, share no memory with each other or the capture, and are the Python replay's bytes."""
+    rng = np.random.default_rng(12)
+    xs = [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(4)]
+
+    def fn(x: fl.Tensor) -> tuple[fl.Tensor, fl.Tensor]:
+        return (x * 2.0 + 1.0).reshape(24), (x - 1.0).silu()
+
+    with monkeypatch.context() as m:
+        m.setattr(native, "prepare", lambda *a, **kw: None)
+        python = fl.jit(fn)
+        want = [[t.numpy().copy() for t in python(x)] for x in xs]
+    f = fl.jit(fn)
+    got = [[t.numpy() for t in f(x)] for x in xs]
+    kept = [[g.copy() for g in pair] for pair in got]
+    cap = f.capture_for(xs[0])
+    assert cap is not None and cap.native is not None
+    assert len(cap.native.copied) == 2 and not [item for item in cap.native.items if len(item) != 2]
+    owned = [a for _, a in cap.native.fixed]
+    flat = [g for pair in got for g in pair]
+    for i, g in enumerate(flat):
+        assert not any(np.shares_memory(g, a) for a in owned)
+        assert not any(np.shares_memory(g, h) for h in flat[i + 1:])
+    assert [[g.tobytes() for g in pair] for pair in got] == [[w.tobytes() for w in pair] for pair in want]
+    assert [[g.tobytes() for g in pair] for pair in got] == [[k.tobytes() for k in pair] for pair in kept]
+
+
+def test_a_fresh_output_over_the_staging_size_stays_in_python() -> None:
+    """An output larger than `OUT_STAGE_MAX_BYTES` is allocated by its step each call, in Python: a copy
+    of it would cost more than the Python step."""
+    rows = native.OUT_STAGE_MAX_BYTES // (4 * 64) + 1
+    x = np.random.default_rng(13).standard_normal((rows, 64)).astype(np.float32)
+    f = fl.jit(lambda t: (t * 2.0) + 1.0)
+    first, second = f(x).numpy(), f(x).numpy()
+    cap = f.capture_for(x)
+    assert cap is not None and cap.native is not None and not cap.native.copied
+    assert len(cap.native.program.forms) == 1 and len([item for item in cap.native.items if len(item) != 2]) == 1
+    assert not np.shares_memory(first, second)
+    assert second.tobytes() == ((x * np.float32(2)) + np.float32(1)).tobytes()
 
 _SHAPES = st.lists(st.integers(1, 5), min_size=1, max_size=4)
 
@@ -277,12 +320,12 @@ def test_one_row_qmatmul_runs_natively_every_way(qt: QuantType, way: str, monkey
     xs = [rng.standard_normal((1, k)).astype(np.float32) for _ in range(4)]
 
     def fn(x: fl.Tensor) -> fl.Tensor:
-        return fl.ops.qmatmul(x, fl.tensor(words), qt, k, n) * 1.0
+        return fl.ops.qmatmul(x, fl.tensor(words), qt, k, n)
 
     f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
     assert cap is not None and cap.native is not None
-    assert len(cap.native.program.forms) == (2 if way == "tables" else 1)  # the scaling writes the output
+    assert len(cap.native.program.forms) == (2 if way == "tables" else 1)  # the output copied out of its buffer
     assert cap.native.step_count == 1  # one step however many jobs it posts
     for x, g in zip(xs, got, strict=True):
         ref = qmatmul64([x.astype(np.float64), words], params)
@@ -301,7 +344,7 @@ def test_one_row_nf4_matmul_runs_natively(bs: int, shape: tuple[int, ...], monke
     xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(4)]
 
     def fn(x: fl.Tensor) -> fl.Tensor:
-        return fl.ops.nf4_matmul(x, fl.tensor(packed), fl.tensor(absmax), bs) * 1.0
+        return fl.ops.nf4_matmul(x, fl.tensor(packed), fl.tensor(absmax), bs)
 
     f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
@@ -324,7 +367,7 @@ def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.Monkey
     xs = [rng.standard_normal((rows, 96)).astype(np.float32) for _ in range(3)]
 
     def fn(x: fl.Tensor) -> fl.Tensor:
-        return (x @ fl.tensor(w)) * 1.0
+        return x @ fl.tensor(w)
 
     f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
@@ -366,5 +409,5 @@ def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.Monkey
     finally:
         fl.set_num_threads(saved)
     cap = f.capture_for(x)
-    assert cap is not None and cap.native is not None and len(cap.native.program.forms) == 4
+    assert cap is not None and cap.native is not None and len(cap.native.program.forms) == 5  # 256 KiB out: staged
     assert woken and not any(taken)  # a stretch found them asleep and Python woke them before joining

@@ -10,7 +10,9 @@ The contract:
   by later steps of the same size. Later calls bind the new arrays and DynScalar values and run the
   steps: no graph is built, nothing is keyed, no intermediate is allocated.
 - Outputs are fresh arrays each call, so a result already handed out is never overwritten; with
-  `reuse_outputs=True` they live in the arena too, and the next call overwrites them.
+  `reuse_outputs=True` they live in the arena too, and the next call overwrites them. A small output
+  whose step runs natively is written into a buffer of the capture's own and copied out
+  (`native.OUT_STAGE_MAX_BYTES`).
 - Each signature keeps its capture (and arena) for the life of `f`; `fl.jit(fn, max_arena_bytes=n)`
   drops the least recently used ones once their arenas pass n bytes, for callers that see many shapes.
 - Leaves `fn` captures from outside (weights) are held by the capture and read on every call. A
@@ -41,6 +43,7 @@ from fuel.graph.registry import default_registry
 
 _QUIET = contextlib.nullcontext()
 _NOTHING: dict[int, np.ndarray] = {}
+_NONE_COPIED: frozenset[int] = frozenset()
 
 Signature = tuple[tuple[tuple[int, ...], np.dtype[Any]], ...]
 
@@ -96,7 +99,8 @@ class Capture:
         # buffers (their memory is fixed too, so a reshape of one is the same view every call).
         may_mutate = any(step.destructive is not None for step in plan.steps)
         steps = _fold(plan.steps, template, plan.outputs, views_only=may_mutate)
-        buffers, self.arena_bytes = _arena(steps, plan.outputs, reuse_outputs)
+        buffers, self.arena_bytes, fresh = _arena(steps, plan.outputs, reuse_outputs)
+        self.fresh = {steps[k].output for k in fresh}  # output slots each call allocates
         owned_slots = {steps[k].output for k in buffers}
         for k, raw in buffers.items():
             template[steps[k].output] = raw.view(steps[k].spec.dtype.np).reshape(steps[k].spec.shape)
@@ -116,6 +120,7 @@ class Capture:
         # and entering np.errstate costs ~1.5 µs, a tenth of a one-op replay.
         self._numpy_steps = any(r.step.prim is not None for r in self.runs)
         # Each output is a slot of the plan, an argument fn returned as it is, or a captured value.
+        self.output_slots = tuple(plan.outputs)
         self.outputs: list[tuple[int, int, np.ndarray | None]] = [
             (plan.outputs[roots.index(n)], -1, None) if n.value is None
             else (-1, position[id(n)], None) if id(n) in position else (-1, -1, n.value) for n in nodes]
@@ -131,8 +136,8 @@ class Capture:
         try:
             with np.errstate(all="ignore") if self._numpy_steps else _QUIET:
                 if not tracers and not first:
-                    self._replay(slots, env)
-                    return self._outputs(slots, args)
+                    copied = self._replay(slots, env)
+                    return self._outputs(slots, args, copied)
                 for r in self.runs:
                     start = time.perf_counter() if tracers else 0.0
                     step = r.step
@@ -150,17 +155,19 @@ class Capture:
         finally:
             threads.use_serial(False)
         if first:
-            self.native = native.prepare([r.step for r in self.runs], self.fast, self.template, args, self.arg_slots)
+            self.native = native.prepare([r.step for r in self.runs], self.fast, self.template, args, self.arg_slots,
+                                         self.fresh, self.output_slots)
         self._checked = True
         return self._outputs(slots, args)
 
-    def _replay(self, slots: list[Any], env: dict[str, int]) -> None:
-        """The steady-state loop: `run`'s without tracing or output checks, its lookups done at capture."""
+    def _replay(self, slots: list[Any], env: dict[str, int]) -> frozenset[int]:
+        """The steady-state loop: `run`'s without tracing or output checks, its lookups done at capture.
+        Returns the output slots whose arrays are the capture's own, to be copied out."""
         run_fused, prim_spec = executor.run_fused, executor.prim_spec
-        nat, items, watch = self.native, self.fast, _NOTHING
+        nat, items, watch, copied = self.native, self.fast, _NOTHING, _NONE_COPIED
         if nat is not None and nat.program.bind(env):
             nat.enter(slots)
-            items, watch = nat.items, nat.watch
+            items, watch, copied = nat.items, nat.watch, nat.copied
         for item in items:
             if len(item) == 2:  # a stretch of native steps
                 nat.program.run(*item)  # type: ignore[union-attr]
@@ -176,9 +183,15 @@ class Capture:
             if o in watch and slots[o] is not watch[o]:  # native steps read it there
                 np.copyto(watch[o], slots[o])
                 slots[o] = watch[o]
+        return copied
 
-    def _outputs(self, slots: list[Any], args: Sequence[np.ndarray]) -> list[np.ndarray]:
-        return [slots[s] if s >= 0 else args[i] if i >= 0 else c for s, i, c in self.outputs]  # type: ignore[misc]
+    def _outputs(self, slots: list[Any], args: Sequence[np.ndarray],
+                 copied: frozenset[int] = _NONE_COPIED) -> list[np.ndarray]:
+        outs: list[np.ndarray] = [slots[s] if s >= 0 else args[i] if i >= 0 else c  # type: ignore[misc]
+                                  for s, i, c in self.outputs]
+        if copied:  # native steps wrote them into the capture's own buffers
+            outs = [o.copy() if s in copied else o for o, (s, _, _) in zip(outs, self.outputs, strict=True)]
+        return outs
 
     def _check_names(self, env: dict[str, int]) -> None:
         """A clear error for an unbound DynScalar, or for a keyword the graph has no DynScalar for (a typo
@@ -224,8 +237,10 @@ def _fold(steps: Sequence[Step], template: list[Any], outputs: Sequence[int], vi
     return left
 
 
-def _arena(steps: list[Step], outputs: Sequence[int], reuse_outputs: bool) -> tuple[dict[int, np.ndarray], int]:
-    """Raw buffers per step index (of `steps`) that owns one, and the arena's total bytes.
+def _arena(steps: list[Step], outputs: Sequence[int],
+           reuse_outputs: bool) -> tuple[dict[int, np.ndarray], int, set[int]]:
+    """Raw buffers per step index (of `steps`) that owns one, the arena's total bytes and the step indices
+    whose buffers hold outputs and are allocated per call.
 
     A step owns a buffer unless it is a view or destroys an input (those alias their input's buffer);
     argument and constant slots own none. A buffer whose last reader has run is handed to the next step
@@ -270,7 +285,7 @@ def _arena(steps: list[Step], outputs: Sequence[int], reuse_outputs: bool) -> tu
         for b in releases.get(k, ()):  # after this step's own buffer: a step never writes what it reads
             if b in buffers:
                 free.setdefault(buffers[b].nbytes, []).append(buffers[b])
-    return buffers, total
+    return buffers, total, fresh
 
 
 class Jit:
