@@ -223,7 +223,7 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
           f"counting jit weight-cold (the full-flush fraction beside it). Cold cache: each timed call follows an "
           f"untimed {FLUSH_BYTES >> 20} MiB read (jit warm: none, the weight in L3 from the jit call before it; "
           f"jit weight-cold: only the weight's and x's cache lines flushed, the code and the replay kept cached, "
-          f"as in a decode loop). Targets: fuel/(deq+mm) "
+          f"the pool's workers woken, as in a decode loop). Targets: fuel/(deq+mm) "
           f"≤ {TARGET_RATIO}, roofline ≥ {TARGET_ROOF:.0%} at M = 1 (✓ met, ✗ not). BLAS {blas_info()}")
     print(f"wrote {folder / 'quant.json'} and {folder / 'quant.png'}")
     return 0
