@@ -108,34 +108,40 @@ def test_small_work_serial_blocks_and_one_thread_use_one_part(two_threads: None)
     assert spin.parts_for(1e-3, 1000) == 1
 
 
-def test_parked_workers_go_to_sleep(two_threads: None) -> None:
+def _awake_when(pool: spin.SpinPool, awake: int, seconds: float = 2.0) -> int:
+    """Worker 0's AWAKE flag once it reads `awake`, or after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while pool.ctl[spin.AWAKE] != awake and time.monotonic() < deadline:
+        time.sleep(1e-4)
+    return int(pool.ctl[spin.AWAKE])
+
+
+def _parked_pool() -> spin.SpinPool:
+    """The two-thread pool after a job, its worker parked and asleep."""
     _counts_after(8)
     pool = spin._pool(1)
     pool.park()
-    deadline = time.monotonic() + 2.0
-    while pool.ctl[spin.AWAKE] and time.monotonic() < deadline:
-        time.sleep(1e-3)
-    assert pool.ctl[spin.AWAKE] == 0
+    assert _awake_when(pool, 0) == 0
+    return pool
+
+
+def test_parked_workers_go_to_sleep(two_threads: None) -> None:
+    _parked_pool()
     assert (_counts_after(8) == 1).all()  # and a later job still runs every part
 
 
-
-def test_wake_brings_sleeping_workers_up(two_threads: None) -> None:
-    """`spin.wake()` wakes sleeping workers (for a caller about to time a job after an idle gap); they
-    spin and take parts as usual, then sleep again."""
-    _counts_after(8)
-    pool = spin._pool(1)
-    pool.park()
-    deadline = time.monotonic() + 2.0
-    while pool.ctl[spin.AWAKE] and time.monotonic() < deadline:
-        time.sleep(1e-3)
-    assert pool.ctl[spin.AWAKE] == 0
+def test_wake_brings_sleeping_workers_up(two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`spin.wake()` wakes sleeping workers (for a caller about to time a job after an idle gap), parked
+    ones too; they spin and take parts as usual."""
+    pool = _parked_pool()
+    monkeypatch.setattr(pool, "limit", 1000 * pool.limit)  # spinning long enough to be seen on a busy host
     spin.wake()
-    deadline = time.monotonic() + 2.0
-    while not pool.ctl[spin.AWAKE] and time.monotonic() < deadline:
-        time.sleep(1e-4)
-    assert pool.ctl[spin.AWAKE] == 1
-    assert (_counts_after(8) == 1).all()
+    try:
+        assert _awake_when(pool, 1) == 1
+        assert (_counts_after(8) == 1).all()
+    finally:
+        pool.park()
+
 
 def test_workers_are_pinned_each_to_a_core_the_poster_keeps_free(two_threads: None) -> None:
     allowed = sorted(os.sched_getaffinity(0))
