@@ -9,13 +9,19 @@ one scalar extract per lane, 9.4 ms for a 4096² one-row product). Each step rea
 looks up both nibbles: 16 weights of even k (high nibbles) and 16 of odd k, each scaled by its block's
 absmax (the tiles' dequantisation on AVX2 takes them in element order straight from the shuffles).
 
-Two paths, chosen by shape:
+Three paths, chosen by shape and host:
 - decode (at most `DECODE_MAX_ROWS` activation rows, forward only): the activation rows are split
   once into their even and odd k, then each output column streams its packed weight row once and
   accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
   tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks. One
   activation row on AVX-512 and AVX2 hosts goes by table instead (`nf4_table`: 0.37 against 0.54 ms
   warm on AVX-512).
+- AMX (more rows, K >= `AMX_MIN_K` and N·K >= `AMX_MIN_WEIGHTS`, on hosts with AMX tiles): `nf4_amx`,
+  the products on the tiles in bf16 pieces whose sums are exact f32 values (f32-accurate: at most 5e-8
+  of S measured). Declined (the tiles path runs) for blocks of other than a multiple of 64, non-finite
+  absmax and activations outside the tiles' range. 4096², 64 rows, two threads: 0.66-1.0x the tiles
+  path's time, by the host's phase (interleaved in one process on a Xeon VM whose two vCPUs share
+  their tile unit's throughput: two threads of tile products ran 1.1-1.5x one thread's rate).
 - tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile multiplied
   by fuel's tile kernel on AVX-512 and AVX2 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere, the
   tiles split over fuel's threads (`weight_tiles`). The transposed product `g @ W` of the gradient
@@ -45,7 +51,7 @@ from numba.extending import intrinsic
 
 from fuel.dispatch import native, spin
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.cpu import row_blocks
+from fuel.dispatch.cpu import nf4_amx, row_blocks
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.driver import chunk_bounds, chunk_count
 from fuel.dispatch.cpu.half import narrow_into, widened
@@ -324,15 +330,26 @@ def _scratch(rows: int, cols: int, buf: np.ndarray | None) -> np.ndarray:
     return buf[: rows * cols].reshape(rows, cols)
 
 
-def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
-    """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous: the decode path, or tiles each
-    dequantised and multiplied in one thread, the tiles split over fuel's threads (`weight_tiles`, as
-    QMatMul's). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took 1.8x as long at
-    4096 x 4096, M = 64. Each output element's sum is fixed by the shape, whatever the tiling."""
+USE_AMX = True  # large products on AMX tiles where the host has them (`nf4_amx`); tests turn it off
+AMX_MIN_K = 2048  # the smallest contraction, and
+AMX_MIN_WEIGHTS = 1 << 23  # the smallest weight (N·K), the AMX path takes (below, it measured 0.9-1.3x)
+
+
+def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray,
+             x_pieces: int = nf4_amx.PIECES) -> None:
+    """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous (x holding values of `x_pieces` bf16
+    pieces, `nf4_amx.forward`): the decode path; large products on AMX tiles where the host has them;
+    else tiles each dequantised and multiplied in one thread, the tiles split over fuel's threads
+    (`weight_tiles`, as QMatMul's). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took
+    1.8x as long at 4096 x 4096, M = 64. Each output element's sum is fixed by the shape and the host,
+    whatever the tiling and the thread count."""
     rows, k = x.shape
     n = w.shape[0]
     if rows <= DECODE_MAX_ROWS and bs % 32 == 0:
         _decode_rows(x, w, absmax, bs, out)
+        return
+    if (USE_AMX and k >= AMX_MIN_K and n * k >= AMX_MIN_WEIGHTS
+            and nf4_amx.forward(x, w, absmax, bs, out, x_pieces)):
         return
     nb = k // bs
     if not post_tiles(_tiles, x, n, out, (w.ctypes.data, w.shape[1], absmax.ctypes.data, nb, _LUT.ctypes.data)):
@@ -353,6 +370,10 @@ def _transposed(g: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: 
         row_blocks.matmul(g, t, out[:, b0 * bs:b1 * bs])
 
 
+# bf16 pieces (`nf4_amx`) of the values an activation dtype widens to: f32 takes three.
+_PIECES = {DType.BF16.np: 1, DType.F16.np: 2}
+
+
 def nf4_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     act, w, absmax = inputs
     if out.size == 0:
@@ -366,7 +387,7 @@ def nf4_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     elif params.transpose:
         _transposed(x2, w, absmax, params.block_size, o2)
     else:
-        _forward(x2, w, absmax, params.block_size, o2)
+        _forward(x2, w, absmax, params.block_size, o2, _PIECES.get(act.dtype, nf4_amx.PIECES))
     if acc is not out:
         narrow_into(acc, out)
 
