@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import sys
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ binding.initialize_native_asmparser()
 def available() -> bool:
     """True where this process may run AMX bf16 instructions: the host has them and Linux granted the
     tile state (asked once)."""
-    if not _HAS_AMX_BF16:
+    if not _HAS_AMX_BF16 or not sys.platform.startswith("linux"):  # the syscall number is Linux's x86-64 one
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
