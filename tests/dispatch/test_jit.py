@@ -282,6 +282,29 @@ def test_max_arena_bytes_drops_the_least_recently_used_capture() -> None:
         fl.jit(fn, max_arena_bytes=-1)
 
 
+def test_max_arena_bytes_counts_the_native_replays_staged_buffers() -> None:
+    """An argument the native replay copies into a buffer of the capture's own is memory the capture
+    holds: two signatures whose arenas fit the budget but whose staged arguments do not are not both kept."""
+
+    def fn(x: fl.Tensor) -> fl.Tensor:
+        return (x * 2.0).exp() * 3.0
+
+    a, b = np.ones((60000,), np.float32), np.ones((70000,), np.float32)
+    step = fl.jit(fn)
+    held = []
+    for x in (a, b):
+        step(x)
+        cap = step.capture_for(x)
+        assert cap is not None and cap.native is not None and cap.native.stage  # x staged
+        assert cap.held_bytes == cap.arena_bytes + cap.native.own_bytes >= cap.arena_bytes + x.nbytes
+        held.append(cap.held_bytes)
+    arenas = sum(c.arena_bytes for c in (step.capture_for(a), step.capture_for(b)) if c is not None)
+    budget = fl.jit(fn, max_arena_bytes=max(arenas, *held))  # both arenas fit; arenas and staged buffers do not
+    budget(a)
+    budget(b)
+    assert budget.capture_for(a) is None and budget.capture_for(b) is not None
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f64", "bf16"])
 def test_prims_writing_into_the_arena_give_the_eager_bytes(dtype: str) -> None:
     """SiLU and index_select write straight into their arena buffers under replay; the bytes are the

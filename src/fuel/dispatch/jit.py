@@ -14,7 +14,8 @@ The contract:
   whose step runs natively is written into a buffer of the capture's own and copied out
   (`native.OUT_STAGE_MAX_BYTES`).
 - Each signature keeps its capture (and arena) for the life of `f`; `fl.jit(fn, max_arena_bytes=n)`
-  drops the least recently used ones once their arenas pass n bytes, for callers that see many shapes.
+  drops the least recently used ones once the bytes they hold (arenas, and the native replay's staged
+  buffers) pass n, for callers that see many shapes.
 - Leaves `fn` captures from outside (weights) are held by the capture and read on every call. A
   destructive op writes into its input as in `realize`, be it an argument or a captured array.
 """
@@ -124,6 +125,11 @@ class Capture:
         self.outputs: list[tuple[int, int, np.ndarray | None]] = [
             (plan.outputs[roots.index(n)], -1, None) if n.value is None
             else (-1, position[id(n)], None) if id(n) in position else (-1, -1, n.value) for n in nodes]
+
+    @property
+    def held_bytes(self) -> int:
+        """The arena's bytes and those of the native replay's own buffers, once prepared."""
+        return self.arena_bytes + (self.native.own_bytes if self.native is not None else 0)
 
     def run(self, args: Sequence[np.ndarray], env: dict[str, int]) -> list[np.ndarray]:
         if len(env) != len(self.dyn) or any(n not in env for n in self.dyn):
@@ -332,14 +338,15 @@ class Jit:
         return outs[0] if capture.single else tuple(outs)
 
     def _evict(self) -> None:
-        """Drop the least recently used captures while their arenas pass `max_arena_bytes` (the newest
-        always stays): each signature's arena holds all its intermediates for as long as it is kept."""
+        """Drop the least recently used captures while the bytes they hold pass `max_arena_bytes` (the newest
+        always stays): each signature's arena holds all its intermediates for as long as it is kept, and
+        its native replay the buffers it stages arguments and outputs in (`Capture.held_bytes`)."""
         if self.max_arena_bytes is None:
             return
-        total = sum(c.arena_bytes for c in self._captures.values())
+        total = sum(c.held_bytes for c in self._captures.values())
         while total > self.max_arena_bytes and len(self._captures) > 1:
             _, dropped = self._captures.popitem(last=False)
-            total -= dropped.arena_bytes
+            total -= dropped.held_bytes
 
     def capture_for(self, *args: Any) -> Capture | None:
         """The capture that serves these arguments' signature, once traced (for inspection)."""

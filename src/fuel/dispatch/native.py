@@ -184,6 +184,9 @@ class Native:
     watch: dict[int, np.ndarray]  # a Python step's output slot -> the array native steps read it from
     step_count: int  # the replayed steps that run as native jobs (a step may post two: `program` has its jobs)
     copied: frozenset[int]  # output slots whose arrays are the capture's own: the call hands out copies
+    # The bytes it allocated beside the capture's arena (staged arguments and outputs, the scratch its forms
+    # keep), counted against `fl.jit`'s `max_arena_bytes` with the arena.
+    own_bytes: int = 0
 
     def enter(self, slots: list[Any]) -> None:
         for s, buf in self.stage:
@@ -210,6 +213,7 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
              if s not in destroyed and isinstance(args[i], np.ndarray) and args[i].nbytes <= STAGE_MAX_BYTES}
     own: dict[int, np.ndarray] = {s: v for s, v in enumerate(template) if isinstance(v, np.ndarray)}
     own.update(stage)
+    own_bytes = sum(b.nbytes for b in stage.values())
     forms: list[Form] = []
     items: list[tuple[Any, ...]] = []
     fixed: list[tuple[int, np.ndarray]] = []
@@ -231,6 +235,7 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
                 continue
         if known and out is None and step.output in fresh:
             out, jobs = stage_output(step, xs)
+            own_bytes += out.nbytes if out is not None else 0
         elif known and out is not None:
             jobs = form_of(step, xs, out)
         if out is not None:
@@ -254,7 +259,8 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
     staged = [a for s, a in fixed if s in fresh]
     copied = frozenset(s for s in outputs if isinstance(own.get(s), np.ndarray)
                        and any(np.may_share_memory(own[s], a) for a in staged))
-    return Native(program(forms), items, list(stage.items()), fixed, watch, step_count, copied)
+    own_bytes += sum(k.nbytes for f in forms for k in f.keep)
+    return Native(program(forms), items, list(stage.items()), fixed, watch, step_count, copied, own_bytes)
 
 
 def stage_output(step: Step, xs: list[np.ndarray]) -> tuple[np.ndarray | None, Forms | None]:
