@@ -5,7 +5,6 @@ count; a decode-shaped block also against torch in float64. Steps it cannot serv
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from fuel.errors import IndexOutOfRange
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType, nf4_quantize
 from fuel.testing.oracle import assert_close_contraction
+from fuel.testing.pool import awake_when
 from fuel.testing.reference.nf4_matmul import dequant64
 from fuel.testing.reference.qmatmul import as_words, qmatmul64, qmatmul_scale, random_weight
 
@@ -402,7 +402,7 @@ def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.Monkey
     try:
         for _ in range(3):
             pool.park()
-            time.sleep(0.01)  # the workers see PARK and sleep
+            assert all(awake_when(pool, 0, worker=w) == 0 for w in range(pool.workers))  # the workers sleep
             got = f(x).numpy()
             want = ((x + np.float32(1)) * np.float32(2) - x) / np.float32(3) * np.float32(1)
             assert got.tobytes() == want.tobytes()

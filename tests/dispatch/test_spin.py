@@ -19,6 +19,7 @@ from fuel.dispatch.cpu import gemv as gemv_module
 from fuel.dispatch.cpu import gguf_decode
 from fuel.dispatch.cpu.atomics import cycles, fetch_add, load_acquire, pointer, store
 from fuel.quant import QuantType
+from fuel.testing.pool import awake_when
 from fuel.testing.reference.qmatmul import random_weight
 
 
@@ -108,20 +109,12 @@ def test_small_work_serial_blocks_and_one_thread_use_one_part(two_threads: None)
     assert spin.parts_for(1e-3, 1000) == 1
 
 
-def _awake_when(pool: spin.SpinPool, awake: int, seconds: float = 2.0) -> int:
-    """Worker 0's AWAKE flag once it reads `awake`, or after `seconds`."""
-    deadline = time.monotonic() + seconds
-    while pool.ctl[spin.AWAKE] != awake and time.monotonic() < deadline:
-        time.sleep(1e-4)
-    return int(pool.ctl[spin.AWAKE])
-
-
 def _parked_pool() -> spin.SpinPool:
     """The two-thread pool after a job, its worker parked and asleep."""
     _counts_after(8)
     pool = spin._pool(1)
     pool.park()
-    assert _awake_when(pool, 0) == 0
+    assert awake_when(pool, 0) == 0
     return pool
 
 
@@ -137,7 +130,7 @@ def test_wake_brings_sleeping_workers_up(two_threads: None, monkeypatch: pytest.
     monkeypatch.setattr(pool, "limit", 1000 * pool.limit)  # spinning long enough to be seen on a busy host
     spin.wake()
     try:
-        assert _awake_when(pool, 1) == 1
+        assert awake_when(pool, 1) == 1
         assert (_counts_after(8) == 1).all()
     finally:
         pool.park()
