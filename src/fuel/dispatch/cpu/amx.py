@@ -111,32 +111,23 @@ def _tile_zero(typingctx: Any, t: Any) -> Any:
     return types.void(t), codegen
 
 
-@intrinsic(prefer_literal=True)
-def _tile_load(typingctx: Any, t: Any, address: Any, stride: Any) -> Any:
-    """tileloadd: tile t (a literal) <- its rows at address + i·stride (int64 bytes)."""
-    tile = _literal(t)
-    if tile is None:
-        return None
+def _addressed(text: str) -> Any:
+    """An intrinsic (tile t, a literal; address; stride, int64 bytes) emitting `text`, whose {tile} is t and
+    whose memory operand is ($0,$1,1): the rows at address + i·stride."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        _emit(builder, f"tileloadd ($0,$1,1), %tmm{tile}", "r,r,~{memory}", [args[1], args[2]])
-        return context.get_dummy_value()
+    @intrinsic(prefer_literal=True)
+    def addressed(typingctx: Any, t: Any, address: Any, stride: Any) -> Any:
+        tile = _literal(t)
+        if tile is None:
+            return None
 
-    return types.void(t, address, stride), codegen
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            _emit(builder, text.format(tile=tile), "r,r,~{memory}", [args[1], args[2]])
+            return context.get_dummy_value()
 
+        return types.void(t, address, stride), codegen
 
-@intrinsic(prefer_literal=True)
-def _tile_store(typingctx: Any, t: Any, address: Any, stride: Any) -> Any:
-    """tilestored: tile t's rows (a literal) -> address + i·stride (int64 bytes)."""
-    tile = _literal(t)
-    if tile is None:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        _emit(builder, f"tilestored %tmm{tile}, ($0,$1,1)", "r,r,~{memory}", [args[1], args[2]])
-        return context.get_dummy_value()
-
-    return types.void(t, address, stride), codegen
+    return addressed
 
 
 @intrinsic(prefer_literal=True)
@@ -157,6 +148,6 @@ def _tile_dot_bf16(typingctx: Any, c: Any, a: Any, b: Any) -> Any:
 tile_config: Any = _tile_config
 tile_release: Any = _tile_release
 tile_zero: Any = _tile_zero
-tile_load: Any = _tile_load
-tile_store: Any = _tile_store
+tile_load: Any = _addressed("tileloadd ($0,$1,1), %tmm{tile}")  # tile t <- its rows at address + i·stride
+tile_store: Any = _addressed("tilestored %tmm{tile}, ($0,$1,1)")  # tile t's rows -> address + i·stride
 tile_dot_bf16: Any = _tile_dot_bf16
