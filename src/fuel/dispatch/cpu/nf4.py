@@ -17,7 +17,7 @@ Three paths, chosen by shape and host:
   activation row on AVX-512 and AVX2 hosts goes by table instead (`nf4_table`: 0.37 against 0.54 ms
   warm on AVX-512).
 - AMX (more rows, K >= `AMX_MIN_K` and N·K >= `AMX_MIN_WEIGHTS`, on hosts with AMX tiles): `nf4_amx`,
-  the products on the tiles in bf16 pieces whose sums are exact f32 values (f32-accurate: at most 5e-8
+  the products on the tiles in bf16 pieces whose sums are exact f32 values (f32-accurate: at most 8.2e-8
   of S measured). Declined (the tiles path runs) for blocks of other than a multiple of 64, non-finite
   absmax and activations outside the tiles' range. 4096², 64 rows, two threads: 0.66-1.0x the tiles
   path's time, by the host's phase (interleaved in one process on a Xeon VM whose two vCPUs share

@@ -8,7 +8,8 @@ and the six products with i + j <= 2 are kept; the three dropped ones are below 
 Each tile product adds exact bf16 x bf16 products into f32, rounding each sum, so an inner sum carries the
 rounding of an f32 FMA chain over its 6·bs products, and each block's sum is scaled by its absmax and
 added with one FMA (AVX-512) in block order. bf16 activations are one piece (three products), f16 two
-(five). Measured error against a float64 dequantise-then-matmul: at most 5e-8 of |x| @ |dequant(W)|ᵀ.
+(five). Measured error against a float64 dequantise-then-matmul: at most 8.2e-8 of |x| @ |dequant(W)|ᵀ
+(bs = 256; 4e-8 at 64).
 
 The tiles treat denormal inputs and results as zero, so the path is taken only where every nonzero
 activation lies between `TINY` and `HUGE` in magnitude (`split_activations` reports it; NaN, Inf and
