@@ -10,7 +10,7 @@ zero (DAZ, FTZ), so callers keep their values away from the denormal range.
 Linux hands out the tile state only to processes that ask (`arch_prctl(ARCH_REQ_XCOMP_PERM)`);
 `available()` asks once and says whether the host has the instructions and the kernel granted them.
 The instructions are emitted as inline assembly (LLVM's own AMX intrinsics need a tile-shape pass that
-Numba's pipeline does not run), so the native assembly parser is initialised here. A kernel loads its
+Numba's pipeline does not run), so the native assembly parser is initialised here on AMX hosts. A kernel loads its
 tile configuration (`tile_config`) in each thread that runs it and releases it (`tile_release`) after.
 """
 
@@ -32,7 +32,8 @@ _SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
 TILES = 8
 ROWS, ROW_BYTES = 16, 64  # every tile of this module's configuration: 16 rows of 64 bytes (1 KiB)
 
-binding.initialize_native_asmparser()
+if _HAS_AMX_BF16:  # only AMX hosts compile the tile instructions
+    binding.initialize_native_asmparser()
 
 
 @functools.cache
