@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
@@ -57,18 +58,15 @@ SKEW = 17 * 64  # bytes between scratch areas that would otherwise sit a multipl
 W_AHEAD = 128
 
 
-def _rne_bf16(bits: np.ndarray) -> np.ndarray:
-    return (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-
-
 def split3(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The bf16 bits (as uint32) of three pieces whose exact sum is the finite f32 v."""
+    """The bf16 bits (uint16) of three pieces whose exact sum is the finite f32 v: the nearest bf16, the
+    nearest to what is left, and the rest (ml_dtypes rounds to nearest even)."""
     pieces = []
     rest = np.asarray(v, np.float32)
     for _ in range(PIECES):
-        p = _rne_bf16(rest.view(np.uint32))
-        pieces.append(p)
-        rest = rest - (p << np.uint32(16)).view(np.float32)
+        p = rest.astype(ml_dtypes.bfloat16)
+        pieces.append(p.view(np.uint16))
+        rest = rest - p.astype(np.float32)
     return pieces[0], pieces[1], pieces[2]
 
 
@@ -77,7 +75,7 @@ def _tables() -> np.ndarray:
     unmasked low-nibble index carries the high nibble's low bit in bit 4)."""
     out = np.empty((PIECES, 32), np.uint16)
     for p, bits in enumerate(split3(NF4)):
-        out[p] = np.tile(bits.astype(np.uint16), 2)
+        out[p] = np.tile(bits, 2)
     return out
 
 
