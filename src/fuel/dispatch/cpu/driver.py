@@ -37,6 +37,20 @@ def chunk_bounds(c: int, rows: int, chunks: int) -> tuple[int, int]:
     return c * rows // chunks, (c + 1) * rows // chunks
 
 
+@njit(inline="always", cache=True)
+def pair_chunk_count(rows: int) -> int:
+    """How many fixed chunks a kernel taking rows two at a time splits `rows` into: whole pairs, so that
+    no chunk of one row (`chunk_bounds`' up to CHUNKS rows) goes as a pair with itself, twice its work."""
+    return min((rows + 1) // 2, CHUNKS)
+
+
+@njit(inline="always", cache=True)
+def pair_bounds(c: int, rows: int) -> tuple[int, int]:
+    """Rows [lo, hi) of chunk c of `pair_chunk_count(rows)`: whole pairs, but the last chunk's odd row."""
+    pairs, chunks = (rows + 1) // 2, pair_chunk_count(rows)
+    return 2 * (c * pairs // chunks), min(rows, 2 * ((c + 1) * pairs // chunks))
+
+
 # The least distance, in bytes, at which a one-row decoder's row pairs prefetch the rows ahead (`ahead_of`).
 PF = 4096
 

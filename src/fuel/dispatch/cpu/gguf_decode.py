@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from fuel.dispatch import launches
-from fuel.dispatch.cpu.driver import row_kernel
+from fuel.dispatch.cpu.driver import pair_chunk_count, row_kernel
 from fuel.dispatch.cpu.gguf_gemv import (
     BIAS,
     FACTOR_BIAS,
@@ -23,7 +23,6 @@ from fuel.dispatch.cpu.gguf_gemv import (
     activations_as_given,
     block_sums,
     bpair,
-    chunk_count,
     fill_gemv_args,
     gemv_args,
     kpair,
@@ -92,7 +91,7 @@ def _q4_0_one_bytes(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q4_0_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q4_0, _p_none, 18, SHARED, a, w, out, c, sx, x, row)
 
 
@@ -115,7 +114,7 @@ def _q4_1_one_table(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q4_1_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q4_1, _p_none, 20, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
@@ -130,7 +129,7 @@ def _q5_0_one(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q5_0_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q5_0, _p_none, 22, SHARED, a, w, out, c, sx, x, row)
 
 
@@ -145,7 +144,7 @@ def _q5_1_one(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q5_1_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q5_1, _p_none, 24, SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
@@ -160,7 +159,7 @@ def _q8_0_one(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q8_0_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q8_0, _p_none, 34, SHARED, a, w, out, c, sx, x, row)
 
 
@@ -175,7 +174,7 @@ def _q8_1_one(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q8_1_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SHARED), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q8_1, _p_none, 36, SHARED, a, w, out, c, sx, x, row)
 
 
@@ -190,7 +189,7 @@ def _q2k_one(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q2k_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SUPER | BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q2k, _p_q2k, 84, SUPER | BIAS, a, w, out, c, sx, x, row)
 
 
@@ -205,7 +204,7 @@ def _q3k_one(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q3k_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q3k, _p_q3k, 110, SUPER, a, w, out, c, sx, x, row)
 
 
@@ -238,7 +237,7 @@ def _q4k_one_words(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q4k_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q4k, _p_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
@@ -253,7 +252,7 @@ def _q5k_one(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q5k_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SUPER | SHARED | BIAS | FACTOR_BIAS), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q5k, _p_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, a, w, out, c, sx, x, row)
 
 
@@ -276,7 +275,7 @@ def _q6k_one_words(part: int, parts: int, argv: int) -> None:
 @row_kernel()
 def _q6k_many(a: Any, w: Any, out: Any) -> None:
     sx, x, row = block_sums(a, SUPER), a.reshape(a.size), w.reshape(w.size)
-    for c in prange(chunk_count(w.shape[0])):
+    for c in prange(pair_chunk_count(w.shape[0])):
         rows_many(_v_q6k, _p_q6k, 210, SUPER, a, w, out, c, sx, x, row)
 
 
@@ -369,4 +368,4 @@ def _one_row_launch(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) ->
     argv = np.empty(6, np.int64)
     fill_gemv_args(a, w, out, argv)
     n = w.shape[0]
-    return launches.prepare(task, argv, n * a.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n))
+    return launches.prepare(task, argv, n * a.shape[1] / WEIGHTS_PER_SECOND, pair_chunk_count(n))

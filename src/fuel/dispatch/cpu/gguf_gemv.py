@@ -43,7 +43,7 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.dispatch.cpu.atomics import pointer
-from fuel.dispatch.cpu.driver import ahead_of
+from fuel.dispatch.cpu.driver import ahead_of, pair_bounds, pair_chunk_count
 from fuel.dispatch.cpu.nibble_tables import nibble_codes, pair_scales
 from fuel.dispatch.cpu.simd16 import (
     adds,
@@ -105,19 +105,6 @@ def _unit(vals: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) ->
     if _factored(kind):
         return q0, q1, s0, b0, q0, q1
     return q0, q1, s0, b0, _value(q0, s0, b0, kind), _value(q1, s1, b1, kind)
-
-
-@njit(inline="always", cache=True)
-def chunk_count(n: int) -> int:
-    """How many fixed chunks of row pairs n W rows are cut into."""
-    return min((n + 1) // 2, CHUNKS)
-
-
-@njit(inline="always", cache=True)
-def _bounds(c: int, n: int) -> tuple[int, int]:
-    """Rows [lo, hi) of chunk c: whole pairs, but the last chunk's odd row."""
-    pairs, parts = (n + 1) // 2, chunk_count(n)
-    return 2 * (c * pairs // parts), min(n, 2 * ((c + 1) * pairs // parts))
 
 
 @njit(inline="always", cache=True)
@@ -306,7 +293,7 @@ def rows_one(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any
     dot, `bpair` or `kpair`): W rows j and j + 1 together, one sequential stream, while the pair's dot
     prefetches a pair ahead's bytes (`ahead_of`) into L1 as it goes."""
     k = a.shape[1]
-    lo, hi = _bounds(c, w.shape[0])
+    lo, hi = pair_bounds(c, w.shape[0])
     rl = w.shape[1]
     sc0 = carray(stack_f32(32), (32,))
     sc1 = carray(stack_f32(32), (32,))
@@ -323,7 +310,7 @@ def rows_many(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: An
     formed once and FMA'd into four rows at a time. For a given m every element is the same operations
     whichever way it is reached."""
     m, k = a.shape
-    lo, hi = _bounds(c, w.shape[0])
+    lo, hi = pair_bounds(c, w.shape[0])
     rl = w.shape[1]
     sc0 = carray(stack_f32(32), (32,))
     sc1 = carray(stack_f32(32), (32,))
@@ -344,7 +331,7 @@ def rows_many(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: An
 def part_chunks(part: int, parts: int, n: int) -> tuple[int, int]:
     """Chunks [c0, c1) of part `part` of `parts` (of n W rows): whole chunks, so a row's bytes never depend
     on the part count."""
-    chunks = chunk_count(n)
+    chunks = pair_chunk_count(n)
     return part * chunks // parts, (part + 1) * chunks // parts
 
 

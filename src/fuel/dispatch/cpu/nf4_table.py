@@ -22,7 +22,7 @@ from numba import carray, njit
 
 from fuel.dispatch import launches, native, spin
 from fuel.dispatch.cpu.atomics import pointer
-from fuel.dispatch.cpu.driver import ahead_of, chunk_bounds, chunk_count
+from fuel.dispatch.cpu.driver import ahead_of, chunk_bounds, chunk_count, pair_bounds, pair_chunk_count
 from fuel.dispatch.cpu.nibble_tables import (
     BYTE_LUT,
     LOOKUP64_LANES,
@@ -96,6 +96,12 @@ def _block64_once(w: Any, o: int, x: Any, xo: int, bs: int, table: Any) -> Any:
 
 
 @njit(inline="always", cache=True)
+def _chunks(n: int) -> int:
+    """The fixed chunks of `_rows`: of row pairs where it takes rows two at a time (AVX-512), else of rows."""
+    return pair_chunk_count(n) if LUT16 else chunk_count(n)
+
+
+@njit(inline="always", cache=True)
 def _rows(block: Any, part: int, parts: int, argv: int, fixed_bs: int) -> None:
     """Part `part` of `parts` of the rows: each block's `block` sum times its absmax, the row's lanes summed.
     On AVX-512 hosts rows r and r + 1 go together (`_pair`); AVX2 hosts, whose 16 ymm registers the pair's
@@ -110,15 +116,16 @@ def _rows(block: Any, part: int, parts: int, argv: int, fixed_bs: int) -> None:
     absmax = carray(pointer(v[5], np.float32), (n * nb,))
     table = vload(carray(pointer(v[7], np.float32), (16,)), 0)
     out = carray(pointer(v[8], np.float32), (1, n))
-    chunks = chunk_count(n)
+    chunks = _chunks(n)
     for c in range(part * chunks // parts, (part + 1) * chunks // parts):
-        lo, hi = chunk_bounds(c, n, chunks)
         if LUT16:
+            lo, hi = pair_bounds(c, n)
             ahead = ahead_of(2 * kh)
             for r in range(lo, hi, 2):
-                r1 = min(r + 1, hi - 1)  # an odd last row as a pair with itself: the same operations
+                r1 = min(r + 1, hi - 1)  # the odd last row as a pair with itself: the same operations
                 out[0, r], out[0, r1] = _pair(block, w, absmax, x, table, kh, nb, bs, r, r1, ahead)
             continue
+        lo, hi = chunk_bounds(c, n, chunks)
         for r in range(lo, hi):
             acc = vzero()
             for b in range(nb):
@@ -185,7 +192,7 @@ def _table_job(task: spin.Task, xp: np.ndarray, w: np.ndarray, absmax: np.ndarra
     argv = np.empty(10, np.int64)
     table_args(xp, w, absmax, lut, out, bs, argv)
     n = w.shape[0]
-    return launches.prepare(task, argv, n * xp.shape[1] / WEIGHTS_PER_SECOND, chunk_count(n))
+    return launches.prepare(task, argv, n * xp.shape[1] / WEIGHTS_PER_SECOND, _chunks(n))
 
 
 def decode_one_row(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray, out: np.ndarray,
