@@ -183,6 +183,7 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "loadavg_start": os.getloadavg()}
     results: list[dict[str, Any]] = []
+    probes = [limits["read_gbs"]]  # read bandwidth at the start and after each type's cases
     for i, qtype in enumerate(sz.types):
         try:
             wt = build_weight(qtype, sz.n, sz.k, np.random.default_rng(100 + i))
@@ -199,23 +200,24 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
             _report(results[-1])
             _write(folder, meta, results)
         del wt
+        if measured:
+            probes.append(read_bandwidth()["read_gbs"])
     meta["loadavg_end"] = os.getloadavg()
-    if measured:  # the host's speed drifts: a slow phase at the start would understate the roofline
-        end = read_bandwidth()
-        meta["read_gbs_start"], meta["read_gbs_end"] = limits["read_gbs"], end["read_gbs"]
-        limits["read_gbs"] = max(limits["read_gbs"], end["read_gbs"])
+    if measured:  # the host's memory speed drifts: one slow probe would understate the roofline
+        meta["read_gbs_probes"] = probes
+        limits["read_gbs"] = max(probes)
         for r in results:
             if not r["skipped"]:
                 judge_roofline(r, limits)
-        print(f"  read bandwidth at the end {end['read_gbs']:.1f} GB/s: the roofline takes "
-              f"{limits['read_gbs']:.1f}, the larger", flush=True)
+        print(f"  read bandwidth at the start and after each type {', '.join(f'{p:.1f}' for p in probes)} GB/s: "
+              f"the roofline takes {limits['read_gbs']:.1f}, the largest", flush=True)
     _write(folder, meta, results)
     print_table(results)
     print(f"\nload average (1, 5, 15 min) at start {meta['loadavg_start']}, at end {meta['loadavg_end']} "
           f"({THREADS} cores: above ~{THREADS} something else competed with these timings)")
     print(f"roofline: weight bytes (+ NF4 absmax) / {limits['read_gbs']:.1f} GB/s read bandwidth (measured: "
           f"the fastest of a two-thread vector read, a two-thread scalar sum and a NumPy sum over 256 MiB, at the "
-          f"start and again at the end, the larger taken; at the start "
+          f"start and after each type's cases, the largest taken; at the start "
           f"{limits.get('read_vector_gbs', float('nan')):.1f}, {limits.get('read_numba_gbs', float('nan')):.1f} and "
           f"{limits.get('read_numpy_gbs', float('nan')):.1f} GB/s; copy bandwidth {limits['bandwidth_gbs']:.1f} GB/s "
           f"read + write, not used); at M > 1 "

@@ -378,7 +378,7 @@ def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[s
 
 def judge_roofline(record: dict[str, Any], limits: dict[str, float]) -> None:
     """Set a timed record's roofline floor, its fractions and whether it meets the M = 1 target, for the
-    machine's `limits` (the harness judges again at the end with the larger bandwidth measured)."""
+    machine's `limits` (the harness judges again at the end with the largest bandwidth it probed)."""
     m, ms = record["m"], record["ms"]
     roof_ms = floor_ms(record["weight_bytes"], record["flops"] if m > 1 else 0, limits)
     fraction = roof_ms / ms[record["roofline_way"]]
