@@ -134,10 +134,14 @@ def machine_limits(repeat: int = 5) -> dict[str, float]:
     dst = np.empty_like(src)
     _parallel_copy(src, dst)
     copy_ms = min(_median_ms(lambda: np.copyto(dst, src), repeat), _median_ms(lambda: _parallel_copy(src, dst), repeat))
-    # BLAS is most efficient on large squares: 4096^3 is the size of the largest GEMM benchmarked here.
+    return {"bandwidth_gbs": 2 * src.nbytes / copy_ms / 1e6, "gemm_gflops": sgemm_gflops(min(repeat, 3))}
+
+
+def sgemm_gflops(repeat: int = 3) -> float:
+    """NumPy's BLAS f32 GEMM rate now. BLAS is most efficient on large squares: 4096³ is the size of the
+    largest GEMM benchmarked here."""
     a = np.ones((4096, 4096), np.float32)
-    gemm_ms = _median_ms(lambda: a @ a, min(repeat, 3))
-    return {"bandwidth_gbs": 2 * src.nbytes / copy_ms / 1e6, "gemm_gflops": 2 * 4096**3 / gemm_ms / 1e6}
+    return 2 * 4096**3 / _median_ms(lambda: a @ a, repeat) / 1e6
 
 
 def _fuel_impl(c: BenchCase, tensors: list[fl.Tensor]) -> Any:

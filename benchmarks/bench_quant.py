@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 import fuel as fl
-from benchmarks.bench_ops import blas_info
+from benchmarks.bench_ops import blas_info, sgemm_gflops
 from benchmarks.quant_cases import (
     EVICT_WAY,
     FLUSH_BYTES,
@@ -184,6 +184,7 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "loadavg_start": os.getloadavg()}
     results: list[dict[str, Any]] = []
     probes = [limits["read_gbs"]]  # read bandwidth at the start and after each type's cases
+    gemm_probes = [limits["gemm_gflops"]]  # the sgemm peak, likewise
     for i, qtype in enumerate(sz.types):
         try:
             wt = build_weight(qtype, sz.n, sz.k, np.random.default_rng(100 + i))
@@ -202,15 +203,17 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
         del wt
         if measured:
             probes.append(read_bandwidth()["read_gbs"])
+            gemm_probes.append(sgemm_gflops())
     meta["loadavg_end"] = os.getloadavg()
     if measured:  # the host's memory speed drifts: one slow probe would understate the roofline
-        meta["read_gbs_probes"] = probes
-        limits["read_gbs"] = max(probes)
+        meta["read_gbs_probes"], meta["gemm_gflops_probes"] = probes, gemm_probes
+        limits["read_gbs"], limits["gemm_gflops"] = max(probes), max(gemm_probes)
         for r in results:
             if not r["skipped"]:
                 judge_roofline(r, limits)
         print(f"  read bandwidth at the start and after each type {', '.join(f'{p:.1f}' for p in probes)} GB/s: "
-              f"the roofline takes {limits['read_gbs']:.1f}, the largest", flush=True)
+              f"the roofline takes {limits['read_gbs']:.1f}, the largest; sgemm "
+              f"{', '.join(f'{p:.0f}' for p in gemm_probes)} GFLOP/s: it takes {limits['gemm_gflops']:.0f}", flush=True)
     _write(folder, meta, results)
     print_table(results)
     print(f"\nload average (1, 5, 15 min) at start {meta['loadavg_start']}, at end {meta['loadavg_end']} "
@@ -221,11 +224,11 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
           f"{limits.get('read_vector_gbs', float('nan')):.1f}, {limits.get('read_numba_gbs', float('nan')):.1f} and "
           f"{limits.get('read_numpy_gbs', float('nan')):.1f} GB/s; copy bandwidth {limits['bandwidth_gbs']:.1f} GB/s "
           f"read + write, not used); at M > 1 "
-          f"the larger of that and flops / {limits['gemm_gflops']:.0f} GFLOP/s sgemm; over fuel's best way, at M = 1 "
-          f"counting jit weight-cold (the full-flush fraction beside it). Cold cache: each timed call follows an "
-          f"untimed {FLUSH_BYTES >> 20} MiB read (jit warm: none, the weight in L3 from the jit call before it; "
-          f"jit weight-cold: only the weight's and x's cache lines flushed, the code and the replay kept cached, "
-          f"the pool's workers woken, as in a decode loop). Targets: fuel/(deq+mm) "
+          f"the larger of that and flops / {limits['gemm_gflops']:.0f} GFLOP/s sgemm (the largest probed); over "
+          f"fuel's best way, at M = 1 counting jit weight-cold (the full-flush fraction beside it). Cold cache: "
+          f"each timed call follows an untimed {FLUSH_BYTES >> 20} MiB read (jit warm: none, the weight in L3 from "
+          f"the jit call before it; jit weight-cold: only the weight's and x's cache lines flushed, the code and "
+          f"the replay kept cached, the pool's workers woken, as in a decode loop). Targets: fuel/(deq+mm) "
           f"≤ {TARGET_RATIO}, roofline ≥ {TARGET_ROOF:.0%} at M = 1 (✓ met, ✗ not). BLAS {blas_info()}")
     print(f"wrote {folder / 'quant.json'} and {folder / 'quant.png'}")
     return 0

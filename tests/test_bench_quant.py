@@ -66,19 +66,23 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
 
 
 def test_roofline_takes_the_largest_bandwidth_probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run that measures the machine measures the read bandwidth again after each type's cases and judges
-    every record by the largest: one slow phase of the host while probing must not flatter the fractions."""
-    probed = iter([40.0, 25.0])
+    """A run that measures the machine measures the read bandwidth and the sgemm peak again after each type's
+    cases and judges every record by the largest: one slow phase of the host while probing must not flatter
+    the fractions."""
+    probed, gemm = iter([40.0, 25.0]), iter([150.0, 400.0])
     monkeypatch.setattr(bq, "measure_limits", lambda: dict(LIMITS))
     monkeypatch.setattr(bq, "read_bandwidth", lambda: {"read_gbs": next(probed)})
-    sizes = bq.Sizes(k=TINY.k, n=TINY.n, ms=(1,), types=("Q4_0", "Q8_0"), one_row_rounds=1)
+    monkeypatch.setattr(bq, "sgemm_gflops", lambda: next(gemm))
+    sizes = bq.Sizes(k=TINY.k, n=TINY.n, ms=(1, 5), types=("Q4_0", "Q8_0"), one_row_rounds=1)
     assert bq.main(str(tmp_path), 1, sizes) == 0
     data = json.loads((tmp_path / "quant.json").read_text())
     assert data["meta"]["read_gbs_probes"] == [LIMITS["read_gbs"], 40.0, 25.0]
+    assert data["meta"]["gemm_gflops_probes"] == [LIMITS["gemm_gflops"], 150.0, 400.0]
     for r in data["results"]:
-        assert r["roofline_ms"] == pytest.approx(r["weight_bytes"] / 40e6)
+        floor = max(r["weight_bytes"] / 40e6, r["flops"] / 400e6) if r["m"] > 1 else r["weight_bytes"] / 40e6
+        assert r["roofline_ms"] == pytest.approx(floor)
         assert r["roofline_fraction"] == pytest.approx(r["roofline_ms"] / r["ms"][r["roofline_way"]])
-        assert r["meets_roofline_target"] == (r["roofline_fraction"] >= 0.5)
+        assert r["meets_roofline_target"] == (r["roofline_fraction"] >= 0.5 if r["m"] == 1 else None)
 
 
 def test_check_flags_a_mismatch() -> None:
