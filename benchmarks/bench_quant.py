@@ -203,7 +203,8 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
         del wt
         if measured:
             probes.append(read_bandwidth()["read_gbs"])
-            gemm_probes.append(sgemm_gflops())
+            if max(sz.ms) > 1:  # only an M > 1 floor reads the sgemm peak
+                gemm_probes.append(sgemm_gflops())
     meta["loadavg_end"] = os.getloadavg()
     if measured:  # the host's memory speed drifts: one slow probe would understate the roofline
         meta["read_gbs_probes"], meta["gemm_gflops_probes"] = probes, gemm_probes

@@ -85,6 +85,22 @@ def test_roofline_takes_the_largest_bandwidth_probed(tmp_path: Path, monkeypatch
         assert r["meets_roofline_target"] == (r["roofline_fraction"] >= 0.5 if r["m"] == 1 else None)
 
 
+def test_one_row_runs_do_not_probe_the_sgemm_peak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an M > 1 floor reads the sgemm peak, so a run of M = 1 cases spends no time measuring it again."""
+    monkeypatch.setattr(bq, "measure_limits", lambda: dict(LIMITS))
+    monkeypatch.setattr(bq, "read_bandwidth", lambda: {"read_gbs": 30.0})
+
+    def no_gemm() -> float:
+        raise AssertionError("sgemm probed for M = 1 cases")
+
+    monkeypatch.setattr(bq, "sgemm_gflops", no_gemm)
+    sizes = bq.Sizes(k=TINY.k, n=TINY.n, ms=(1,), types=("Q4_0",), one_row_rounds=1)
+    assert bq.main(str(tmp_path), 1, sizes) == 0
+    data = json.loads((tmp_path / "quant.json").read_text())
+    assert data["meta"]["gemm_gflops_probes"] == [LIMITS["gemm_gflops"]]
+    assert data["meta"]["read_gbs_probes"] == [LIMITS["read_gbs"], 30.0]
+
+
 def test_check_flags_a_mismatch() -> None:
     want = np.ones((2, 3))
     scale = np.full((2, 3), 100.0)
