@@ -17,7 +17,7 @@ demo: $(STAMP)
 	$(BIN)/fuel demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=25
 
 verify: $(STAMP)
 	$(BIN)/fuel verify
