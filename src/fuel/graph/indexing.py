@@ -13,15 +13,16 @@ from fuel.graph.tensor import Tensor
 
 
 def getitem(t: Tensor, key: Any) -> Tensor:
-    keys = key if isinstance(key, tuple) else (key,)
-    if sum(k is Ellipsis for k in keys) > 1:
+    keys = tuple(_basic(k) for k in (key if isinstance(key, tuple) else (key,)))
+    ellipses = [i for i, k in enumerate(keys) if k is Ellipsis]
+    if len(ellipses) > 1:
         raise ShapeError("getitem: at most one ... in an index")
     # A bool is a 0-d mask in NumPy: a new axis of size 1 (True) or 0 (False), never the index 1 or 0.
     n_axes = sum(1 for k in keys if k is not None and k is not Ellipsis and not _is_bool(k))
     if n_axes > t.ndim:
         raise AxisIndexError(f"getitem: {n_axes} indices for a tensor of rank {t.ndim}")
-    if Ellipsis in keys:
-        i = keys.index(Ellipsis)
+    if ellipses:
+        i = ellipses[0]
         keys = keys[:i] + (slice(None),) * (t.ndim - n_axes) + keys[i + 1:]
     else:
         keys = keys + (slice(None),) * (t.ndim - n_axes)
@@ -44,15 +45,13 @@ def getitem(t: Tensor, key: Any) -> Tensor:
                 raise AxisIndexError(f"getitem: index {i} is out of range for axis {axis} of size {size}")
             ranges.append((i % size, i % size + 1, 1))
             squeeze.append(axis)
-        elif isinstance(k, slice):
+        else:
             start, stop, step = k.indices(size)
             if step < 1:
                 raise ShapeError(f"getitem: step {k.step} is not supported (positive steps only)")
             stop = max(stop, start)
             ranges.append((start, stop, step))
             out_axis += 1
-        else:
-            raise ShapeError(f"getitem: unsupported index {k!r}; use gather or index_select for tensors")
         axis += 1
     out = t
     if any(r != (0, d, 1) for r, d in zip(ranges, t.shape, strict=True)):
@@ -79,3 +78,27 @@ def _bool_getitem(t: Tensor, keys: tuple[Any, ...]) -> Tensor:
 
 def _is_bool(k: object) -> bool:
     return isinstance(k, (bool, np.bool_))
+
+
+_ADVICE = ("advanced indexing, which Tensors do not do: use t.index_select(axis, idx) to take whole slices "
+           "along one axis, or t.gather(axis, idx) to take one element per index")
+
+
+def _basic(k: Any) -> Any:
+    """One index of a key, checked to be basic: an integer, a slice, None, ..., or a bool (0-d arrays of
+    integers and bools count as those, as in NumPy). An array, a list or a Tensor is an error naming
+    index_select and gather, which take them."""
+    if k is None or k is Ellipsis or isinstance(k, (slice, bool, int, np.bool_, np.integer)):
+        return k
+    if isinstance(k, np.ndarray) and k.ndim == 0 and k.dtype.kind in "biu":
+        return k.item()
+    if isinstance(k, Tensor):
+        raise ShapeError(f"getitem: a Tensor index ({list(k.shape)} {k.dtype.value}) is {_ADVICE}")
+    if isinstance(k, (list, tuple)) or (isinstance(k, np.ndarray) and k.ndim):
+        arr = np.asarray(k, dtype=object) if not isinstance(k, np.ndarray) else k
+        mask = arr.dtype.kind == "b" or bool(arr.size and all(_is_bool(v) for v in arr.flat))
+        what = "a bool mask" if mask else "an index array"
+        hint = "; a mask's indices are np.flatnonzero(mask)" if mask else ""
+        raise ShapeError(f"getitem: {what} ({type(k).__name__} of shape {list(arr.shape)}) is {_ADVICE}{hint}")
+    raise ShapeError(f"getitem: unsupported index {k!r} ({type(k).__name__}); an index is an integer, a slice "
+                     f"with a positive step, None, ... or a bool")
