@@ -10,6 +10,7 @@ import numpy as np
 
 from fuel.dtype import DEFAULT_FLOAT, DType, as_dtype, from_numpy
 from fuel.errors import DTypeError, ParamError, RankZeroError, ShapeError
+from fuel.graph.conversions import Conversions
 from fuel.graph.node import DynScalar, Node, Op, Shape
 from fuel.graph.prims import make
 from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, promote_pair, result_dtype
@@ -19,8 +20,8 @@ Scalar = int | float
 TensorLike = Union["Tensor", np.ndarray, Scalar]
 
 
-class Tensor:
-    """A lazy value: a handle on a graph node."""
+class Tensor(Conversions):
+    """A lazy value: a handle on a graph node (realisation and conversions: `fuel.graph.conversions`)."""
 
     __slots__ = ("node",)
     __array_priority__ = 1000
@@ -59,54 +60,6 @@ class Tensor:
     def __repr__(self) -> str:
         state = "realised" if self.node.value is not None else "lazy"
         return f"Tensor({list(self.shape)}, {self.dtype.value}, {state}, op={self.node.op.name})"
-
-    # ---- realisation ---------------------------------------------------------------------
-    def realize(self, env: dict[str, int] | None = None) -> Tensor:
-        from fuel.dispatch.executor import realize
-
-        realize(self, env=env)
-        return self
-
-    def numpy(self, env: dict[str, int] | None = None) -> np.ndarray:
-        """The realised value (read-only; copy it to write)."""
-        self.realize(env)
-        value = self.node.value
-        assert value is not None
-        out = value.view()
-        out.flags.writeable = False
-        return out
-
-    def item(self, env: dict[str, int] | None = None, op: str = "item") -> float | int:
-        if self.size != 1:
-            raise ShapeError(f"{op}: needs exactly one element, tensor has shape {list(self.shape)}")
-        value: float | int = self.numpy(env).reshape(()).item()
-        return value
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        """NumPy 2's protocol. copy=True gives a fresh writable array; copy=None may give the read-only
-        realised array, which can share memory with a leaf's own array; copy=False refuses to copy."""
-        arr = self.numpy()
-        if dtype is not None and np.dtype(dtype) != arr.dtype:
-            if copy is False:
-                raise ParamError(f"__array__: {self.dtype.value} to {np.dtype(dtype)} needs a copy, "
-                                 f"and copy=False forbids one")
-            return arr.astype(dtype)
-        return arr.copy() if copy else arr
-
-    # Python conversions realise a one-element tensor.
-    def __float__(self) -> float: return float(self.item(op="float"))
-    def __int__(self) -> int: return int(self.item(op="int"))
-
-    def __index__(self) -> int:
-        if self.dtype.is_float:
-            raise DTypeError(f"index: needs an integer tensor, got {self.dtype.value}")
-        return int(self.item(op="index"))
-
-    def __bool__(self) -> bool:
-        if self.size != 1:
-            raise ShapeError(f"bool: the truth value of a tensor of shape {list(self.shape)} is ambiguous; "
-                             f"reduce it first, e.g. (t != 0).sum() > 0")
-        return bool(self.item(op="bool"))
 
     # ---- elementwise ---------------------------------------------------------------------
     def _unary(self, op: Op) -> Tensor:
