@@ -1,0 +1,96 @@
+"""A capture's layout (`fuel.dispatch.jit`): the steps folded at capture, and the arena of buffers the
+replayed steps write."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fuel.dispatch import executor
+from fuel.dispatch.plan import Step
+from fuel.graph.prims import MAY_ALIAS
+
+
+def fold(steps: Sequence[Step], template: list[Any], outputs: Sequence[int], views_only: bool) -> list[Step]:
+    """Run once, at capture, the primitive steps whose inputs are fixed (a value in `template`: a
+    captured array, or an arena buffer, which keeps its memory across calls); keep their results in
+    `template` and return the steps left to replay.
+
+    A view of a fixed value is folded whenever it really is a view (it sees later writes to its
+    memory); a reshape NumPy had to copy is not. Other primitives are folded only when `views_only` is
+    false (no step destroys an input, which could rewrite a captured array between calls) and their
+    inputs are captured values. Outputs are never folded: each call hands out fresh ones.
+    """
+    fixed = {s for s, v in enumerate(template) if v is not None}
+    out_slots = set(outputs)
+    left = []
+    with np.errstate(all="ignore"):
+        for step in steps:
+            if step.prim is None or step.output in out_slots or not all(s in fixed for s in step.inputs):
+                left.append(step)
+                continue
+            view = step.spec.op in MAY_ALIAS
+            if not view and views_only:
+                left.append(step)
+                continue
+            srcs = [template[s] for s in step.inputs]
+            res = executor.checked(step, step.prim(srcs, step.spec, None))
+            if view and not (res.size and np.may_share_memory(res, srcs[0])):
+                left.append(step)  # a copy: it would not follow later writes
+                continue
+            template[step.output] = res
+            fixed.add(step.output)
+    return left
+
+
+def arena(steps: list[Step], outputs: Sequence[int],
+           reuse_outputs: bool) -> tuple[dict[int, np.ndarray], int, set[int]]:
+    """Raw buffers per step index (of `steps`) that owns one, the arena's total bytes and the step indices
+    whose buffers hold outputs and are allocated per call.
+
+    A step owns a buffer unless it is a view or destroys an input (those alias their input's buffer);
+    argument and constant slots own none. A buffer whose last reader has run is handed to the next step
+    of the same size. Buffers the outputs live in are left out (allocated per call), unless
+    `reuse_outputs`.
+    """
+    base: dict[int, int] = {}  # slot -> the step index whose buffer holds its memory
+    owner: set[int] = set()
+    for k, step in enumerate(steps):
+        if step.slots is not None:
+            continue  # a multi-output step's buffers are allocated per call (its views alias them)
+        alias = 0 if step.prim is not None and step.spec.op in MAY_ALIAS else step.destructive
+        if alias is None:
+            base[step.output] = k
+            owner.add(k)
+        elif step.inputs[alias] in base:
+            base[step.output] = base[step.inputs[alias]]
+    fresh = set() if reuse_outputs else {base[s] for s in outputs if s in base}
+    releases: dict[int, list[int]] = {}
+    last_read: dict[int, int] = {}
+    for k, step in enumerate(steps):
+        for s in step.inputs:
+            if s in base:
+                last_read[base[s]] = k
+    for s in outputs:
+        if s in base:
+            last_read[base[s]] = len(steps)
+    for b, k in last_read.items():
+        releases.setdefault(k, []).append(b)
+    free: dict[int, list[np.ndarray]] = {}
+    buffers: dict[int, np.ndarray] = {}
+    total = 0
+    for k, step in enumerate(steps):
+        if k in owner and k not in fresh:
+            nbytes = int(np.prod(step.spec.shape)) * step.spec.dtype.np.itemsize
+            pool = free.get(nbytes)
+            if pool:
+                buffers[k] = pool.pop()
+            else:
+                buffers[k] = np.empty(max(nbytes, 1), np.uint8)[:nbytes]
+                total += nbytes
+        for b in releases.get(k, ()):  # after this step's own buffer: a step never writes what it reads
+            if b in buffers:
+                free.setdefault(buffers[b].nbytes, []).append(buffers[b])
+    return buffers, total, fresh
