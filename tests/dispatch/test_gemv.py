@@ -1,4 +1,5 @@
-"""Decode-sized matmul (a few rows times a weight) runs a serial Numba pass: checked against torch."""
+"""Decode-sized matmul (a few rows times a weight) runs a serial Numba pass: checked against torch. It has
+kernels for f32 and f64 only, and refuses anything else instead of reading it as the wrong type."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch
 
 import fuel as fl
 from fuel.dispatch.cpu import prims
-from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS
+from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, f32_jobs, gemv
 from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.errors import KernelError
 from fuel.testing.oracle import assert_close_contraction
 
 
@@ -70,3 +72,36 @@ def test_large_weights_and_many_rows_stay_on_blas(rng: np.random.Generator, monk
     row = rng.standard_normal((1, 512)).astype(np.float32)
     big = rng.standard_normal((512, GEMV_MAX_BYTES // 2048 + 1)).astype(np.float32)  # just over the size
     _check(row, big, (fl.tensor(row) @ fl.tensor(big)).numpy(), fl.f32)
+
+
+@pytest.mark.parametrize(("da", "db", "dout"), [
+    *((d, d, d) for d in (fl.u8, fl.u32, fl.u64, fl.i64, fl.f16, fl.bf16)),
+    (fl.f32, fl.f64, fl.f64), (fl.f64, fl.f32, fl.f64), (fl.f64, fl.f64, fl.f32), (fl.f32, fl.f32, fl.u8),
+], ids=str)
+def test_gemv_refuses_dtypes_it_has_no_kernel_for(da: DType, db: DType, dout: DType) -> None:
+    a, b = np.ones((2, 256), da.np), np.ones((256, 256), db.np)
+    out = np.full((2, 256), 7, dout.np)
+    with pytest.raises(KernelError, match=rf"gemv: has a kernel for a, b and out all float32, float64, got "
+                                          rf"{da.np}, {db.np} and {dout.np}"):
+        gemv(a, b, out)
+    assert (out == 7).all() and (a == 1).all() and (b == 1).all()
+
+
+def test_gemv_refuses_shapes_and_layouts_it_would_read_out_of_bounds() -> None:
+    a, out = np.ones((2, 64), np.float32), np.zeros((2, 32), np.float32)
+    with pytest.raises(KernelError, match=r"gemv: needs a \[M, K\] and b \[K, N\] C-contiguous and out \[M, N\], "
+                                          r"got \[2, 64\], \[32, 32\] and \[2, 32\]"):
+        gemv(a, np.ones((32, 32), np.float32), out)
+    with pytest.raises(KernelError, match="C-contiguous"):
+        gemv(a, np.ones((32, 64), np.float32).T, out)
+    with pytest.raises(KernelError, match=r"got \[2, 64\], \[64, 32\] and \[2, 16\]"):
+        gemv(a, np.ones((64, 32), np.float32), np.zeros((2, 16), np.float32))
+    assert not out.any()
+
+
+def test_the_native_replays_jobs_take_f32_only() -> None:
+    a, b, out = np.ones((1, 64)), np.ones((64, 32)), np.zeros((1, 32))
+    with pytest.raises(KernelError, match=r"gemv\.f32_jobs: has a kernel for a, b and out all float32, got float64"):
+        f32_jobs(a, b, out)
+    with pytest.raises(KernelError, match=r"gemv\.f32_jobs: .* out \[M, N\] C-contiguous"):
+        f32_jobs(a.astype(np.float32), b.astype(np.float32), np.zeros((1, 64), np.float32)[:, ::2])

@@ -10,6 +10,10 @@ them: two threads may stream a large weight faster than one.
 
 Each output row accumulates `a[i, k] * b[k, :]` over k in order, in the working type (f32, or f64
 for f64), one thread: the bytes never depend on the thread count.
+
+Only the dtypes in `TASKS` have a kernel: the tasks read raw addresses as that type, so any other dtype
+would be read as the wrong type and written past the scratch. The MATMUL primitive routes by `TASKS`
+(other dtypes take NumPy's matmul) and every entry point checks it, raising KernelError.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from numba import carray, njit
 from fuel.dispatch import launches, spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.threads import SERIAL_BYTES_PER_SECOND
+from fuel.errors import KernelError
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_BYTES = 8 << 20
@@ -65,6 +70,12 @@ def _gemv_f64(part: int, parts: int, argv: int) -> None:
     _part(argv, part, parts, np.float64)
 
 
+# The dtypes gemv has a kernel for (a, b and out all of one of them), and those of `f32_jobs`, whose sum
+# task adds f32 partial sums.
+TASKS: dict[np.dtype[Any], spin.Task] = {np.dtype(np.float32): _gemv_f32, np.dtype(np.float64): _gemv_f64}
+F32_TASKS: dict[np.dtype[Any], spin.Task] = {np.dtype(np.float32): _gemv_f32}
+
+
 @njit(cache=True)
 def _fill(a: Any, b: Any, partial: Any, argv: Any) -> None:
     argv[0], argv[1], argv[2], argv[3] = a.ctypes.data, a.shape[0], a.shape[1], b.shape[1]
@@ -86,28 +97,48 @@ def _sum_task(part: int, parts: int, argv: int) -> None:
     _sum_partials(carray(pointer(v[0], np.float32), (K_SPLIT, v[2])), carray(pointer(v[1], np.float32), (v[2],)))
 
 
-def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[launches.Launch, np.ndarray]:
-    """`gemv`'s first job, the K_SPLIT partial sums of a (C-contiguous) @ b into a scratch, and that scratch."""
+def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dict[np.dtype[Any], spin.Task],
+              out_raw: bool) -> spin.Task:
+    """The task of `tasks` for a [M, K] @ b [K, N] -> out [M, N], or a KernelError naming `op`, the dtypes
+    it has a kernel for and those it was given. The task reads a and b (and out where `out_raw`) by raw
+    address as its dtype: another dtype, shape or layout would be read and written out of bounds."""
+    task = tasks.get(b.dtype)
+    if task is None or not a.dtype == b.dtype == out.dtype:
+        known = ", ".join(str(d) for d in tasks)
+        raise KernelError(f"{op}: has a kernel for a, b and out all {known}, got {a.dtype}, {b.dtype} and "
+                          f"{out.dtype}")
+    raw = (a, b, out) if out_raw else (a, b)
+    if not (a.ndim == b.ndim == out.ndim == 2 and a.shape[1] == b.shape[0] and out.shape == (a.shape[0], b.shape[1])
+            and all(x.flags.c_contiguous for x in raw)):
+        raise KernelError(f"{op}: needs a [M, K] and b [K, N] C-contiguous and out [M, N]"
+                          f"{' C-contiguous' if out_raw else ''}, got {list(a.shape)}, {list(b.shape)} and "
+                          f"{list(out.shape)}")
+    return task
+
+
+def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv",
+                  tasks: dict[np.dtype[Any], spin.Task] = TASKS) -> tuple[launches.Launch, np.ndarray]:
+    """`gemv`'s first job, the K_SPLIT partial sums of a @ b into a scratch, and that scratch."""
+    task = _task_for(op, a, b, out, tasks, tasks is F32_TASKS)
     partial = np.empty((K_SPLIT, *out.shape), out.dtype)
     argv = np.empty(6, np.int64)
     _fill(a, b, partial, argv)
-    task = _gemv_f64 if b.dtype == np.float64 else _gemv_f32
     return launches.prepare(task, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT), partial
 
 
 def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[launches.Launch, launches.Launch, np.ndarray]:
     """`gemv` of f32 a (C-contiguous), b and out as two jobs, the partial sums into a scratch and their sum
-    into out, and that scratch."""
-    partials, partial = _partials_job(a, b, out)
+    into out, and that scratch. Only f32: `_sum_task` adds f32 partial sums."""
+    partials, partial = _partials_job(a, b, out, "gemv.f32_jobs", F32_TASKS)
     total = np.array([partial.ctypes.data, out.ctypes.data, out.size], np.int64)
     return partials, launches.prepare(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial
 
 
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """out [M, N] <- a [M, K] @ b [K, N] (f32 or f64, b and out C-contiguous). The weight is cut into
-    K_SPLIT fixed row ranges: each is one sequential stream, summed alone (on the spinning pool past a
-    few microseconds of weight), and the partial sums are added in order, so the bytes never depend on
-    who computed which range."""
+    """out [M, N] <- a [M, K] @ b [K, N], all of one dtype of `TASKS` (any other is a KernelError), b
+    C-contiguous. The weight is cut into K_SPLIT fixed row ranges: each is one sequential stream, summed
+    alone (on the spinning pool past a few microseconds of weight), and the partial sums are added in
+    order, so the bytes never depend on who computed which range."""
     partials, partial = _partials_job(np.ascontiguousarray(a), b, out)
     launches.run(partials)
     _sum_partials(partial, out)

@@ -15,7 +15,7 @@ import numpy as np
 
 from fuel.dispatch.cpu import row_blocks
 from fuel.dispatch.cpu.erf import erf_into
-from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, gemv
+from fuel.dispatch.cpu.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, TASKS, gemv
 from fuel.dispatch.cpu.logistic import sigmoid_f32, silu_f32
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
@@ -221,6 +221,9 @@ def _dim(f: Callable[..., np.ndarray]) -> Computed:
 
 
 def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+    """a @ b. A few rows with a weight take `gemv` where it has a kernel for the dtype (f32, f64, and the
+    half types computed in f32); integers and larger products take NumPy's matmul on fixed pieces
+    (`row_blocks`), which wraps integer sums in the result type as np.matmul does."""
     a, b = _work(xs[0], n.dtype), _work(xs[1], n.dtype)
     if a.size == 0 or b.size == 0:
         # NumPy's answer without its reshapes: empty when M, N or a batch dim is 0, zeros when only K is.
@@ -231,7 +234,8 @@ def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarr
     if b.ndim == 2 and a.ndim >= 2:
         rows = math.prod(a.shape[:-1])
         flat = None if direct is None else direct.reshape(rows, b.shape[1])
-        if rows <= GEMV_MAX_ROWS and b.nbytes <= GEMV_MAX_BYTES and b.flags.c_contiguous:
+        if (rows <= GEMV_MAX_ROWS and b.nbytes <= GEMV_MAX_BYTES and b.flags.c_contiguous and b.dtype in TASKS
+                and a.dtype == b.dtype):
             if flat is None:
                 flat = np.empty((rows, b.shape[1]), b.dtype)
             gemv(a.reshape(rows, a.shape[-1]), b, flat)
