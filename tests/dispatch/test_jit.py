@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import numbers
+import re
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -325,3 +330,72 @@ def test_prims_writing_into_the_arena_give_the_eager_bytes(dtype: str) -> None:
         assert [g.tobytes() for g in got] == [e.tobytes() for e in eager]
     with pytest.raises(fl.FuelError, match="index_select: index 7 is out of range"):
         jitted(x, table, np.array([1, 7], np.int64))
+
+
+# ---- DynScalar bindings ------------------------------------------------------------------------------
+
+
+class _Integral:
+    """An integer type neither Python nor NumPy knows, registered as a `numbers.Integral`."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __int__(self) -> int:
+        return self.v
+
+    def __index__(self) -> int:
+        return self.v
+
+
+numbers.Integral.register(_Integral)
+
+_INTEGERS: dict[str, Callable[[int], Any]] = {
+    "int": int, "np.int64": np.int64, "np.int32": np.int32, "np.uint16": np.uint16, "0-d i64": np.array,
+    "0-d u8": lambda v: np.array(v, np.uint8), "0-d u64": lambda v: np.array(v, np.uint64), "Integral": _Integral}
+
+H, D, CAP = 2, 8, 6
+
+
+def _decode_attention() -> Any:
+    return fl.jit(lambda q, k, v, kc, vc: fl.ops.flash_attn(
+        q, fl.cache_write(kc, k, fl.dyn("pos")), fl.cache_write(vc, v, fl.dyn("pos")), causal=True,
+        k_len=fl.dyn("k_len")))
+
+
+def test_dynamic_scalars_bind_any_integer() -> None:
+    """pos and k_len given as any integral number (Python's, NumPy's, a 0-d integer array, a registered
+    numbers.Integral) bind as that integer, on the capturing call, the checked replay and the steady state;
+    torch's attention over its own caches is the oracle."""
+    for kind in _INTEGERS:
+        _attend_with(kind)
+
+
+def _attend_with(kind: str) -> None:
+    as_kind = _INTEGERS[kind]
+    rng = np.random.default_rng(5)
+    step = _decode_attention()
+    kc, vc = np.zeros((1, H, CAP, D), np.float32), np.zeros((1, H, CAP, D), np.float32)
+    tk, tv = torch.zeros((1, H, CAP, D), dtype=torch.float64), torch.zeros((1, H, CAP, D), dtype=torch.float64)
+    for pos in range(4):
+        q, k, v = (rng.standard_normal((1, H, 1, D)).astype(np.float32) for _ in range(3))
+        out = step(q, k, v, kc, vc, pos=as_kind(pos), k_len=as_kind(pos + 1)).numpy()
+        tk[:, :, pos], tv[:, :, pos] = torch.from_numpy(k[:, :, 0]), torch.from_numpy(v[:, :, 0])
+        want = torch.nn.functional.scaled_dot_product_attention(
+            torch.from_numpy(q.astype(np.float64)), tk[:, :, :pos + 1], tv[:, :, :pos + 1]).numpy()
+        assert np.all(np.abs(out - want) <= 1e-5 * np.abs(want).max(axis=-1, keepdims=True)), (kind, pos)
+    assert step.captures == 1
+
+
+@pytest.mark.parametrize("bad", [2.0, np.float64(2.0), np.float32(2.0), True, np.True_, np.array(2.0), np.array(True),
+                                 np.array([2]), "2", None], ids=repr)
+def test_a_non_integer_dynamic_scalar_is_a_param_error_naming_it(bad: object) -> None:
+    """Never truncated (2.0 is not bound as 2) nor read as 0/1 (a bool): a ParamError naming the DynScalar."""
+    step = _decode_attention()
+    q = np.ones((1, H, 1, D), np.float32)
+    cache = np.zeros((1, H, CAP, D), np.float32)
+    step(q, q, q, cache, cache.copy(), pos=1, k_len=2)
+    want = re.escape(f"jit: dynamic scalar 'k_len' must be an integer (a Python or NumPy integer, or a 0-d integer "
+                     f"array), got {bad!r} ({type(bad).__name__})")
+    with pytest.raises(fl.ParamError, match=want):
+        step(q, q, q, cache, cache.copy(), pos=2, k_len=bad)

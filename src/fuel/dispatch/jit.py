@@ -4,7 +4,8 @@ The contract:
 - `fn` takes Tensors (one per positional argument) and returns a Tensor or a tuple/list of Tensors,
   built with the lazy API. It must not realise anything itself: its graph is traced once.
 - `f(*args, **env)`: `args` are arrays or realised Tensors; their shapes and dtypes are the signature
-  (a new signature traces again); keyword arguments bind DynScalars (`f(x, k_len=17)`).
+  (a new signature traces again); keyword arguments bind DynScalars (`f(x, k_len=17)`) to integers
+  (any `numbers.Integral` or 0-d integer array; a float or a bool is a ParamError).
 - The first call of a signature traces `fn`, plans the graph (CSE, fusion, lowering, scheduling) and
   lays out an arena: every intermediate gets a buffer, and buffers whose values are dead are shared
   by later steps of the same size. Later calls bind the new arrays and DynScalar values and run the
@@ -39,7 +40,7 @@ from fuel.dispatch.fused import default_kernel_registry
 from fuel.dispatch.plan import Plan, Step
 from fuel.dtype import from_numpy
 from fuel.errors import ParamError
-from fuel.graph.node import Node, Op, topo_order
+from fuel.graph.node import Node, Op, dyn_value, topo_order
 from fuel.graph.registry import default_registry
 
 _QUIET = contextlib.nullcontext()
@@ -230,11 +231,11 @@ class Jit:
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
 
-    def __call__(self, *args: Any, **env: int) -> Any:
+    def __call__(self, *args: Any, **env: Any) -> Any:
         arrays = [a if type(a) is np.ndarray and a.dtype.kind != "b" else _array(a) for a in args]
         for name, v in env.items():
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ParamError(f"jit: dynamic scalar {name!r} must be an integer, got {v!r}")
+            if type(v) is not int:
+                env[name] = dyn_value("jit", name, v)
         sig: Signature = tuple((a.shape, a.dtype) for a in arrays)
         capture = self._captures.get(sig)
         if capture is None:

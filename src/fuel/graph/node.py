@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +104,20 @@ class DynScalar:
     def resolve(self, env: dict[str, int] | None) -> int:
         if env is None or self.name not in env:
             raise ParamError(f"realize: dynamic scalar {self.name!r} is unbound; pass env={{{self.name!r}: …}}")
-        return int(env[self.name])
+        v = env[self.name]
+        return v if type(v) is int else dyn_value("realize", self.name, v)
+
+
+def dyn_value(op: str, name: str, v: object) -> int:
+    """The integer a DynScalar `name` is bound to: any integral number (Python's, NumPy's, a
+    `numbers.Integral`) or a 0-d integer array. A bool, a float or anything else is a ParamError, never
+    truncated."""
+    if isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "iu":
+        return int(v)
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)
+    raise ParamError(f"{op}: dynamic scalar {name!r} must be an integer (a Python or NumPy integer, or a 0-d "
+                     f"integer array), got {v!r} ({type(v).__name__})")
 
 
 def dyn(name: str) -> DynScalar:
