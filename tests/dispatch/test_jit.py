@@ -200,7 +200,8 @@ def test_destructive_op_runs_after_every_reader_of_its_input_under_replay() -> N
         new, before = f(state, np.full(4, 10.0, np.float32))
         np.testing.assert_array_equal(before.numpy(), old * 10.0)
         np.testing.assert_array_equal(state, old * 2 + 1)  # the caller's buffer was written in place
-        assert np.shares_memory(new.numpy(), state), step
+        np.testing.assert_array_equal(new.numpy(), state)
+        assert not np.shares_memory(new.numpy(), state), step  # the result handed out is the call's own
 
 
 def test_destructive_op_on_an_intermediate_reuses_its_arena_buffer() -> None:
@@ -399,3 +400,80 @@ def test_a_non_integer_dynamic_scalar_is_a_param_error_naming_it(bad: object) ->
                      f"array), got {bad!r} ({type(bad).__name__})")
     with pytest.raises(fl.ParamError, match=want):
         step(q, q, q, cache, cache.copy(), pos=2, k_len=bad)
+
+
+# ---- outputs never alias what the caller or the capture holds -------------------------------------------
+
+
+_ARG_OUTPUTS: dict[str, tuple[Callable[..., Any], Callable[[np.ndarray], np.ndarray]]] = {
+    "as is": (lambda x: x, lambda a: a),
+    "transposed": (lambda x: x.T, lambda a: a.T),
+    "sliced": (lambda x: x[1:, ::2], lambda a: a[1:, ::2]),
+    "reshaped": (lambda x: x.reshape(12), lambda a: a.reshape(12)),
+    "made contiguous": (lambda x: x.contiguous(), lambda a: a),
+    "broadcast": (lambda x: x[None].broadcast_to(2, 3, 4), lambda a: np.broadcast_to(a, (2, 3, 4))),
+    "unsqueezed": (lambda x: x.unsqueeze(0), lambda a: a[None]),
+}
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+@pytest.mark.parametrize("name", list(_ARG_OUTPUTS))
+def test_an_argument_returned_or_viewed_is_handed_out_as_a_fresh_array(name: str, reuse: bool) -> None:
+    """fl.jit(lambda x: x)(a) is not `a`: an output never shares memory with an argument (a later write to
+    the argument must not change a result already handed out), reuse_outputs or not."""
+    fn, ref = _ARG_OUTPUTS[name]
+    f = fl.jit(fn, reuse_outputs=reuse)
+    for call in range(3):  # capture, checked replay, steady state
+        a = np.arange(12, dtype=np.float32).reshape(3, 4) * (call + 1)
+        out = f(a).numpy()
+        want = ref(a).copy()
+        assert not np.shares_memory(out, a), (name, call)
+        a[:] = -1.0
+        np.testing.assert_array_equal(out, want)
+
+
+def test_a_destructive_ops_result_on_an_argument_is_handed_out_as_a_copy() -> None:
+    """cache_write writes the caller's cache in place; the cache it returns is the call's own copy."""
+    f = fl.jit(lambda rows, cache: fl.cache_write(cache, rows, fl.dyn("pos")))
+    cache = np.zeros((4, 3), np.float32)
+    handed: list[tuple[np.ndarray, np.ndarray]] = []
+    for pos in range(4):
+        out = f(np.full((1, 3), pos + 1.0, np.float32), cache, pos=pos).numpy()
+        want = np.zeros((4, 3), np.float32)
+        want[:pos + 1] = np.arange(1.0, pos + 2)[:, None]
+        np.testing.assert_array_equal(cache, want)  # written in place
+        assert not np.shares_memory(out, cache)
+        handed.append((out, want))
+    for out, want in handed:  # later writes to the cache left each result alone
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("view", ["as is", "transposed", "a row"])
+def test_a_captured_array_returned_is_read_on_every_call_and_handed_out_as_a_copy(view: str) -> None:
+    w = np.arange(6, dtype=np.float32).reshape(2, 3)
+    tw = fl.tensor(w)
+    picks: dict[str, Callable[[Any], Any]] = {"as is": lambda t: t, "transposed": lambda t: t.T, "a row": lambda t: t[1]}
+    f = fl.jit(lambda x: (picks[view](tw), x + 1.0))
+    for call in range(3):
+        w[:] = np.arange(6).reshape(2, 3) * (call + 2)  # updated in place between calls
+        got, _ = f(np.zeros(2, np.float32))
+        out, want = got.numpy(), picks[view](w).copy()
+        np.testing.assert_array_equal(out, want)
+        assert not np.shares_memory(out, w)
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_a_tensor_returned_twice_gives_two_arrays(reuse: bool) -> None:
+    def fn(x: fl.Tensor) -> tuple[fl.Tensor, ...]:
+        y = x * 2.0
+        return y, y, y.T, x, x
+
+    f = fl.jit(fn, reuse_outputs=reuse)
+    for call in range(3):
+        a = np.arange(6, dtype=np.float32).reshape(2, 3) + call
+        outs = [t.numpy() for t in f(a)]
+        for i, o in enumerate(outs):
+            for p in outs[:i]:
+                assert not np.shares_memory(o, p), (call, i)
+        for o, want in zip(outs, (a * 2, a * 2, (a * 2).T, a, a), strict=True):
+            np.testing.assert_array_equal(o, want)

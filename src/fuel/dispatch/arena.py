@@ -10,7 +10,12 @@ import numpy as np
 
 from fuel.dispatch import executor
 from fuel.dispatch.plan import Step
+from fuel.graph.node import Op
 from fuel.graph.prims import MAY_ALIAS
+
+# Primitives whose result may be their input's memory: the views, a reshape NumPy does as one, and a
+# contiguize of what already is contiguous (NumPy hands the input back).
+_SAME_MEMORY = (MAY_ALIAS | {Op.CONTIGUIZE}) - {Op.VIEW}
 
 
 def fold(steps: Sequence[Step], template: list[Any], outputs: Sequence[int], views_only: bool) -> list[Step]:
@@ -94,3 +99,32 @@ def arena(steps: list[Step], outputs: Sequence[int],
             if b in buffers:
                 free.setdefault(buffers[b].nbytes, []).append(buffers[b])
     return buffers, total, fresh
+
+
+def shared_outputs(steps: Sequence[Step], outputs: Sequence[int]) -> tuple[bool, ...]:
+    """Which outputs (their slots; -1: an argument or captured value returned as it is) a call must copy
+    out so that it hands out arrays of its own: those whose memory is an argument's or a held value's
+    (captured arrays, constants, values folded at capture: the slots no step of `steps` makes), and one
+    whose memory an earlier output has.
+
+    An output's memory is that of the step that made it, or, through views and destructive ops, that of
+    the input they alias (a multi-output step's projections each have their own).
+    """
+    made = {st.output: st for st in steps}
+    made.update({slot: st for st in steps for _, slot, _ in st.siblings})
+    seen: set[int] = set()
+    copy = []
+    for s in outputs:
+        if s < 0:
+            copy.append(True)
+            continue
+        while (st := made.get(s)) is not None:
+            if st.prim is not None and st.spec.op in _SAME_MEMORY:
+                s = st.inputs[0]
+            elif st.destructive is not None:
+                s = st.inputs[st.destructive]
+            else:
+                break
+        copy.append(s not in made or s in seen)
+        seen.add(s)
+    return tuple(copy)

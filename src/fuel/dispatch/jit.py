@@ -11,7 +11,10 @@ The contract:
   by later steps of the same size. Later calls bind the new arrays and DynScalar values and run the
   steps: no graph is built, nothing is keyed, no intermediate is allocated.
 - Outputs are fresh arrays each call, so a result already handed out is never overwritten; with
-  `reuse_outputs=True` they live in the arena too, and the next call overwrites them. A small output
+  `reuse_outputs=True` they live in the arena too, and the next call overwrites them. Either way an
+  output never shares memory with an argument, a captured array or another output: one that would (an
+  argument or captured array returned as is or viewed, a destructive op's result, a tensor returned
+  twice) is copied out (`arena.shared_outputs`). A small output
   whose step runs natively is written into a buffer of the capture's own and copied out
   (`native.OUT_STAGE_MAX_BYTES`).
 - Each signature keeps its capture (and arena) for the life of `f`; `fl.jit(fn, max_arena_bytes=n)`
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from fuel.dispatch import executor, native, threads
-from fuel.dispatch.arena import arena, fold
+from fuel.dispatch.arena import arena, fold, shared_outputs
 from fuel.dispatch.fused import default_kernel_registry
 from fuel.dispatch.plan import Plan, Step
 from fuel.dtype import from_numpy
@@ -126,6 +129,8 @@ class Capture:
         self.outputs: list[tuple[int, int, np.ndarray | None]] = [
             (plan.outputs[roots.index(n)], -1, None) if n.value is None
             else (-1, position[id(n)], None) if id(n) in position else (-1, -1, n.value) for n in nodes]
+        self.copy_out = shared_outputs(steps, [s for s, _, _ in self.outputs])
+        self._copies = any(self.copy_out)
 
     @property
     def held_bytes(self) -> int:
@@ -196,8 +201,9 @@ class Capture:
                  copied: frozenset[int] = _NONE_COPIED) -> list[np.ndarray]:
         outs: list[np.ndarray] = [slots[s] if s >= 0 else args[i] if i >= 0 else c  # type: ignore[misc]
                                   for s, i, c in self.outputs]
-        if copied:  # native steps wrote them into the capture's own buffers
-            outs = [o.copy() if s in copied else o for o, (s, _, _) in zip(outs, self.outputs, strict=True)]
+        if copied or self._copies:  # native steps wrote them into the capture's own buffers, or they alias
+            outs = [o.copy() if own or s in copied else o
+                    for o, own, (s, _, _) in zip(outs, self.copy_out, self.outputs, strict=True)]
         return outs
 
     def _check_names(self, env: dict[str, int]) -> None:
