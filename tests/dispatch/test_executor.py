@@ -268,3 +268,47 @@ def test_a_step_with_a_dyn_k_len_is_sized_with_the_bound_value(monkeypatch: pyte
     with threads.serial():
         assert np.array_equal(step(q, k, v, n=cap).numpy(), many)
     assert np.array_equal(step(q, k, v, n=4).numpy(), few)
+
+
+def _softmax_plan() -> tuple[executor.Plan, list[np.ndarray]]:
+    """A plan of one f32 SoftmaxLastDim step whose kernel only records that it ran."""
+    from dataclasses import replace
+
+    from fuel.dispatch.fused import default_kernel_registry
+    from fuel.graph.registry import default_registry
+
+    x = fl.tensor(np.ones((4, 8), np.float32))
+    y = fl.ops.softmax_last_dim(x)
+    plan = executor.build_plan([y.node], [x.node], True, default_registry(), default_kernel_registry())
+    (step,) = plan.steps
+    assert step.impl is not None and step.impl.name == "SoftmaxLastDim[cpu:f32,f32]"
+    ran: list[np.ndarray] = []
+
+    def spy(xs: list[np.ndarray], out: np.ndarray, params: object) -> None:
+        ran.append(out)
+
+    plan.steps[0] = replace(step, impl=replace(step.impl, kernel=spy))
+    return plan, ran
+
+
+@pytest.mark.parametrize(("dtype", "name"), [("float64", "f64"), ("float16", "f16"), ("uint8", "u8"), ("int64", "i64"),
+                                           ("int32", "int32")])
+def test_a_fused_kernel_never_runs_on_inputs_of_a_dtype_it_is_not_registered_for(dtype: str, name: str) -> None:
+    plan, ran = _softmax_plan()
+    x = np.ones((4, 8), np.dtype(dtype))
+    with pytest.raises(fl.KernelError, match=rf"SoftmaxLastDim\[cpu:f32,f32\]: is registered for inputs \(f32\), "
+                                            rf"got \({name}\)"):
+        executor.run(plan, [x], None)
+    assert ran == [] and (x == 1).all()
+    executor.run(plan, [np.ones((4, 8), np.float32)], None)  # its own dtype runs
+    assert len(ran) == 1
+
+
+def test_a_fused_kernel_never_writes_an_output_of_a_dtype_it_is_not_registered_for() -> None:
+    plan, ran = _softmax_plan()
+    x = np.ones((4, 8), np.float32)
+    out = np.full((4, 8), 3, np.float64)
+    with pytest.raises(fl.KernelError, match=r"SoftmaxLastDim\[cpu:f32,f32\]: is registered for a \(f32\) output, "
+                                            r"got \(f64\)"):
+        executor.run_fused(plan.steps[0], [x], out, None)
+    assert ran == [] and (out == 3).all()

@@ -22,6 +22,7 @@ from fuel.dispatch.buffers import POOL
 from fuel.dispatch.fused import FusedKernelRegistry, default_kernel_registry
 from fuel.dispatch.plan import Plan, Step, build, dyn_names
 from fuel.dispatch.plan import destructive_of as _destructive
+from fuel.dtype import DType
 from fuel.errors import KernelError, ShapeError, StaleInput
 from fuel.graph.node import Node, Op, OpSpec, topo_order
 from fuel.graph.passes import arg_key
@@ -326,16 +327,38 @@ def _describe(out: Any) -> str:
     return type(out).__name__
 
 
+# Each registered dtype tuple as NumPy's (input dtypes, output dtype), the form a step's arrays are compared in.
+_NP_DTYPES: dict[tuple[DType, ...], tuple[tuple[np.dtype[Any], ...], np.dtype[Any]]] = {}
+
+
+def _np_dtypes(dtypes: tuple[DType, ...]) -> tuple[tuple[np.dtype[Any], ...], np.dtype[Any]]:
+    found = _NP_DTYPES.get(dtypes)
+    if found is None:
+        found = _NP_DTYPES[dtypes] = (tuple(d.np for d in dtypes[:-1]), dtypes[-1].np)
+    return found
+
+
+def _names(items: Sequence[Any]) -> str:
+    """Dtypes (or arrays' dtypes) by Fuel's names where Fuel stores them, NumPy's otherwise."""
+    known = {d.np: d.value for d in DType}
+    dts = [getattr(x, "dtype", x) for x in items]
+    return "(" + ", ".join(known.get(d, str(d)) for d in dts) + ")"
+
+
 def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: dict[str, int] | None,
               check: Sequence[int] | None = None, slots: list[Any] | None = None) -> tuple[Any, int]:
     """Run a fused step's kernel into `out` (allocated here when None), serially if the step is small.
 
     Inputs at positions `check` (all when None) are made contiguous for an impl that needs it. A joint
     step also writes its siblings' outputs into `slots`. Returns the output and the number of input
-    copies made.
+    copies made. The inputs' and the output's dtypes must be the impl's registered tuple, else it is a
+    KernelError and the kernel does not run: kernels read their arrays as the types they were written for.
     """
     impl, spec = step.impl, step.spec
     assert impl is not None
+    ins, out_dtype = _np_dtypes(impl.dtypes)
+    if tuple([a.dtype for a in args]) != ins:
+        raise KernelError(f"{impl.name}: is registered for inputs {_names(ins)}, got {_names(args)}")
     copies = 0
     if not impl.caps.strided_input:
         for k in range(len(args)) if check is None else check:
@@ -352,6 +375,8 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
         result = tuple(POOL.empty(shape, dtype) for shape, dtype in step.slots)
     else:
         result = POOL.empty(spec.shape, spec.dtype.np) if out is None else out
+    if isinstance(result, np.ndarray) and result.dtype != out_dtype:
+        raise KernelError(f"{impl.name}: is registered for a {_names([out_dtype])} output, got {_names([result])}")
     threads.use_serial(*(_serial_now(step, params) if step.dyn_fields else (step.serial, step.inline)))
     if step.joint is not None and slots is not None:
         outs: dict[int, np.ndarray] = {impl.op_id: result}
