@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as GT
 from gguf import GGUFValueType as VT
 
 import fuel as fl
+from fuel.dispatch.cpu import gguf_blocks
 from fuel.io import (
     GGUFError,
     GGUFFile,
@@ -182,29 +183,48 @@ def test_sample_covers_types(opened: dict[str, GGUFFile]) -> None:
     assert smol == {"Q4_1", "Q8_0"} and gemma == {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}
 
 
-@pytest.mark.parametrize("which", MODELS)
-def test_dequantize_matches_gguf(which: str, opened: dict[str, GGUFFile]) -> None:
-    f = opened[which]
+def _bits(a: np.ndarray) -> np.ndarray:
+    """float32 values as their bit patterns: signed zeros and NaN payloads count."""
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def test_dequantize_matches_gguf(model: tuple[GGUFFile, gguf.GGUFReader]) -> None:
+    """fuel's block decoders (QMatMul's, reading fuel's bytes of each tensor) and `GGUFTensor.dequantize`
+    (gguf-py's decoder on the bytes fuel's parser located) against gguf-py's decoder on the bytes gguf-py's
+    own reader located: bit for bit."""
+    f, r = model
+    theirs = {rt.name: rt for rt in r.tensors}
     for t in _sample(f):
         if t.name == "token_embd.weight":
             continue  # 28M / 168M elements: checked by rows below
-        qt = GT(t.ggml_type)
-        want = gguf.quants.dequantize(t.words.view(np.uint8).reshape(t.n, -1), qt)
-        assert want.shape == t.shape
+        rt = theirs[t.name]
+        want = gguf.quants.dequantize(rt.data, rt.tensor_type)
+        assert want.dtype == np.float32 and want.shape == t.shape, t.name
+        assert t.quant_type is not None
+        ours = gguf_blocks.dequantize(t.words, t.quant_type, t.n, t.k)
+        assert np.array_equal(_bits(ours), _bits(want)), t.name
         got = t.dequantize()
-        assert got.dtype == np.float32 and got.shape == t.shape and np.array_equal(got, want), t.name
+        assert got.dtype == np.float32 and got.shape == t.shape and np.array_equal(_bits(got), _bits(want)), t.name
 
 
-@pytest.mark.parametrize("which", MODELS)
-def test_dequantize_rows_of_embedding(which: str, opened: dict[str, GGUFFile]) -> None:
-    t = opened[which]["token_embd.weight"]
+def test_dequantize_rows_of_embedding(model: tuple[GGUFFile, gguf.GGUFReader]) -> None:
+    """Rows of the embedding table (the model's token lookup, `dequantize_rows_into`, and
+    `GGUFTensor.dequantize(rows=)`) against gguf-py's reader and decoder."""
+    f, r = model
+    t = f["token_embd.weight"]
+    rt = next(rt for rt in r.tensors if rt.name == "token_embd.weight")
     vocab = t.shape[0]
     ids = [0, 17, 1000, vocab - 1, 17]
+    want = gguf.quants.dequantize(np.asarray(rt.data)[ids], rt.tensor_type)
     got = t.dequantize(rows=ids)
-    raw = t.words.view(np.uint8).reshape(t.n, -1)
-    want = gguf.quants.dequantize(raw[ids], GT(t.ggml_type))
-    assert got.shape == (5, t.shape[1]) and np.array_equal(got, want)
-    assert np.array_equal(t.dequantize(rows=np.array([-1])), want[3:4])
+    assert got.shape == (5, t.shape[1]) and np.array_equal(_bits(got), _bits(want))
+    assert np.array_equal(_bits(t.dequantize(rows=np.array([-1]))), _bits(want[3:4]))
+    assert t.quant_type is not None
+    rows = gguf_blocks.weight_rows(t.words, t.quant_type, t.n, t.k)
+    lookup = np.full((2, t.k), 7.0, np.float32)
+    for i in ids:
+        gguf_blocks.dequantize_rows_into(rows, t.quant_type, i, i + 1, lookup)
+        assert np.array_equal(_bits(lookup[0]), _bits(want[ids.index(i)])) and (lookup[1] == 7.0).all(), i
     with pytest.raises(GGUFError, match=f"has {vocab} rows"):
         t.dequantize(rows=[vocab])
 
