@@ -75,6 +75,23 @@ def test_integer_input_is_an_error() -> None:
         fl.tensor(np.arange(3)).erf()
 
 
+@pytest.mark.parametrize(("x", "out"), [
+    (np.ones(40000, np.float16), np.zeros(40000, np.float16)),  # past one piece: the task would read f16 as f32
+    (np.ones(40000, np.int64), np.zeros(40000, np.int64)),
+    (np.ones(8, np.float32), np.zeros(8, np.float64)),
+    (np.ones(8, np.float32), np.zeros(4, np.float32)),
+    (np.ones((8, 2), np.float32), np.zeros((2, 8), np.float32).T),
+], ids=["f16", "i64", "f32-into-f64", "short-out", "strided-out"])
+def test_the_kernel_refuses_what_it_would_read_as_the_wrong_type(x: np.ndarray, out: np.ndarray) -> None:
+    from fuel.dispatch.cpu.erf import erf_into
+
+    keep = out.copy()
+    with pytest.raises(fl.KernelError, match=rf"erf: has a kernel for x and out both float32 or both float64 .*"
+                                            rf"got x {x.dtype} \[.*\] and out {out.dtype}"):
+        erf_into(x, out)
+    np.testing.assert_array_equal(out, keep)
+
+
 def test_gradient_matches_torch_autograd() -> None:
     rng = np.random.default_rng(3)
     x = rng.standard_normal((4, 9)) * 2

@@ -126,3 +126,21 @@ def test_a_nan_gives_itself_bit_for_bit_eager_and_replayed(name: str) -> None:
     f = fl.jit(fn)
     for _ in range(3):  # capture, the checked first replay, then the native steady state
         assert f(x).numpy().tobytes() == eager.tobytes()
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+@pytest.mark.parametrize(("x", "out"), [
+    (np.ones((64, 4096), np.float64), None),  # many rows: the pool's task would read f64 as f32
+    (np.ones((64, 4096), np.float16), np.zeros((64, 4096), np.float16)),
+    (np.ones(8, np.float32), np.zeros(8, np.float64)),
+    (np.ones(8, np.float32), np.zeros(4, np.float32)),
+], ids=["f64", "f16", "f32-into-f64", "short-out"])
+def test_the_kernels_refuse_what_they_would_read_as_the_wrong_type(name: str, x: np.ndarray,
+                                                                   out: np.ndarray | None) -> None:
+    from fuel.dispatch.cpu import logistic
+
+    keep = None if out is None else out.copy()
+    with pytest.raises(fl.KernelError, match=rf"{name}: has a kernel for x and out both float32 .*got x {x.dtype}"):
+        getattr(logistic, f"{name}_f32")(x, out)
+    if out is not None:
+        np.testing.assert_array_equal(out, keep)

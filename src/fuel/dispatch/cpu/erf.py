@@ -26,6 +26,7 @@ from numba import carray, njit
 
 from fuel.dispatch import spin
 from fuel.dispatch.cpu.atomics import pointer
+from fuel.errors import KernelError
 
 P0 = 2 / math.sqrt(math.pi)  # erf'(0), fixed in the fit: small arguments get it exactly
 P1, P2, P3 = 0.1853327427406865, 0.05435244858587421, 0.0038575623439003268
@@ -70,14 +71,25 @@ def _erf_task(part: int, parts: int, argv: int) -> None:
         _erf_f32(carray(pointer(v[X], np.float32), (size,))[lo:hi], carray(pointer(v[OUT], np.float32), (size,))[lo:hi])
 
 
+# The dtypes erf has a kernel for: the serial kernel and the task's F64 flag, which picks the type the
+# task reads x and out as.
+KERNELS: dict[np.dtype[Any], tuple[Any, int]] = {np.dtype(np.float32): (_erf_f32, 0),
+                                                 np.dtype(np.float64): (_erf_f64, 1)}
+
+
 def erf_into(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """out <- erf(x) for f32 or f64 x (out: same shape and dtype, C-contiguous); returns out."""
+    """out <- erf(x) for f32 or f64 x (out: same shape and dtype, C-contiguous); returns out. Any other
+    dtype is a KernelError: the task reads x and out by address as its type."""
+    found = KERNELS.get(x.dtype)
+    if found is None or out.dtype != x.dtype or out.shape != x.shape or not out.flags.c_contiguous:
+        raise KernelError(f"erf: has a kernel for x and out both float32 or both float64 (out of x's shape, "
+                          f"C-contiguous), got x {x.dtype} {list(x.shape)} and out {out.dtype} {list(out.shape)}")
+    kernel, f64 = found
     flat = np.ascontiguousarray(x).reshape(-1)
-    f64 = x.dtype == np.float64
     seconds = flat.size * SECONDS_PER_VALUE[f64]
     parts = spin.parts_for(seconds, max(1, flat.size // PIECE))
     if parts <= 1:
-        (_erf_f64 if f64 else _erf_f32)(flat, out.reshape(-1))
+        kernel(flat, out.reshape(-1))
         return out
-    spin.run(_erf_task, np.array([flat.ctypes.data, out.ctypes.data, flat.size, int(f64)], np.int64), parts)
+    spin.run(_erf_task, np.array([flat.ctypes.data, out.ctypes.data, flat.size, f64], np.int64), parts)
     return out

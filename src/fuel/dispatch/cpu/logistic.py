@@ -30,6 +30,7 @@ from numba import carray, njit
 from fuel.dispatch import spin
 from fuel.dispatch.cpu.atomics import pointer
 from fuel.dispatch.cpu.vecmath import EXP_LOW, expf_parts, pow2_f32
+from fuel.errors import KernelError
 
 EXP_DEEP = np.float32(-103.9)  # e^t below this rounds to 0 in f32, and so do sigmoid and silu
 _ONE, _ZERO = np.float32(1), np.float32(0)
@@ -133,14 +134,21 @@ def _silu_part(part: int, parts: int, argv: int) -> None:
 SILU_TASK = _silu_part  # the native replay's form of a SILU step posts it too
 
 
+_F32 = np.dtype(np.float32)  # the one dtype these kernels read and write
+
+
 @spin.task()
 def _sigmoid_part(part: int, parts: int, argv: int) -> None:
     _part(_sigmoid_f32, part, parts, argv)
 
 
-def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: spin.Task) -> np.ndarray:
+def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: spin.Task, op: str) -> np.ndarray:
+    """The kernels and tasks read x and out by address as f32: any other dtype is a KernelError."""
     if out is None:
         out = np.empty(np.shape(x), np.float32)
+    if not x.dtype == out.dtype == _F32 or out.shape != x.shape or not out.flags.c_contiguous:
+        raise KernelError(f"{op}: has a kernel for x and out both float32 (out of x's shape, C-contiguous), got "
+                          f"x {x.dtype} {list(x.shape)} and out {out.dtype} {list(out.shape)}")
     flat, rows, cols, stride = rows_of(x)
     parts = spin.parts_for(rows * cols * SECONDS_PER_VALUE, rows if rows > 1 else cols // 4096)
     if parts <= 1:
@@ -153,9 +161,9 @@ def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: spin.Task) 
 def sigmoid_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """sigmoid(x) of f32 x into `out` (f32, x's shape, C-contiguous, not overlapping x unless it is x)
     or a fresh array; returns it."""
-    return _apply(x, out, _sigmoid_f32, _sigmoid_part)
+    return _apply(x, out, _sigmoid_f32, _sigmoid_part, "sigmoid")
 
 
 def silu_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x·sigmoid(x) of f32 x, as `sigmoid_f32`."""
-    return _apply(x, out, _silu_f32, _silu_part)
+    return _apply(x, out, _silu_f32, _silu_part, "silu")
