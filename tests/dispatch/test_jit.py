@@ -452,7 +452,8 @@ def test_a_destructive_ops_result_on_an_argument_is_handed_out_as_a_copy() -> No
 def test_a_captured_array_returned_is_read_on_every_call_and_handed_out_as_a_copy(view: str) -> None:
     w = np.arange(6, dtype=np.float32).reshape(2, 3)
     tw = fl.tensor(w)
-    picks: dict[str, Callable[[Any], Any]] = {"as is": lambda t: t, "transposed": lambda t: t.T, "a row": lambda t: t[1]}
+    picks: dict[str, Callable[[Any], Any]] = {"as is": lambda t: t, "transposed": lambda t: t.T,
+                                              "a row": lambda t: t[1]}
     f = fl.jit(lambda x: (picks[view](tw), x + 1.0))
     for call in range(3):
         w[:] = np.arange(6).reshape(2, 3) * (call + 2)  # updated in place between calls
@@ -477,3 +478,106 @@ def test_a_tensor_returned_twice_gives_two_arrays(reuse: bool) -> None:
                 assert not np.shares_memory(o, p), (call, i)
         for o, want in zip(outs, (a * 2, a * 2, (a * 2).T, a, a), strict=True):
             np.testing.assert_array_equal(o, want)
+
+
+# ---- captured arrays: read on every call, folded only where constant --------------------------------------
+
+_ON_WEIGHTS: dict[str, tuple[Callable[[Any, Any], Any], Callable[[np.ndarray, np.ndarray], np.ndarray]]] = {
+    "scaled": (lambda x, w: x + w * 2.0, lambda x, w: x + w * 2.0),
+    "cast": (lambda x, w: x + w.cast(fl.f64), lambda x, w: x + w.astype(np.float64)),
+    "exp": (lambda x, w: x * w.exp(), lambda x, w: x * np.exp(w)),
+    "product": (lambda x, w: x @ (w.reshape(3, 2).T * 0.5), lambda x, w: x @ (w.reshape(3, 2).T * 0.5)),
+    "sum": (lambda x, w: x + w.sum(), lambda x, w: x + w.sum()),
+    "copying reshape": (lambda x, w: x + w.reshape(2, 3).T.reshape(6)[:3],
+                        lambda x, w: x + w.reshape(2, 3).T.reshape(6)[:3]),
+    "fused": (lambda x, w: x + fl.ops.softmax_last_dim(w)[:3], lambda x, w: x + (np.exp(w) / np.exp(w).sum())[:3]),
+}
+
+
+def _read_only_view(w: np.ndarray) -> np.ndarray:
+    v = w.view()
+    v.flags.writeable = False  # read-only, but its base is writable: it still changes
+    return v
+
+
+@pytest.mark.parametrize("held", ["writable", "read-only view of a writable array"])
+@pytest.mark.parametrize("name", list(_ON_WEIGHTS))
+def test_arithmetic_on_a_captured_array_sees_in_place_updates(name: str, held: str) -> None:
+    """A captured array that can change is read on every call: arithmetic on it is not folded at capture
+    (a training loop updating weights in place under a jitted forward would keep the old ones)."""
+    fn, ref = _ON_WEIGHTS[name]
+    six = {"sum", "fused", "product", "copying reshape"}
+    w = np.linspace(-1.0, 1.0, 6, dtype=np.float32) if name in six else np.ones(3, np.float32)
+    tw = fl.tensor(w if held == "writable" else _read_only_view(w))
+    x_shape = (3, 2) if name == "product" else (3,)
+    f = fl.jit(lambda x: fn(x, tw))
+    for call in range(4):  # capture, checked replay, steady state (native where it can)
+        x = np.full(x_shape, 0.25 * call, np.float32)
+        got = f(x).numpy()
+        np.testing.assert_allclose(got, ref(x, w), rtol=1e-6, atol=1e-6, err_msg=f"call {call}")
+        w *= 2.0  # updated in place
+
+
+def test_the_briefs_example_gives_the_eager_answer() -> None:
+    w = np.ones(3, np.float32)
+    tw = fl.tensor(w)
+    f = fl.jit(lambda x: x + tw * 2)
+    np.testing.assert_array_equal(f(np.zeros(3, np.float32)).numpy(), [2, 2, 2])
+    w[:] = 5
+    np.testing.assert_array_equal(f(np.zeros(3, np.float32)).numpy(), [10, 10, 10])
+    np.testing.assert_array_equal((fl.tensor(np.zeros(3, np.float32)) + tw * 2).numpy(), [10, 10, 10])
+
+
+def _frozen_copy(w: np.ndarray) -> np.ndarray:
+    r = w.copy()
+    r.flags.writeable = False
+    return r
+
+
+@pytest.mark.parametrize("make", ["const=True", "read-only array"])
+def test_arithmetic_on_constants_is_folded_at_capture(make: str) -> None:
+    """`fl.tensor(arr, const=True)` (a read-only snapshot) and a read-only array with no writable base are
+    constants: `c * 2.0 + 1.0` and `c.exp()` run once, at capture; only the step reading x replays."""
+    w = np.linspace(-1.0, 1.0, 3).astype(np.float32)
+    tc = fl.tensor(w, const=True) if make == "const=True" else fl.tensor(_frozen_copy(w))
+    want_c = w * 2.0 + 1.0
+    f = fl.jit(lambda x: x * (tc * 2.0 + 1.0).exp())
+    w[:] = 9.0  # the snapshot (or the read-only copy) does not see it
+    for call in range(3):
+        x = np.full(3, call + 1.0, np.float32)
+        np.testing.assert_allclose(f(x).numpy(), x * np.exp(want_c), rtol=1e-6)
+    capture = f.capture_for(x)
+    assert capture is not None and capture.n_steps == 1 and capture.n_folded >= 3, capture.n_folded
+
+
+def test_constants_fold_beside_a_destructive_op_but_what_it_writes_is_recomputed() -> None:
+    """With a cache_write in the graph, constant arithmetic still folds; a constant-derived value the write
+    destroys does not (each call starts from the constant again, as eager does)."""
+    tc = fl.tensor(np.arange(8, dtype=np.float32).reshape(4, 2), const=True)
+
+    def fn(rows: fl.Tensor) -> tuple[fl.Tensor, fl.Tensor]:
+        written = fl.cache_write(tc * 1.0, rows, fl.dyn("pos"))
+        return written + 0.0, rows + (tc * 3.0).sum()
+
+    f = fl.jit(fn)
+    for pos in range(4):
+        rows = np.full((1, 2), -1.0 - pos, np.float32)
+        written, total = (t.numpy() for t in f(rows, pos=pos))
+        want = np.arange(8, dtype=np.float32).reshape(4, 2)
+        want[pos] = rows[0]
+        np.testing.assert_array_equal(written, want)
+        np.testing.assert_array_equal(total, rows + 3.0 * 28.0)
+    capture = f.capture_for(rows)
+    assert capture is not None and capture.n_folded >= 2  # tc * 3.0 and its sum; not tc * 1.0
+
+
+def test_tensor_const_takes_a_read_only_snapshot_without_touching_the_callers_array() -> None:
+    w = np.arange(4, dtype=np.float32)
+    tc = fl.tensor(w, const=True)
+    assert w.flags.writeable and not np.shares_memory(tc.numpy(), w)  # the caller's array is left as it was
+    w[:] = -1.0
+    np.testing.assert_array_equal(tc.numpy(), np.arange(4))
+    frozen = _frozen_copy(np.arange(4, dtype=np.float32))
+    assert np.shares_memory(fl.tensor(frozen, const=True).numpy(), frozen)  # already constant: no copy
+    with pytest.raises(fl.ParamError, match="const=True takes an array, got a Tensor"):
+        fl.tensor(tc, const=True)

@@ -18,36 +18,65 @@ from fuel.graph.prims import MAY_ALIAS
 _SAME_MEMORY = (MAY_ALIAS | {Op.CONTIGUIZE}) - {Op.VIEW}
 
 
-def fold(steps: Sequence[Step], template: list[Any], outputs: Sequence[int], views_only: bool) -> list[Step]:
-    """Run once, at capture, the primitive steps whose inputs are fixed (a value in `template`: a
-    captured array, or an arena buffer, which keeps its memory across calls); keep their results in
-    `template` and return the steps left to replay.
+def fold(steps: Sequence[Step], template: list[Any], outputs: Sequence[int], constant: set[int]) -> list[Step]:
+    """Run once, at capture, the primitive steps whose results are the same at every call; keep their
+    results in `template` and return the steps left to replay. Two kinds are:
 
-    A view of a fixed value is folded whenever it really is a view (it sees later writes to its
-    memory); a reshape NumPy had to copy is not. Other primitives are folded only when `views_only` is
-    false (no step destroys an input, which could rewrite a captured array between calls) and their
-    inputs are captured values. Outputs are never folded: each call hands out fresh ones.
+    - a step reading only constants (`constant`: slots of frozen captured arrays, `fuel.graph.node.frozen`,
+      of the constants the passes made, and of what is folded from them), unless a destructive op writes
+      its result (directly or through a view), which each call must compute afresh. A writable captured
+      array is not a constant: the caller may update it in place between calls, and each call reads it.
+    - a view of fixed values (any value in `template`: a captured array, or an arena buffer, which keeps
+      its memory across calls) when it really is a view: it sees later writes to that memory. A reshape
+      NumPy had to copy is not.
+
+    Destructive steps, steps with DynScalars and outputs are never folded (each call hands out fresh ones).
     """
     fixed = {s for s, v in enumerate(template) if v is not None}
+    constant = set(constant)
+    written = _written(steps)
     out_slots = set(outputs)
     left = []
     with np.errstate(all="ignore"):
         for step in steps:
-            if step.prim is None or step.output in out_slots or not all(s in fixed for s in step.inputs):
+            if (step.prim is None or step.destructive is not None or step.dyn_fields or step.output in out_slots
+                    or not all(s in fixed for s in step.inputs)):
                 left.append(step)
                 continue
+            const = step.output not in written and all(s in constant for s in step.inputs)
             view = step.spec.op in MAY_ALIAS
-            if not view and views_only:
+            if not (const or view):
                 left.append(step)
                 continue
             srcs = [template[s] for s in step.inputs]
             res = executor.checked(step, step.prim(srcs, step.spec, None))
-            if view and not (res.size and np.may_share_memory(res, srcs[0])):
+            if not const and not (res.size and np.may_share_memory(res, srcs[0])):
                 left.append(step)  # a copy: it would not follow later writes
                 continue
+            if const:
+                res.flags.writeable = False  # a constant like those it was computed from
+                constant.add(step.output)
             template[step.output] = res
             fixed.add(step.output)
     return left
+
+
+def _written(steps: Sequence[Step]) -> set[int]:
+    """The slots whose memory a destructive step writes: its destroyed input, and what that is a view of."""
+    made = {st.output: st for st in steps}
+    written: set[int] = set()
+    for st in steps:
+        s = None if st.destructive is None else st.inputs[st.destructive]
+        while s is not None and s not in written:
+            written.add(s)
+            src = made.get(s)
+            if src is not None and src.prim is not None and src.spec.op in _SAME_MEMORY:
+                s = src.inputs[0]
+            elif src is not None and src.destructive is not None:
+                s = src.inputs[src.destructive]
+            else:
+                s = None
+    return written
 
 
 def arena(steps: list[Step], outputs: Sequence[int],

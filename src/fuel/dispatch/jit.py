@@ -20,8 +20,12 @@ The contract:
 - Each signature keeps its capture (and arena) for the life of `f`; `fl.jit(fn, max_arena_bytes=n)`
   drops the least recently used ones once the bytes they hold (arenas, and the native replay's staged
   buffers) pass n, for callers that see many shapes.
-- Leaves `fn` captures from outside (weights) are held by the capture and read on every call. A
-  destructive op writes into its input as in `realize`, be it an argument or a captured array.
+- Leaves `fn` captures from outside (weights) are held by the capture and read on every call, so an
+  array updated in place between calls is seen. Work on them is done once, at capture, only where it
+  cannot change: arithmetic reading constants alone (read-only arrays with no writable base,
+  `fl.tensor(arr, const=True)`, Python numbers; `fuel.graph.node.frozen`), and views of captured
+  arrays, which see their updates (`arena.fold`). A destructive op writes into its input as in
+  `realize`, be it an argument or a captured array.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from fuel.dispatch.fused import default_kernel_registry
 from fuel.dispatch.plan import Plan, Step
 from fuel.dtype import from_numpy
 from fuel.errors import ParamError
-from fuel.graph.node import Node, Op, dyn_value, topo_order
+from fuel.graph.node import Node, Op, dyn_value, is_constant, topo_order
 from fuel.graph.registry import default_registry
 
 _QUIET = contextlib.nullcontext()
@@ -91,25 +95,27 @@ class Capture:
                 roots: list[Node], reuse_outputs: bool) -> None:
         template: list[Any] = [None] * plan.n_slots
         self.arg_slots: list[tuple[int, int]] = []  # (slot, argument index)
+        constant = set(plan.baked)  # slots whose values cannot change between calls
         for leaf, s in zip(leaves, plan.leaf_slots, strict=True):
             if s < 0:
                 continue
             if id(leaf) in position:
                 self.arg_slots.append((s, position[id(leaf)]))
             else:
-                template[s] = leaf.value  # a captured weight or constant
+                template[s] = leaf.value  # a captured weight or constant, read by every call
+                if is_constant(leaf):
+                    constant.add(s)
         for s, v in plan.baked.items():
             template[s] = v
-        # Fold what reads captured values only, then lay out the arena, then fold the views of arena
-        # buffers (their memory is fixed too, so a reshape of one is the same view every call).
-        may_mutate = any(step.destructive is not None for step in plan.steps)
-        steps = fold(plan.steps, template, plan.outputs, views_only=may_mutate)
+        # Fold what reads constants only and the views of captured arrays, then lay out the arena, then fold
+        # the views of arena buffers (their memory is fixed too, so a reshape of one is the same view every call).
+        steps = fold(plan.steps, template, plan.outputs, constant)
         buffers, self.arena_bytes, fresh = arena(steps, plan.outputs, reuse_outputs)
         self.fresh = {steps[k].output for k in fresh}  # output slots each call allocates
         owned_slots = {steps[k].output for k in buffers}
         for k, raw in buffers.items():
             template[steps[k].output] = raw.view(steps[k].spec.dtype.np).reshape(steps[k].spec.shape)
-        replayed = fold(steps, template, plan.outputs, views_only=True)
+        replayed = fold(steps, template, plan.outputs, set())
         self.n_folded = len(plan.steps) - len(replayed)
         self.runs: list[_Run] = [
             _Run(step, template[step.output] if step.output in owned_slots else None,

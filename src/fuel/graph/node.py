@@ -195,6 +195,28 @@ class Node:
         return f"Node#{self.serial}({self.op.name}{arg} {list(self.shape)} {self.dtype.value})"
 
 
+def frozen(arr: np.ndarray) -> bool:
+    """Whether nothing can write `arr`'s contents through NumPy: it is read-only, and so is every array it
+    views, down to a read-only buffer (bytes, a memory map opened read-only) or memory it owns. Clearing
+    the flag is the owner's promise not to write it (NumPy lets the owner set it back)."""
+    a: Any = arr
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return False
+        a = a.base
+    if a is None:
+        return True
+    try:
+        return memoryview(a).readonly
+    except TypeError:  # no buffer to ask: it may be writable
+        return False
+
+
+def is_constant(node: Node) -> bool:
+    """A leaf whose value cannot change between realisations (see `frozen`): what `fl.jit` may fold."""
+    return node.value is not None and frozen(node.value)
+
+
 def topo_order(roots: list[Node] | tuple[Node, ...], stop_at_leaves: bool = True) -> list[Node]:
     """Post-order DFS from the roots, inputs before users; leaves are not descended."""
     order: list[Node] = []

@@ -122,6 +122,7 @@ def const(op: str, value: Any, dtype: DType) -> Node:
     arr = np.array(value, dtype=dtype.np)
     if arr.ndim:
         raise ParamError(f"{op}: the fill value must be a scalar, got shape {list(arr.shape)}")
+    arr.flags.writeable = False  # a constant (`fuel.graph.node.frozen`): fl.jit folds what reads only these
     return Node(Op.CONST, (), (), dtype, None, arr)
 
 

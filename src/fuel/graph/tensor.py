@@ -11,7 +11,7 @@ import numpy as np
 from fuel.dtype import DEFAULT_FLOAT, DType, as_dtype, from_numpy
 from fuel.errors import DTypeError, ParamError, RankZeroError, ShapeError
 from fuel.graph.conversions import Conversions
-from fuel.graph.node import DynScalar, Node, Op, Shape
+from fuel.graph.node import DynScalar, Node, Op, Shape, frozen
 from fuel.graph.prims import make
 from fuel.graph.promote import Operand, broadcast, const, elementwise, is_number, promote_pair, result_dtype
 from fuel.graph.shapes import as_int, broadcast_shapes, check_dims, norm_axis
@@ -278,10 +278,16 @@ def _dims(op: str, shape: Sequence[Any], what: str = "a dimension") -> tuple[int
     return tuple(as_int(op, d, what) for d in items)
 
 
-def tensor(data: Any, dtype: DType | str | None = None) -> Tensor:
+def tensor(data: Any, dtype: DType | str | None = None, *, const: bool = False) -> Tensor:
     """A leaf over an array (shared, not copied: only the in-place ops, `fl.ops.inplace_affine` and
-    `fl.cache_write`, ever write it); `dtype` converts it once (a copy unless already that dtype)."""
+    `fl.cache_write`, ever write it); `dtype` converts it once (a copy unless already that dtype).
+
+    `const=True` makes a constant: a read-only snapshot of the data (copied, unless the array is read-only
+    all the way down already, `fuel.graph.node.frozen`). `fl.jit` folds arithmetic on constants at capture,
+    where a writable array is read again on every call."""
     if isinstance(data, Tensor):
+        if const:
+            raise ParamError("tensor: const=True takes an array, got a Tensor; realise it and pass its array")
         return data if dtype is None else data.cast(dtype)
     arr = np.asarray(data)
     if arr.dtype == np.bool_:
@@ -289,6 +295,9 @@ def tensor(data: Any, dtype: DType | str | None = None) -> Tensor:
     if dtype is not None:
         arr = arr.astype(as_dtype(dtype, "tensor").np, copy=False)
     dt = from_numpy(arr.dtype)
+    if const and not frozen(arr):
+        arr = arr.copy()
+        arr.flags.writeable = False
     return Tensor(Node(Op.CONST, (), tuple(int(d) for d in arr.shape), dt, None, arr))
 
 
