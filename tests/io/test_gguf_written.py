@@ -106,6 +106,76 @@ def test_higher_rank_quantized(tmp_path: Path, rng: np.random.Generator) -> None
         t.matmul(np.zeros((1, 64), np.float32))
 
 
+# ggml's block_q8_1 (ggml-common.h): fp16 d, fp16 s = d * sum(qs), int8 qs[32], 36 bytes; a value is d * q.
+# gguf-py cannot read it (its size table says 40 bytes and it has no Q8_1 decoder), so the test decodes
+# it from the layout; block_q8_0 is the same block without s, which gguf-py does decode.
+Q8_1_BLOCK = np.dtype([("d", "<f2"), ("s", "<f2"), ("qs", "i1", (32,))])
+
+
+def _q8_1_values(raw: np.ndarray) -> np.ndarray:
+    """float32 [n, k] of Q8_1 bytes uint8 [n, 36 · k/32], read through the block layout: d · q, exact in float32."""
+    blocks = np.ascontiguousarray(raw).view(Q8_1_BLOCK)
+    return (blocks["d"].astype(np.float32)[..., None] * blocks["qs"].astype(np.float32)).reshape(raw.shape[0], -1)
+
+
+def _q8_1_weight(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """A random [n, k] weight in Q8_1 bytes, quantised as ggml's reference does (d = amax / 127, q = x / d
+    rounded half away from zero, s = d · Σq), with f16 subnormal, signed-zero and largest scales among them."""
+    x = rng.standard_normal((n, k // 32, 32)) * np.exp2(rng.integers(-8, 8, (n, k // 32, 1)))
+    d = np.abs(x).max(axis=-1) / 127
+    q = np.trunc(x / d[..., None] + np.copysign(0.5, x)).astype(np.int8)
+    blocks = np.empty((n, k // 32), Q8_1_BLOCK)
+    blocks["d"], blocks["qs"] = d.astype(np.float16), q
+    blocks["d"].reshape(-1)[:3] = [np.float16(2.0**-20), np.float16(-0.0), np.float16(65504.0)]
+    blocks["s"] = (d * q.sum(axis=-1, dtype=np.int32)).astype(np.float16)
+    return blocks.view(np.uint8).reshape(n, -1)
+
+
+def _write_q8_1(path: Path, raw: np.ndarray, k: int) -> Path:
+    """GGUFWriter takes the element shape as given for bytes that are not uint8 (it would size uint8 bytes
+    with its 40-byte Q8_1 blocks)."""
+    w = gguf.GGUFWriter(str(path), "test")
+    w.add_tensor("w", raw.view(np.int8), raw_shape=(raw.shape[0], k), raw_dtype=GT.Q8_1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_q8_1_decoder_here_agrees_with_gguf_q8_0() -> None:
+    """Where the layouts agree (a block_q8_1 less its bytes 2-3, s, is a block_q8_0), the layout decoder
+    above gives gguf-py's Q8_0 values bit for bit."""
+    assert Q8_1_BLOCK.itemsize == 36
+    raw = _q8_1_weight(np.random.default_rng(12), 6, 160)
+    blocks = raw.reshape(6, 5, 36)
+    q8_0 = np.concatenate([blocks[:, :, 0:2], blocks[:, :, 4:36]], axis=-1)  # bytes 2-3 (s) dropped
+    want = gguf.quants.dequantize(q8_0.reshape(6, 5 * 34), GT.Q8_0)
+    got = _q8_1_values(raw)
+    assert got.shape == want.shape == (6, 160)
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+def test_q8_1_follows_ggml_block_layout(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A Q8_1 tensor (36-byte blocks) read, dequantised and multiplied by fuel against the layout decoder."""
+    n, k = 5, 96
+    raw = _q8_1_weight(rng, n, k)
+    want = _q8_1_values(raw)
+    t = open_gguf(_write_q8_1(tmp_path / "q8_1.gguf", raw, k))["w"]
+    assert t.type_name == "Q8_1" and t.shape == (n, k) and t.n_bytes == raw.size == n * 3 * 36
+    assert np.array_equal(t.words.view(np.uint8), raw.reshape(-1))
+    assert np.array_equal(t.dequantize().view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(t.dequantize(rows=[4, 0]).view(np.uint32), want[[4, 0]].view(np.uint32))
+    a = rng.standard_normal((3, k)).astype(np.float32)
+    w64 = want.astype(np.float64)
+    assert_close_contraction(t.matmul(a).numpy(), a @ w64.T, np.abs(a) @ np.abs(w64).T, fl.f32)
+    flipped = raw.copy()
+    flipped.view(Q8_1_BLOCK)["s"] = -flipped.view(Q8_1_BLOCK)["s"] - 1  # s never enters a value
+    u = open_gguf(_write_q8_1(tmp_path / "s.gguf", flipped, k))["w"]
+    assert np.array_equal(u.dequantize().view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(u.matmul(a).numpy(), t.matmul(a).numpy())
+
+
 def test_unsupported_types(tmp_path: Path, rng: np.random.Generator) -> None:
     iq = rng.integers(0, 256, (2, 18), dtype=np.uint8)
     iq[:, :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)  # finite block scales
