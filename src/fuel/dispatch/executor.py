@@ -7,6 +7,7 @@ of both registries, so a kernel registered later is picked up instead of a stale
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -19,7 +20,7 @@ import numpy as np
 
 from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.fused import FusedKernelRegistry, default_kernel_registry
+from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, default_kernel_registry
 from fuel.dispatch.plan import Plan, Step, build, dyn_names
 from fuel.dispatch.plan import destructive_of as _destructive
 from fuel.dtype import DType
@@ -28,6 +29,7 @@ from fuel.graph.node import Node, Op, OpSpec, topo_order
 from fuel.graph.passes import arg_key
 from fuel.graph.passes.order import alias_root
 from fuel.graph.registry import FusedOpRegistry, default_registry
+from fuel.graph.traced import check_realize
 
 if TYPE_CHECKING:
     from fuel.graph.tensor import Tensor
@@ -95,6 +97,7 @@ def realize(*tensors: Tensor, env: dict[str, int] | None = None, fuse: bool = Tr
     for t in tensors:
         if not isinstance(t, Tensor):
             raise ShapeError(f"realize: expects Tensors, got {type(t).__name__}")
+    check_realize([t.node for t in tensors], "fl.realize()")  # refused inside an fl.jit trace
     if env:
         _drop_stale([t.node for t in tensors], env)
     roots = [t.node for t in tensors if t.node.value is None]
@@ -327,15 +330,17 @@ def _describe(out: Any) -> str:
     return type(out).__name__
 
 
-# Each registered dtype tuple as NumPy's (input dtypes, output dtype), the form a step's arrays are compared in.
-_NP_DTYPES: dict[tuple[DType, ...], tuple[tuple[np.dtype[Any], ...], np.dtype[Any]]] = {}
+# Per impl (by id, the impl kept to tell a reused id apart), its registered dtype tuple as NumPy's input
+# dtypes and output dtype: the form a step's arrays are compared in, without hashing the DType tuple per call.
+_NP_DTYPES: dict[int, tuple[BackendImpl, tuple[np.dtype[Any], ...], np.dtype[Any]]] = {}
+_DTYPE_OF = operator.attrgetter("dtype")
 
 
-def _np_dtypes(dtypes: tuple[DType, ...]) -> tuple[tuple[np.dtype[Any], ...], np.dtype[Any]]:
-    found = _NP_DTYPES.get(dtypes)
-    if found is None:
-        found = _NP_DTYPES[dtypes] = (tuple(d.np for d in dtypes[:-1]), dtypes[-1].np)
-    return found
+def _np_dtypes(impl: BackendImpl) -> tuple[tuple[np.dtype[Any], ...], np.dtype[Any]]:
+    found = _NP_DTYPES.get(id(impl))
+    if found is None or found[0] is not impl:
+        found = _NP_DTYPES[id(impl)] = (impl, tuple(d.np for d in impl.dtypes[:-1]), impl.dtypes[-1].np)
+    return found[1], found[2]
 
 
 def _names(items: Sequence[Any]) -> str:
@@ -356,8 +361,8 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
     """
     impl, spec = step.impl, step.spec
     assert impl is not None
-    ins, out_dtype = _np_dtypes(impl.dtypes)
-    if tuple([a.dtype for a in args]) != ins:
+    ins, out_dtype = _np_dtypes(impl)
+    if tuple(map(_DTYPE_OF, args)) != ins:
         raise KernelError(f"{impl.name}: is registered for inputs {_names(ins)}, got {_names(args)}")
     copies = 0
     if not impl.caps.strided_input:
@@ -375,7 +380,7 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
         result = tuple(POOL.empty(shape, dtype) for shape, dtype in step.slots)
     else:
         result = POOL.empty(spec.shape, spec.dtype.np) if out is None else out
-    if isinstance(result, np.ndarray) and result.dtype != out_dtype:
+    if type(result) is not tuple and result.dtype is not out_dtype and result.dtype != out_dtype:
         raise KernelError(f"{impl.name}: is registered for a {_names([out_dtype])} output, got {_names([result])}")
     threads.use_serial(*(_serial_now(step, params) if step.dyn_fields else (step.serial, step.inline)))
     if step.joint is not None and slots is not None:
