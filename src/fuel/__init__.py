@@ -19,6 +19,7 @@ from fuel.errors import (
     NotDifferentiable,
     ParamError,
     RankZeroError,
+    RealizeInTrace,
     ShapeError,
     StaleInput,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "NotDifferentiable",
     "ParamError",
     "RankZeroError",
+    "RealizeInTrace",
     "ShapeError",
     "StaleInput",
     "Tensor",

@@ -48,3 +48,8 @@ class NoDecomposition(FuelError):
 
 class NotDifferentiable(FuelError):
     """A gradient was asked through an op that has none."""
+
+
+class RealizeInTrace(FuelError, RuntimeError):
+    """A function traced by `fl.jit` realised a value that can change between calls (one depending on an
+    argument, or on a writable captured array): it would have been baked into the capture."""

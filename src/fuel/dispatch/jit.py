@@ -2,7 +2,9 @@
 
 The contract:
 - `fn` takes Tensors (one per positional argument) and returns a Tensor or a tuple/list of Tensors,
-  built with the lazy API. It must not realise anything itself: its graph is traced once.
+  built with the lazy API. It must not realise anything itself: its graph is traced once. Realising a
+  value that depends on an argument or on a writable captured array raises RealizeInTrace
+  (`fuel.graph.traced`); one computed from constants alone may be realised.
 - `f(*args, **env)`: `args` are arrays or realised Tensors; their shapes and dtypes are the signature
   (a new signature traces again); keyword arguments bind DynScalars (`f(x, k_len=17)`) to integers
   (any `numbers.Integral` or 0-d integer array; a float or a bool is a ParamError).
@@ -49,6 +51,7 @@ from fuel.dtype import from_numpy
 from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, dyn_value, is_constant, topo_order
 from fuel.graph.registry import default_registry
+from fuel.graph.traced import tracing
 
 _QUIET = contextlib.nullcontext()
 _NOTHING: dict[int, np.ndarray] = {}
@@ -73,7 +76,8 @@ class Capture:
         placeholders = [Node(Op.CONST, (), a.shape, from_numpy(a.dtype), None, a) for a in args]
         from fuel.graph.tensor import Tensor
 
-        result = fn(*(Tensor(p) for p in placeholders))
+        with tracing(placeholders):  # fn may not realise what depends on them (`fuel.graph.traced`)
+            result = fn(*(Tensor(p) for p in placeholders))
         self.single = isinstance(result, Tensor)
         outs = [result] if self.single else list(result) if isinstance(result, (tuple, list)) else None
         if outs is None or not all(isinstance(t, Tensor) for t in outs):

@@ -1,0 +1,55 @@
+"""An `fl.jit` trace in progress, and what its function may realise.
+
+`fl.jit` runs its function once per signature over placeholder leaves holding the arguments. A value the
+function realised then (`.numpy()`, `.item()`, `float(t)`, `bool(t)`, `np.asarray(t)`, `fl.realize`)
+would be computed once and baked into the capture, whatever later calls pass. So while a thread traces,
+realising a tensor is a `RealizeInTrace` error when it depends on an argument, or on a captured array
+that can change between calls (a writable one). A tensor computed only from constants (`frozen` arrays:
+read-only ones, `fl.tensor(arr, const=True)`, Python numbers) may be realised: its value is the same at
+every call, and it is what the capture would fold anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+
+from fuel.errors import RealizeInTrace
+from fuel.graph.node import Node, is_constant, topo_order
+
+_STATE = threading.local()  # .args: {id(placeholder node): argument index} while this thread traces
+
+
+@contextlib.contextmanager
+def tracing(placeholders: Sequence[Node]) -> Iterator[None]:
+    """This thread traces a function over `placeholders` (one per positional argument)."""
+    outer = getattr(_STATE, "args", None)
+    _STATE.args = {id(p): i for i, p in enumerate(placeholders)}
+    try:
+        yield
+    finally:
+        _STATE.args = outer
+
+
+def check_realize(nodes: Sequence[Node], how: str) -> None:
+    """Refuse, inside a trace, to realise (by `how`, e.g. ".item()") a node that is not a constant."""
+    args: dict[int, int] | None = getattr(_STATE, "args", None)
+    if args is None:
+        return
+    for node in nodes:
+        leaves = [n for n in topo_order([node]) if n.value is not None]
+        what = f"{how} of a {list(node.shape)} {node.dtype.value} tensor ({node.op.name})"
+        for leaf in leaves:
+            if id(leaf) in args:
+                raise RealizeInTrace(
+                    f"jit: fn must not realise inside fl.jit, but it called {what}, which depends on argument "
+                    f"{args[id(leaf)]} ({list(leaf.shape)} {leaf.dtype.value}): fn runs once per signature, "
+                    f"so the value would be baked into the capture; keep it lazy, or return it as an output")
+        for leaf in leaves:
+            if not is_constant(leaf):
+                raise RealizeInTrace(
+                    f"jit: fn must not realise inside fl.jit, but it called {what}, which reads a writable "
+                    f"captured array ({list(leaf.shape)} {leaf.dtype.value}) that may change between calls: "
+                    f"its value would be baked into the capture; realise it before fl.jit, or capture the "
+                    f"array as a constant with fl.tensor(arr, const=True)")
