@@ -12,7 +12,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from fuel.dispatch.cpu import nf4
+from fuel.dispatch.cpu import nf4_intrinsics
 from fuel.dispatch.cpu.nibble_tables import (
     CODES32_LANES,
     ELEMENT_LANES,
@@ -24,7 +24,7 @@ from fuel.dispatch.cpu.nibble_tables import (
 )
 from fuel.dispatch.cpu.simd16 import _I8, _VF, vstore
 
-ORDERS = {"shifted": SHIFTED_LANES, "element": ELEMENT_LANES, "split": nf4._SPLIT_LANES}
+ORDERS = {"shifted": SHIFTED_LANES, "element": ELEMENT_LANES, "split": nf4_intrinsics.SPLIT_LANES}
 
 
 def _looked_up(lanes: list[tuple[int, int]] | None) -> Any:
