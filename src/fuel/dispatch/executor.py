@@ -20,7 +20,7 @@ import numpy as np
 
 from fuel.dispatch import threads
 from fuel.dispatch.buffers import POOL
-from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, default_kernel_registry
+from fuel.dispatch.fused import FusedKernelRegistry, default_kernel_registry
 from fuel.dispatch.plan import Plan, Step, build, dyn_names
 from fuel.dispatch.plan import destructive_of as _destructive
 from fuel.dtype import DType
@@ -330,17 +330,7 @@ def _describe(out: Any) -> str:
     return type(out).__name__
 
 
-# Per impl (by id, the impl kept to tell a reused id apart), its registered dtype tuple as NumPy's input
-# dtypes and output dtype: the form a step's arrays are compared in, without hashing the DType tuple per call.
-_NP_DTYPES: dict[int, tuple[BackendImpl, tuple[np.dtype[Any], ...], np.dtype[Any]]] = {}
 _DTYPE_OF = operator.attrgetter("dtype")
-
-
-def _np_dtypes(impl: BackendImpl) -> tuple[tuple[np.dtype[Any], ...], np.dtype[Any]]:
-    found = _NP_DTYPES.get(id(impl))
-    if found is None or found[0] is not impl:
-        found = _NP_DTYPES[id(impl)] = (impl, tuple(d.np for d in impl.dtypes[:-1]), impl.dtypes[-1].np)
-    return found[1], found[2]
 
 
 def _names(items: Sequence[Any]) -> str:
@@ -361,7 +351,7 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
     """
     impl, spec = step.impl, step.spec
     assert impl is not None
-    ins, out_dtype = _np_dtypes(impl)
+    ins, out_dtype = impl.np_dtypes
     if tuple(map(_DTYPE_OF, args)) != ins:
         raise KernelError(f"{impl.name}: is registered for inputs {_names(ins)}, got {_names(args)}")
     copies = 0

@@ -80,6 +80,11 @@ class BackendImpl:
     def name(self) -> str:
         return f"{FusedOps.NAMES[self.op_id]}[{self.backend}:{','.join(d.value for d in self.dtypes)}]"
 
+    @functools.cached_property
+    def np_dtypes(self) -> tuple[tuple[np.dtype[Any], ...], np.dtype[Any]]:
+        """`dtypes` as NumPy's (input dtypes, output dtype): the form the executor checks arrays in."""
+        return tuple(d.np for d in self.dtypes[:-1]), self.dtypes[-1].np
+
     @property
     def source(self) -> str:
         """`file:line` of the kernel function."""
