@@ -24,20 +24,18 @@ import fuel as fl
 from benchmarks.bench_ops import blas_info, sgemm_gflops
 from benchmarks.quant_cases import (
     EVICT_WAY,
-    FLUSH_BYTES,
     FUEL_WAYS,
     RTOL,
     TARGET_RATIO,
-    TARGET_ROOF,
     WARM_WAY,
     WAYS,
     build_weight,
-    judge_roofline,
-    measure_limits,
-    read_bandwidth,
+    llama_cpp_note,
     run_case,
+    set_roofline,
     skipped,
 )
+from benchmarks.quant_machine import FLUSH_BYTES, measure_limits, read_bandwidth
 
 THREADS = 2
 TYPES = ("Q4_0", "Q4_K", "Q6_K", "Q8_0", "NF4")
@@ -48,9 +46,10 @@ class Sizes:
     """The weight `[n, k]`, the activation rows `ms` and the types; `Sizes.tiny()` runs in seconds.
 
     `one_row_rounds`: the fewest timed rounds of an M = 1 case, whatever `repeat` asks. A round there takes
-    ~60 ms (torch's dequantisation and the cache flushes), so 10 rounds span 0.6 s, shorter than the slow
-    phases of this VM's host (0.1 s to seconds, in which a 0.67 ms two-thread NF4 call takes 0.83): one
-    phase could make a whole case's median. 40 rounds span 2.5 s, so a short phase no longer does."""
+    tens of ms (torch's dequantisation and the cache flushes), so 10 rounds span well under a second,
+    shorter than the slow phases of this VM's host (0.1 s to seconds, in which a 0.67 ms two-thread NF4
+    call takes 0.83): one phase could make a whole case's median. 40 rounds span seconds, so a short
+    phase no longer does."""
 
     k: int = 4096
     n: int = 4096
@@ -73,23 +72,28 @@ def _mark(ok: bool | None) -> str:
     return "" if ok is None else (" ✓" if ok else " ✗")
 
 
+def _agrees(r: dict[str, Any]) -> bool:
+    """Every way agrees with torch, and torch's dequantiser with gguf's (NF4: bitsandbytes' own)."""
+    return all(c["ok"] for c in r["correctness"].values()) and r["torch_dequant_bit_exact"] is not False
+
+
 def print_table(results: list[dict[str, Any]]) -> None:
     print(f"\n| type | M | fuel ms | fuel jit ms | jit warm ms | jit weight-cold ms | torch deq+mm ms | torch mm ms "
           f"| bnb 4bit ms | fuel/(deq+mm) (≤ {TARGET_RATIO}) | fuel/mm | roofline ms "
-          f"| roofline frac (M=1: ≥ {TARGET_ROOF:.0%}) | frac, full flush | ok |")
+          f"| roofline frac | frac, full flush | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = r["ms"]
         if r["skipped"]:
             print(f"| {r['type']} | {r['m']} | skipped: {r['skipped'][:80]} | | | | | | | | | | | | |")
             continue
-        ok = "yes" if all(c["ok"] for c in r["correctness"].values()) else "NO"
+        ok = "yes" if _agrees(r) else "NO"
         print(f"| {r['type']} | {r['m']} | {_fmt(ms['fuel'], '.3f')} | {_fmt(ms['fuel_jit'], '.3f')} | "
               f"{_fmt(ms[WARM_WAY], '.3f')} | {_fmt(ms[EVICT_WAY], '.3f')} | {_fmt(ms['torch_deq_mm'])} | "
               f"{_fmt(ms['torch_mm'], '.3f')} | {_fmt(ms['bnb_4bit'])} | "
               f"{_fmt(r['fuel_over_torch_deq_mm'], '.3f')}{_mark(r['meets_ratio_target'])} | "
               f"{_fmt(r['fuel_over_torch_mm'])} | {_fmt(r['roofline_ms'], '.3f')} | "
-              f"{100 * r['roofline_fraction']:.1f}%{_mark(r['meets_roofline_target'])} | "
+              f"{100 * r['roofline_fraction']:.1f}% | "
               f"{100 * r['roofline_fraction_full_flush']:.1f}% | {ok} |")
 
 
@@ -134,10 +138,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _write(out_dir: Path, meta: dict[str, Any], results: list[dict[str, Any]]) -> None:
+def _write(out_dir: Path, meta: dict[str, Any], results: list[dict[str, Any]], png: bool) -> None:
+    """quant.json (after every case, so a long run keeps what it measured) and, at the end, quant.png."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "quant.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    plot(results, out_dir / "quant.png")
+    if png:
+        plot(results, out_dir / "quant.png")
 
 
 def _report(r: dict[str, Any]) -> None:
@@ -150,6 +156,8 @@ def _report(r: dict[str, Any]) -> None:
           f"deq+mm {_fmt(ms['torch_deq_mm'])} | mm {_fmt(ms['torch_mm'], '.3f')} ms | fuel/(deq+mm) "
           f"{r['fuel_over_torch_deq_mm']:.3f} | roofline {100 * r['roofline_fraction']:.1f}%"
           + (f" | DISAGREES with torch: {bad}" if bad else ""), flush=True)
+    if r["torch_dequant_bit_exact"] is False:
+        print(f"    WARNING: torch's {r['type']} dequantiser differs from gguf's: the peer is wrong", flush=True)
     for w in bad:
         c = r["correctness"][w]
         print(f"    WARNING: {w} max |diff| {c['max_abs']:.3g}, {c['max_rel_to_scale']:.3g} of |x|@|W|ᵀ "
@@ -178,7 +186,7 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
             "torch": torch.__version__, "gguf": getattr(gguf, "__version__", None),
             "bitsandbytes": bitsandbytes.__version__, "repeat": repeat, "limits": limits,
             "roofline_bandwidth": "read_gbs", "sizes": dataclasses.asdict(sz), "cold_cache_bytes": FLUSH_BYTES,
-            "targets": {"fuel_over_torch_deq_mm_max": TARGET_RATIO, "roofline_fraction_min_at_m1": TARGET_ROOF},
+            "targets": {"fuel_over_torch_deq_mm_max": TARGET_RATIO}, "llama_cpp": llama_cpp_note(),
             "tolerance": f"|fuel - torch| <= {RTOL} * (|x| @ |W|^T) per element",
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "loadavg_start": os.getloadavg()}
@@ -199,7 +207,7 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
             except Exception as e:  # a kernel still landing, say: report and go on
                 results.append(skipped(qtype, m, sz.k, sz.n, f"failed: {type(e).__name__}: {str(e)[:300]}"))
             _report(results[-1])
-            _write(folder, meta, results)
+            _write(folder, meta, results, png=False)
         del wt
         if measured:
             probes.append(read_bandwidth()["read_gbs"])
@@ -211,11 +219,11 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
         limits["read_gbs"], limits["gemm_gflops"] = max(probes), max(gemm_probes)
         for r in results:
             if not r["skipped"]:
-                judge_roofline(r, limits)
+                set_roofline(r, limits)
         print(f"  read bandwidth at the start and after each type {', '.join(f'{p:.1f}' for p in probes)} GB/s: "
               f"the roofline takes {limits['read_gbs']:.1f}, the largest; sgemm "
               f"{', '.join(f'{p:.0f}' for p in gemm_probes)} GFLOP/s: it takes {limits['gemm_gflops']:.0f}", flush=True)
-    _write(folder, meta, results)
+    _write(folder, meta, results, png=True)
     print_table(results)
     print(f"\nload average (1, 5, 15 min) at start {meta['loadavg_start']}, at end {meta['loadavg_end']} "
           f"({THREADS} cores: above ~{THREADS} something else competed with these timings)")
@@ -229,8 +237,10 @@ def main(out_dir: str, repeat: int, sizes: Sizes | None = None, limits: dict[str
           f"fuel's best way, at M = 1 counting jit weight-cold (the full-flush fraction beside it). Cold cache: "
           f"each timed call follows an untimed {FLUSH_BYTES >> 20} MiB read (jit warm: none, the weight in L3 from "
           f"the jit call before it; jit weight-cold: only the weight's and x's cache lines flushed, the code and "
-          f"the replay kept cached, the pool's workers woken, as in a decode loop). Targets: fuel/(deq+mm) "
-          f"≤ {TARGET_RATIO}, roofline ≥ {TARGET_ROOF:.0%} at M = 1 (✓ met, ✗ not). BLAS {blas_info()}")
+          f"the replay kept cached, the pool's workers woken, as in a decode loop). The roofline fractions are "
+          f"reported, not judged; the target is fuel/(deq+mm) ≤ {TARGET_RATIO}, torch dequantising with torch ops "
+          f"(bit-exact with gguf's dequantiser) and timed interleaved with fuel (✓ met, ✗ not). BLAS {blas_info()}")
+    print(meta["llama_cpp"])
     print(f"wrote {folder / 'quant.json'} and {folder / 'quant.png'}")
     return 0
 

@@ -1,13 +1,14 @@
-"""The measuring side of bench_quant: the machine's read bandwidth, cold-cache interleaved timing, the
-quantized weights in fuel's and torch's forms, and one case's timed and checked record.
+"""The cases of bench_quant: the quantized weights in fuel's and torch's forms and one case's timed and
+checked record (the machine's read bandwidth and the cold-cache timing are quant_machine's).
 
 Ways, each timed interleaved (one call of each per round, medians):
 - fuel: `fl.ops.qmatmul` / `fl.ops.nf4_matmul` on prebuilt input tensors, graph built and realised
   each call; fuel_jit: the same through `fl.jit` (the weight captured, x the argument).
 - fuel_jit_warm (reported only): fuel_jit again right after it with no flush (the weight in L3).
 - torch_deq_mm (the base of the fuel/torch ratio): what torch needs to do the same from the same bytes,
-  dequantise then matmul, timed together: GGUF `torch.from_numpy(gguf.quants.dequantize(raw, type))`
-  then `x @ W.T`; NF4 `bitsandbytes.functional.dequantize_4bit` then `x @ W.T`.
+  dequantise then matmul, timed together: GGUF through `torch_dequant.TorchDequantiser` (torch ops,
+  bit-exact with the `gguf` package's dequantiser, into a reused buffer) then `x @ W.T`; NF4
+  `bitsandbytes.functional.dequantize_4bit` then `x @ W.T`.
 - torch_mm (reported, not a ratio base of the targets): `x @ W.T` with W dequantised beforehand (f32,
   4x-8x the bytes of the quantized weight).
 - bnb_4bit (NF4 only): `bitsandbytes.matmul_4bit(x, q.t(), quant_state)`.
@@ -29,8 +30,13 @@ fastest of a two-thread vector read, a two-thread scalar sum and a NumPy sum ove
 bytes read / time). Copy bandwidth
 (read + write bytes, `bench_ops.machine_limits`) is reported beside it; at M = 64 the floor is the
 larger of that and 2·M·N·K flops over the measured sgemm peak. Reported as floor / fuel's best time
-(at M = 1 counting fuel_jit_weight_cold among fuel's ways, see above).
-Targets each record is judged by: fuel ≤ 0.5x torch_deq_mm, and ≥ 50% of the roofline at M = 1.
+(at M = 1 counting fuel_jit_weight_cold among fuel's ways, see above), never judged.
+The target each record is judged by, a ratio to the peer timed interleaved with fuel: fuel ≤ 0.5x
+torch_deq_mm.
+llama.cpp: llama-cpp-python (`make bench-env`) binds llama.h's model API only (its `_ggml` module loads
+libggml but binds none of its functions), so it has no matmul entry point to time here; `llama_cpp_note`
+says so in the JSON and the output, and `fuel bench --models` times its quantized matmuls inside whole
+models.
 Correctness: fuel's output (both ways) against torch_deq_mm's, per element
 |fuel - torch| ≤ 1e-5·(|x| @ |W|ᵀ) (f32 contraction noise over K terms), recorded in the JSON.
 """
@@ -38,24 +44,14 @@ Correctness: fuel's output (both ways) against torch_deq_mm's, per element
 from __future__ import annotations
 
 import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 import fuel as fl
-from benchmarks import timing
-from benchmarks.bench_ops import machine_limits
-from fuel.dispatch import spin
-from fuel.dispatch.cpu.simd16 import hsum, vadd, vload, vzero
+from benchmarks.quant_machine import timed_ms, weight_cold
+from benchmarks.torch_dequant import TorchDequantiser
 from fuel.quant import QuantType
 from fuel.quant.nf4 import nf4_quantize
 from fuel.testing.reference.qmatmul import as_words, random_weight
@@ -74,167 +70,18 @@ EVICT_WAY = "fuel_jit_weight_cold"
 NF4_BLOCK = 64
 RTOL = 1e-5  # per element, relative to |x| @ |W|ᵀ
 TARGET_RATIO = 0.5  # fuel / torch_deq_mm at most
-TARGET_ROOF = 0.5  # floor / fuel at M = 1 at least
-FLUSH_BYTES = 64 << 20
 
 
-# ---------------------------------------------------------------------------------------------- machine
-
-@njit(parallel=True, cache=True)
-def _parallel_sum(a: np.ndarray) -> float:  # pragma: no cover (compiled)
-    chunks = 64
-    step = a.size // chunks
-    part = np.zeros(chunks)
-    for c in prange(chunks):
-        s = 0.0
-        for i in range(c * step, (c + 1) * step):
-            s += a[i]
-        part[c] = s
-    return float(part.sum())
-
-
-STREAM_THREADS = 2
-
-
-@njit(nogil=True, cache=True)
-def _stream_sum(a: np.ndarray, lo: int, hi: int) -> float:  # pragma: no cover (compiled)
-    """Σ a[lo:hi] (f32, hi - lo a multiple of 128) as two sequential streams, 16-float vector loads into
-    four independent accumulators per stream: a read that memory, not the adds, limits."""
-    half = (hi - lo) // 2
-    s0, s1, s2, s3 = vzero(), vzero(), vzero(), vzero()
-    for i in range(lo, lo + half, 64):
-        j = i + half
-        s0 = vadd(s0, vadd(vload(a, i), vload(a, j)))
-        s1 = vadd(s1, vadd(vload(a, i + 16), vload(a, j + 16)))
-        s2 = vadd(s2, vadd(vload(a, i + 32), vload(a, j + 32)))
-        s3 = vadd(s3, vadd(vload(a, i + 48), vload(a, j + 48)))
-    return hsum(vadd(vadd(s0, s1), vadd(s2, s3)))
-
-
-def _threaded_stream_sum(a: np.ndarray, pool: ThreadPoolExecutor) -> float:
-    step = a.size // STREAM_THREADS
-    return sum(f.result() for f in [pool.submit(_stream_sum, a, t * step, (t + 1) * step)
-                                    for t in range(STREAM_THREADS)])
-
-
-def _median_s(fn: Callable[[], Any], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def read_bandwidth(repeat: int = 5, nbytes: int = 256 << 20) -> dict[str, float]:
-    """Read-only bandwidth (bytes read / time) over `nbytes` (8 times this machine's L3, so from memory),
-    the fastest of three reads: `_stream_sum` on two threads (vector loads, two streams a thread), a
-    two-thread Numba scalar sum and a NumPy sum. The scalar sum's chain of dependent adds, and NumPy's
-    single thread, reach about half of what the vector read does here (15-19 against 31-33 GB/s on a
-    Zen 3), and memory-bound kernels such as Q8_0's one-row product stream faster than that; a roofline
-    taken from them alone would credit a kernel with twice its real fraction."""
-    a = np.ones(nbytes // 8, np.float64)
-    f32 = a.view(np.float32)[: a.size * 2 // (128 * STREAM_THREADS) * 128 * STREAM_THREADS]
-    with ThreadPoolExecutor(STREAM_THREADS) as pool:
-        vector_s = _median_s(lambda: _threaded_stream_sum(f32, pool), repeat)
-    numba_s = _median_s(lambda: _parallel_sum(a), repeat)
-    numpy_s = _median_s(lambda: np.add.reduce(a), repeat)
-    return {"read_vector_gbs": f32.nbytes / vector_s / 1e9, "read_numba_gbs": a.nbytes / numba_s / 1e9,
-            "read_numpy_gbs": a.nbytes / numpy_s / 1e9,
-            "read_gbs": max(f32.nbytes / vector_s, a.nbytes / numba_s, a.nbytes / numpy_s) / 1e9}
-
-
-def measure_limits() -> dict[str, float]:
-    """read_gbs (the roofline's), copy bandwidth_gbs (read + write bytes) and the sgemm peak."""
-    limits = dict(machine_limits())
-    limits.update(read_bandwidth())
-    return limits
-
-
-_FLUSH: list[np.ndarray] = []
-
-
-def flush_cache() -> None:
-    """Read FLUSH_BYTES (twice this machine's L3) so the next call finds its weight in memory, not cache."""
-    if not _FLUSH:
-        _FLUSH.append(np.ones(FLUSH_BYTES // 4, np.float32))
-    np.add.reduce(_FLUSH[0])
-
-
-_I8P = ir.IntType(8).as_pointer()
-
-
-def _x86_call(builder: Any, name: str, args: list[Any]) -> None:
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [a.type for a in args]),
-                                        f"llvm.x86.sse2.{name}")
-    builder.call(fn, args)
-
-
-@intrinsic
-def _clflush_intrinsic(typingctx: Any, address: Any) -> Any:
-    """Write back and drop the cache line holding the byte at `address`, from every level."""
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        _x86_call(builder, "clflush", [builder.inttoptr(args[0], _I8P)])
-        return context.get_dummy_value()
-
-    return types.void(address), codegen
-
-
-@intrinsic
-def _mfence_intrinsic(typingctx: Any) -> Any:
-    """Order the flushes before what follows."""
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        _x86_call(builder, "mfence", [])
-        return context.get_dummy_value()
-
-    return types.void(), codegen
-
-
-_clflush: Any = _clflush_intrinsic  # Numba intrinsics, typed for their jitted callers only
-_mfence: Any = _mfence_intrinsic
-_CLFLUSH = platform.machine().lower() in ("x86_64", "amd64")
-
-
-@njit(cache=True)
-def _evict_lines(address: int, nbytes: int) -> None:  # pragma: no cover (compiled)
-    for i in range(0, nbytes, 64):
-        _clflush(address + i)
-    if nbytes:
-        _clflush(address + nbytes - 1)
-    _mfence()
-
-
-def evict(*arrays: np.ndarray) -> None:
-    """Write back and drop these (contiguous) arrays' cache lines from every level (clflush), nothing
-    else; where the host is not x86, the whole-cache flush instead."""
-    if not _CLFLUSH:
-        flush_cache()
-        return
-    for a in arrays:
-        if not a.flags.c_contiguous:
-            raise ValueError("evict: a contiguous array is needed (a copy would be evicted instead)")
-        _evict_lines(a.ctypes.data, a.nbytes)
-
-
-def weight_cold(weight_arrays: tuple[np.ndarray, ...], x: np.ndarray) -> None:
-    """EVICT_WAY's preparation: the weight and x evicted, then the pool's workers woken (see the module
-    docstring)."""
-    evict(*weight_arrays, x)
-    spin.wake()
-
-
-def timed_ms(fns: dict[str, Callable[[], Any]], repeat: int, budget_s: float = 60.0,
-             cold: bool = True, warm: frozenset[str] = frozenset(),
-             before: dict[str, Callable[[], None]] | None = None) -> tuple[dict[str, float], int]:
-    """`timing.timed_ms` with each call after an untimed cache flush (`cold`, except the names in `warm`,
-    and those in `before`, which run their own preparation instead)."""
-    def flush(name: str) -> None:
-        if before and name in before:
-            before[name]()
-        elif cold and name not in warm:
-            flush_cache()
-    return timing.timed_ms(fns, repeat, budget_s, flush)
+def llama_cpp_note() -> str:
+    """Why there is no llama.cpp column: whether llama-cpp-python is installed, and that it has no matmul
+    entry point (see the module docstring)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return "llama.cpp: no matmul time (llama-cpp-python is not installed: `make bench-env`)"
+    return (f"llama.cpp: no matmul time (llama-cpp-python {getattr(llama_cpp, '__version__', '?')} binds llama.h's "
+            "model API only, no ggml matmul entry point); `fuel bench --models` times its quantized matmuls "
+            "inside whole models")
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -281,7 +128,11 @@ def build_weight(qtype: str, n: int, k: int, rng: np.random.Generator) -> dict[s
     qt = QuantType.of(qtype, "bench_quant")
     raw = random_weight(rng, qt, n, k)
     deq = np.asarray(gguf.quants.dequantize(raw, _ggml(qtype)), np.float32).reshape(n, k)
-    return {"fuel": (fl.tensor(as_words(raw)),), "raw": raw, "w": deq, "bytes": raw.nbytes}
+    dequantiser = TorchDequantiser(qtype, n, k)
+    traw = torch.from_numpy(raw)
+    ours = dequantiser(traw).numpy()
+    return {"fuel": (fl.tensor(as_words(raw)),), "torch": (dequantiser, traw), "w": deq, "bytes": raw.nbytes,
+            "torch_dequant_bit_exact": bool(np.array_equal(ours.view(np.uint32), deq.view(np.uint32)))}
 
 
 def floor_ms(nbytes: int, flops: int, limits: dict[str, float]) -> float:
@@ -291,7 +142,6 @@ def floor_ms(nbytes: int, flops: int, limits: dict[str, float]) -> float:
 def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[str, float],
              k: int, n: int, seed: int = 0) -> dict[str, Any]:
     """Time every way of `x[m, k] @ dequant(W)ᵀ` for one weight, check fuel against torch, assemble the record."""
-    import gguf
     import torch
 
     rng = np.random.default_rng(seed + m)
@@ -320,7 +170,7 @@ def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[s
     else:
         (words,) = wt["fuel"]
         weight_arrays = (words.numpy(),)
-        raw, ggml = wt["raw"], _ggml(qtype)
+        dequantiser, traw = wt["torch"]
 
         def build() -> fl.Tensor:
             return fl.ops.qmatmul(xt, words, qtype, k, n)
@@ -328,7 +178,7 @@ def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[s
         jitted = fl.jit(lambda a: fl.ops.qmatmul(a, words, qtype, k, n))
 
         def torch_deq_mm() -> Any:
-            return tx @ torch.from_numpy(gguf.quants.dequantize(raw, ggml)).T
+            return tx @ dequantiser(traw).T
 
     with torch.inference_mode():
         want = torch_deq_mm().numpy().astype(np.float64)
@@ -370,21 +220,20 @@ def run_case(qtype: str, m: int, wt: dict[str, Any], repeat: int, limits: dict[s
         "roofline_basis": "weight bytes / read bandwidth" + (" or flops / sgemm peak, the larger" if m > 1 else ""),
         "meets_ratio_target": fuel_ms / medians["torch_deq_mm"] <= TARGET_RATIO,
         "impls": impls, "correctness": correctness,
-        "bnb_bytes_identical": wt.get("bnb_bytes_identical"), "skipped": None,
+        "bnb_bytes_identical": wt.get("bnb_bytes_identical"),
+        "torch_dequant_bit_exact": wt.get("torch_dequant_bit_exact"), "skipped": None,
     }
-    judge_roofline(record, limits)
+    set_roofline(record, limits)
     return record
 
 
-def judge_roofline(record: dict[str, Any], limits: dict[str, float]) -> None:
-    """Set a timed record's roofline floor, its fractions and whether it meets the M = 1 target, for the
-    machine's `limits` (the harness judges again at the end with the largest bandwidth it probed)."""
+def set_roofline(record: dict[str, Any], limits: dict[str, float]) -> None:
+    """Set a timed record's roofline floor and fractions (reported, never judged) for the machine's `limits`
+    (the harness sets them again at the end with the largest bandwidth it probed)."""
     m, ms = record["m"], record["ms"]
     roof_ms = floor_ms(record["weight_bytes"], record["flops"] if m > 1 else 0, limits)
-    fraction = roof_ms / ms[record["roofline_way"]]
-    record.update({"roofline_ms": roof_ms, "roofline_fraction": fraction,
-                   "roofline_fraction_full_flush": roof_ms / record["fuel_ms"],
-                   "meets_roofline_target": fraction >= TARGET_ROOF if m == 1 else None})
+    record.update({"roofline_ms": roof_ms, "roofline_fraction": roof_ms / ms[record["roofline_way"]],
+                   "roofline_fraction_full_flush": roof_ms / record["fuel_ms"]})
 
 
 def _in_inference_mode(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -415,5 +264,5 @@ def skipped(qtype: str, m: int, k: int, n: int, reason: str) -> dict[str, Any]:
             "fuel_over_torch_deq_mm": None,
             "fuel_over_torch_mm": None, "fuel_over_bnb_4bit": None, "roofline_ms": None,
             "roofline_way": None, "roofline_fraction": None, "roofline_fraction_full_flush": None,
-            "meets_ratio_target": None, "meets_roofline_target": None, "impls": [],
+            "meets_ratio_target": None, "impls": [], "torch_dequant_bit_exact": None,
             "correctness": None, "skipped": reason}
