@@ -1,7 +1,9 @@
 """Fuel kernels against PyTorch eager and torch.compile, side by side in one process.
 
-Each case reports medians, the ratio fuel/torch (below 1 is faster), and the fraction of the roofline
-(the impl's own cost: bytes over measured copy bandwidth, flops over measured BLAS peak).
+Each case times fuel, torch eager and torch.compile interleaved (`timing.timed_ms`: one call of each per
+round, so a slow patch of the machine lands on all of them), every engine on THREADS threads, and
+reports medians, the ratio fuel/torch (below 1 is faster) and the fraction of the roofline (the impl's
+own cost: bytes over measured copy bandwidth, flops over measured BLAS peak; reported, never judged).
 Run it through `fuel bench [NAME…]` (or `make bench`, which unsets the OpenBLAS overrides).
 """
 
@@ -21,9 +23,12 @@ import numpy as np
 from numba import njit, prange
 
 import fuel as fl
+from benchmarks import timing
 from fuel.dtype import DType, as_dtype
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+THREADS = 2  # fuel's and torch's, each set explicitly
 
 
 @dataclass(frozen=True)
@@ -158,25 +163,33 @@ def _fuel_impl(c: BenchCase, tensors: list[fl.Tensor]) -> Any:
 def run_case(c: BenchCase, dtype: DType, repeat: int, limits: dict[str, float], compile_torch: bool) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(THREADS)
+    fl.set_num_threads(THREADS)
     repeat = min(repeat, c.repeat_cap)
     rng = np.random.default_rng(0)
     arrays = c.make(rng, dtype)
     tensors = [fl.tensor(a) for a in arrays]
-    fuel_ms = _median_ms(lambda: fl.realize(c.fuel(tensors)), repeat)
     torch_dt = {DType.F32: torch.float32, DType.F64: torch.float64,
                 DType.BF16: torch.bfloat16, DType.F16: torch.float16}[dtype]
     targs = c.torch_layout([torch.from_numpy(a.astype(np.float32)).to(torch_dt) for a in arrays])
-    with torch.no_grad():
-        eager_ms = _median_ms(lambda: c.torch(*targs), repeat)
-        compiled_ms: float | None = None
-        compile_error = ""
-        if compile_torch:
-            try:
-                compiled = torch.compile(c.torch)
-                compiled_ms = _median_ms(lambda: compiled(*targs), repeat, warmup=2)
-            except Exception as e:  # report why torch.compile could not run; eager still counts
-                compile_error = f"{type(e).__name__}: {str(e)[:200]}"
+
+    def no_grad(fn: Callable[..., Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            with torch.no_grad():
+                return fn(*targs)
+        return call
+
+    fns: dict[str, Callable[[], Any]] = {"fuel": lambda: fl.realize(c.fuel(tensors)), "torch_eager": no_grad(c.torch)}
+    compile_error = ""
+    if compile_torch:
+        try:
+            compiled = no_grad(torch.compile(c.torch))
+            compiled()  # compiles, untimed (timed_ms's warm-up round then runs the compiled code once more)
+            fns["torch_compile"] = compiled
+        except Exception as e:  # report why torch.compile could not run; eager still counts
+            compile_error = f"{type(e).__name__}: {str(e)[:200]}"
+    ms, rounds = timing.timed_ms(fns, repeat)
+    fuel_ms, eager_ms, compiled_ms = ms["fuel"], ms["torch_eager"], ms.get("torch_compile")
     impl = _fuel_impl(c, tensors)
     roofline_ms = None
     if impl is not None:
@@ -187,7 +200,7 @@ def run_case(c: BenchCase, dtype: DType, repeat: int, limits: dict[str, float], 
     best_torch = min(x for x in (eager_ms, compiled_ms) if x is not None)
     return {
         "op": c.name, "shape": c.shape_label, "dtype": dtype.value,
-        "impl": impl.name if impl is not None else None,
+        "impl": impl.name if impl is not None else None, "rounds": rounds,
         "fuel_ms": fuel_ms, "torch_eager_ms": eager_ms, "torch_compile_ms": compiled_ms,
         "torch_compile_error": compile_error,
         "ratio_vs_eager": fuel_ms / eager_ms,
@@ -231,15 +244,17 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _write(out_dir: str, limits: dict[str, float], repeat: int, results: list[dict[str, Any]]) -> None:
-    """JSON and PNG of the results so far (rewritten after each case, so a long run keeps its results)."""
+def _write(out_dir: str, limits: dict[str, float], repeat: int, results: list[dict[str, Any]], png: bool) -> None:
+    """The JSON of the results so far (rewritten after each case, so a long run keeps its results) and, at
+    the end, the PNG."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "limits": limits, "blas": blas_info(),
-            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
+            "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"), "threads": THREADS,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "repeat": repeat}
     (out / "bench_ops.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    plot(results, out / "bench_ops.png")
+    if png:
+        plot(results, out / "bench_ops.png")
 
 
 def main(names: list[str], dtypes: list[str], out_dir: str, repeat: int, compile_torch: bool) -> int:
@@ -260,7 +275,8 @@ def main(names: list[str], dtypes: list[str], out_dir: str, repeat: int, compile
                   flush=True)
             if r["torch_compile_error"]:
                 print(f"{'':28} torch.compile: {r['torch_compile_error']}", flush=True)
-            _write(out_dir, limits, repeat, results)
+            _write(out_dir, limits, repeat, results, png=False)
+    _write(out_dir, limits, repeat, results, png=True)
     out = Path(out_dir)
     print(f"limits: {limits['bandwidth_gbs']:.1f} GB/s copy, {limits['gemm_gflops']:.0f} GFLOP/s sgemm; "
           f"BLAS {blas_info()}; wrote {out / 'bench_ops.json'} and {out / 'bench_ops.png'}")
