@@ -38,6 +38,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 WAYS = ("fuel_eager", "fuel_jit", "numpy", "torch")
+THREADS = 2  # fuel's and torch's, each set explicitly
 
 
 def interleaved_ms(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int = 1,
@@ -274,18 +275,19 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
+def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None, limits: dict[str, float] | None = None) -> int:
     """Run both workloads and the small op, print the table, write latency.json and latency.png in `out`.
-    `cfg` defaults to SmolLM2-135M's shape; tests pass a tiny one."""
+    `cfg` defaults to SmolLM2-135M's shape; tests pass a tiny one (and `limits`, skipping the measurement)."""
     import torch
 
     cfg = cfg or lm.ModelConfig()
-    threads = fl.get_num_threads()  # torch gets as many as fuel uses
-    torch.set_num_threads(threads)
+    torch.set_num_threads(THREADS)
+    fl.set_num_threads(THREADS)
+    threads = {"fuel": fl.get_num_threads(), "torch": torch.get_num_threads()}
     print(f"latency: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads}/{cfg.kv_heads} heads, "
-          f"{threads} threads, repeat {repeat}", flush=True)
+          f"{THREADS} threads (fuel {threads['fuel']}, torch {threads['torch']}), repeat {repeat}", flush=True)
     w = lm.make_weights(cfg)
-    limits = machine_limits()
+    limits = limits or machine_limits()
     results = [run_workload("decode", cfg, w, lm.decode_inputs(cfg), repeat, limits),
                run_workload("prefill", cfg, w, lm.prefill_inputs(cfg), repeat, limits)]
     small = small_op(cfg, repeat)
@@ -300,7 +302,8 @@ def main(out: str, repeat: int, cfg: lm.ModelConfig | None = None) -> int:
           f"the roofline column is that over fuel jit's time")
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": threads, "blas": blas_info(),
+    meta = {"machine": platform.processor() or platform.machine(), "threads": THREADS, "engine_threads": threads,
+            "blas": blas_info(),
             "torch": torch.__version__, "repeat": repeat, "config": asdict(cfg),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "limits": limits}
     (folder / "latency.json").write_text(json.dumps({"meta": meta, "results": results, "small_op": small,

@@ -5,18 +5,33 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import matplotlib  # noqa: F401  (the harness draws its PNG with it: a broken install fails here)
 import numpy as np
 import pytest
-import torch  # noqa: F401  (the reference every way is checked against)
+import torch  # (the reference every way is checked against)
+
+import fuel as fl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_latency
 from benchmarks import latency_model as lm
 
 TINY = lm.ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, cache=16, prefill=8)
+LIMITS = {"bandwidth_gbs": 30.0, "gemm_gflops": 200.0}  # skip measuring the machine: no timing is asserted
+
+
+@pytest.fixture
+def one_thread_before() -> Iterator[None]:
+    """Both engines on one thread before the benchmark runs (it must set its own count), restored after."""
+    fuel_n, torch_n = fl.get_num_threads(), torch.get_num_threads()
+    fl.set_num_threads(1)
+    torch.set_num_threads(1)
+    yield
+    fl.set_num_threads(fuel_n)
+    torch.set_num_threads(torch_n)
 
 
 @pytest.mark.parametrize("make_inputs", [lm.decode_inputs, lm.prefill_inputs], ids=["decode", "prefill"])
@@ -44,9 +59,12 @@ def test_decode_mask_hides_the_dead_cache_rows() -> None:
     np.testing.assert_array_equal(lm.numpy_fn(TINY, w)(*inputs)[0], base[0])
 
 
-def test_harness_writes_json_and_png(tmp_path: Path) -> None:
-    assert bench_latency.main(str(tmp_path), 1, TINY) == 0
+def test_harness_writes_json_and_png(tmp_path: Path, one_thread_before: None) -> None:
+    assert bench_latency.main(str(tmp_path), 1, TINY, LIMITS) == 0
     data = json.loads((tmp_path / "latency.json").read_text())
+    assert data["meta"]["threads"] == bench_latency.THREADS == 2
+    assert data["meta"]["engine_threads"] == {"fuel": 2, "torch": 2}
+    assert data["meta"]["limits"] == LIMITS
     decode, prefill = data["results"]
     assert (decode["workload"], prefill["workload"]) == ("decode", "prefill")
     for r in (decode, prefill):
