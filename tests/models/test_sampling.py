@@ -22,6 +22,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from fuel.errors import FuelError
 from fuel.models.sampling import Sampler
 
 DRAWS = 5000  # per case: a chi-square p-value below ALPHA fails it
@@ -167,3 +168,37 @@ def test_a_seeded_run_repeats() -> None:
     first = run(5)
     assert first == run(5) and first != run(6)
     assert set(first) == {0, 1, 3, 4}
+
+
+def test_masked_tokens_are_never_drawn() -> None:
+    """-inf is a masked token: never drawn, the others as softmax over them (transformers' warpers agree)."""
+    row = np.array([0.5, -np.inf, 1.0, 0.2, -np.inf, -0.3])
+    kept = _kept_by_transformers(row, 0.9, 0, 0.95)
+    assert kept.tolist() == [0, 2, 3, 5]
+    sampler = Sampler(0.9, 0, 0.95, seed=4)
+    counts = np.bincount([sampler(row) for _ in range(DRAWS)], minlength=len(row))
+    assert np.flatnonzero(counts).tolist() == kept.tolist()
+    assert _chi_square_p_value(counts[kept], _exact(row, 0.9, kept)[kept]) > ALPHA
+    assert Sampler()(row) == 2
+
+
+@pytest.mark.parametrize(("logits", "temperature"), [([0.0, 1.0, 2.0], 1e-310), ([1e308, -1e308, 0.0], 0.5),
+                                                     ([-1e308, 1e308, 1e308], 1e-3)], ids=str)
+def test_extreme_scales_draw_the_limit(logits: list[float], temperature: float) -> None:
+    """Where logits / temperature overflows, the distribution is its limit: all mass on the largest
+    logits (the lower id of equal ones after a cut to one)."""
+    row = np.array(logits)
+    best = np.flatnonzero(row == row.max())
+    draws = {Sampler(temperature, 0, 1.0, seed)(row) for seed in range(20)}
+    assert draws <= set(best.tolist()) and Sampler(temperature, 1, 1.0, 0)(row) == best[0]
+
+
+@pytest.mark.parametrize(("logits", "match"), [
+    ([0.0, np.nan, 1.0], r"token 1 is nan"), ([0.0, np.inf, 1.0], r"token 1 is inf"),
+    ([-np.inf, -np.inf], r"every logit is -inf"), (np.zeros((2, 3)), r"one row of logits.*\[2, 3\]"),
+], ids=["nan", "inf", "all masked", "two rows"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logits_no_draw_can_come_from_are_refused(logits: Any, match: str, temperature: float) -> None:
+    with pytest.raises(FuelError, match=match):
+        Sampler(temperature, seed=0)(np.asarray(logits))
+    assert Sampler(temperature, seed=0)(np.zeros((1, 1, 3))) in (0, 1, 2)

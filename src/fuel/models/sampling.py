@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fuel.errors import ParamError
+from fuel.errors import ParamError, ShapeError
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,8 @@ class Sampler:
     """`temperature == 0` is greedy (the first of equal maxima). Otherwise the logits are divided by
     the temperature, cut to the `top_k` largest (0: all), then to the smallest set whose probability
     reaches `top_p` (1.0: all), and one token is drawn from what is left with a generator seeded by
-    `seed`, so a seeded run repeats exactly."""
+    `seed`, so a seeded run repeats exactly. Both cuts take a prefix of the ranking in which equal
+    logits put the lower id first: a cut through ties keeps the lower ids, and `top_k` exactly k."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -31,16 +32,26 @@ class Sampler:
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
 
     def __call__(self, logits: np.ndarray) -> int:
-        row = np.asarray(logits, dtype=np.float64).reshape(-1)
+        """A token id from one row of logits ([V], or [1, ..., 1, V]); each logit finite or -inf (a masked
+        token, never drawn), not all -inf."""
+        a = np.asarray(logits, dtype=np.float64)
+        if a.ndim > 1 and a.size != a.shape[-1]:
+            raise ShapeError(f"sampler: expected one row of logits [V], got shape {list(a.shape)}")
+        row = a.reshape(-1)
         if row.size == 0:
             raise ParamError("sampler: empty logits")
+        bad = np.flatnonzero(np.isnan(row) | (row == np.inf))
+        if bad.size:
+            raise ParamError(f"sampler: logits must be finite or -inf (masked); token {bad[0]} is {row[bad[0]]}")
+        if not (row > -np.inf).any():
+            raise ParamError(f"sampler: every logit is -inf ({row.size} tokens): there is no token to draw")
         if self.temperature == 0.0:
             return int(np.argmax(row))
         order = np.argsort(-row, kind="stable")  # most likely first; ties keep the lower id first
         if self.top_k:
             order = order[:self.top_k]
-        z = row[order] / self.temperature
-        p = np.exp(z - z[0])
+        z = (row[order] - row[order[0]]) / self.temperature  # <= 0 (the largest is finite): no overflow
+        p = np.exp(z)
         p /= p.sum()
         if self.top_p < 1.0:
             keep = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1  # the smallest prefix reaching top_p
