@@ -9,8 +9,11 @@
 Each (engine, model) runs in its own child process, one after another, `Sizes.rounds` times round-robin
 (each throughput is the best of the rounds: every engine gets the same chances), so each peak RSS is that
 engine's alone (interpreter and imports included: NumPy and Numba for Fuel, torch for transformers).
-Every engine gets 2 threads. Fuel's rows also give the executor's own cost per decoded token: the
-step's wall time minus the kernel times `fl.trace()` records, over the replayed steps.
+Every engine gets THREADS threads, each set explicitly (`fl.set_num_threads`, `torch.set_num_threads`,
+llama.cpp's n_threads and n_threads_batch) and recorded with its result. Every prefill computes the
+logits of the prompt's last token only (Fuel's and llama.cpp's do; transformers is called with
+`logits_to_keep=1`). Fuel's rows also give the executor's own cost per decoded token: the step's wall
+time minus the kernel times `fl.trace()` records, over the replayed steps.
 
 Targets printed beside the numbers (issue "real models"): SmolLM2 and Gemma-3 decode ≥ 0.6× llama.cpp;
 prefill ≥ 2× llama.cpp and ≥ transformers; peak RSS ≤ 2× llama.cpp; MiniLM ≥ 1.2× sentence-transformers.
@@ -34,11 +37,10 @@ from typing import Any
 
 import numpy as np
 
-THREADS = 2
+THREADS = 2  # every engine's, each set explicitly
 LLMS = ("smollm2", "gemma3")
 LLM_ENGINES = ("fuel", "transformers", "llama_cpp")
 EMBED_ENGINES = ("fuel", "sentence_transformers")
-EMBED_REPEAT = 5  # timed passes per batch size; the median is reported
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type made "
         "books cheap enough for ordinary readers. Within fifty years presses ran in hundreds of towns, and "
         "the spread of pamphlets, maps and scientific tables changed how ideas travelled across Europe. ")
@@ -54,10 +56,11 @@ class Sizes:
     decode: int = 128
     sentences: int = 64
     rounds: int = 2  # runs of every engine, interleaved; each throughput is the best of them
+    embed_repeat: int = 5  # timed passes per batch size; the median is reported
 
     @classmethod
     def tiny(cls) -> Sizes:
-        return cls(prompt=12, decode=4, sentences=4, rounds=1)
+        return cls(prompt=12, decode=4, sentences=4, rounds=1, embed_repeat=1)
 
 
 def _rss_mib() -> float:
@@ -83,6 +86,7 @@ def _fuel_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
     from fuel.io.gguf import bundled_gguf
     from fuel.models.llama import LlamaModel
 
+    fl.set_num_threads(THREADS)
     m = LlamaModel.load(bundled_gguf(model), capacity=len(ids) + n_decode + 8)
     m.prefill(ids)  # capture the steps this prompt uses (and load Numba's kernels), and the decode step
     m.decode(0)
@@ -112,7 +116,8 @@ def _fuel_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
     overhead = wall - kernel_s / traced
     return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens,
             "overhead_ms_per_token": overhead * 1e3, "steps_per_token": steps,
-            "overhead_us_per_step": overhead * 1e6 / max(steps, 1), "native_steps_per_token": native_steps}
+            "overhead_us_per_step": overhead * 1e6 / max(steps, 1), "native_steps_per_token": native_steps,
+            "threads": fl.get_num_threads()}
 
 
 def _transformers_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
@@ -126,16 +131,18 @@ def _transformers_llm(model: str, ids: list[int], n_decode: int) -> dict[str, An
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     x = torch.tensor([ids])
     with torch.inference_mode():
-        hf(x)  # warm-up
+        hf(x, logits_to_keep=1)  # warm-up
         start = time.perf_counter()
-        out = hf(x, use_cache=True)
+        out = hf(x, use_cache=True, logits_to_keep=1)  # the last token's logits only, as the other engines
         prefill_s = time.perf_counter() - start
+        prefill_rows = int(out.logits.shape[1])
         tokens, start = [], time.perf_counter()
         for _ in range(n_decode):
             tokens.append(int(out.logits[0, -1].argmax()))
             out = hf(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
         decode_s = time.perf_counter() - start
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens, "prefill_logits_rows": prefill_rows,
+            "threads": torch.get_num_threads()}
 
 
 def _llama_cpp_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
@@ -160,13 +167,17 @@ def _llama_cpp_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
         tokens.append(int(np.argmax(last_logits())))
         llm.eval([tokens[-1]])
     decode_s = time.perf_counter() - start
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens}
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "tokens": tokens, "threads": THREADS}
 
 
-def _embed(engine: str, n: int) -> dict[str, Any]:
+def _embed(engine: str, n: int, repeat: int) -> dict[str, Any]:
     sentences = [SENTENCES[i % len(SENTENCES)] + f" ({i})" for i in range(n)]
     if engine == "fuel":
+        import fuel as fl
         from fuel.models import bert
+
+        fl.set_num_threads(THREADS)
+        threads = fl.get_num_threads()
 
         def run(batch: int) -> Any:
             return bert.embed(sentences, batch_size=batch)
@@ -177,15 +188,16 @@ def _embed(engine: str, n: int) -> dict[str, Any]:
         from fuel.models.bert import model_dir
 
         torch.set_num_threads(THREADS)
+        threads = torch.get_num_threads()
         st = SentenceTransformer(str(model_dir()), device="cpu")
 
         def run(batch: int) -> Any:
             return st.encode(sentences, batch_size=batch, normalize_embeddings=True)
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"threads": threads}
     for batch in (32, 1):
         run(batch)  # warm-up (and Fuel's captures of these shapes)
         seconds = []
-        for _ in range(EMBED_REPEAT):  # one pass over 64 sentences varied by ±30% run to run on this VM
+        for _ in range(repeat):  # one pass over 64 sentences varied by ±30% run to run on this VM
             start = time.perf_counter()
             run(batch)
             seconds.append(time.perf_counter() - start)
@@ -195,7 +207,7 @@ def _embed(engine: str, n: int) -> dict[str, Any]:
 
 def worker(engine: str, model: str, sizes: Sizes) -> dict[str, Any]:
     if model == "minilm":
-        result = _embed(engine, sizes.sentences)
+        result = _embed(engine, sizes.sentences, sizes.embed_repeat)
     else:
         ids = prompt_ids(model, sizes.prompt)
         run = {"fuel": _fuel_llm, "transformers": _transformers_llm, "llama_cpp": _llama_cpp_llm}[engine]
@@ -261,7 +273,7 @@ def summarise(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         out[model] = {
             "decode_over_llama_cpp": dec, "prefill_over_llama_cpp": pre_lc, "prefill_over_transformers": pre_hf,
             "rss_over_llama_cpp": rss, "greedy_tokens_equal_transformers": f.get("tokens") == hf.get("tokens")
-            if "tokens" in hf else None,
+            if "tokens" in hf else None, "threads": {engine: e.get("threads") for engine, e in r.items()},
             "targets": {"decode>=0.6x llama.cpp": None if dec is None else dec >= 0.6,
                         "prefill>=2x llama.cpp": None if pre_lc is None else pre_lc >= 2.0,
                         "prefill>=1x transformers": None if pre_hf is None else pre_hf >= 1.0,
@@ -271,6 +283,7 @@ def summarise(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
         ratio = _ratio(e.get("fuel", {}).get("sentences_per_s_batch32"),
                        e.get("sentence_transformers", {}).get("sentences_per_s_batch32"))
         out["minilm"] = {"batch32_over_sentence_transformers": ratio,
+                         "threads": {engine: x.get("threads") for engine, x in e.items()},
                          "targets": {"batch32>=1.2x sentence-transformers": None if ratio is None else ratio >= 1.2}}
     return out
 
