@@ -50,7 +50,8 @@ class Sampler:
         order = np.argsort(-row, kind="stable")  # most likely first; ties keep the lower id first
         if self.top_k:
             order = order[:self.top_k]
-        z = (row[order] - row[order[0]]) / self.temperature  # <= 0 (the largest is finite): no overflow
+        with np.errstate(over="ignore"):  # z <= 0 (the largest is finite): an overflow is -inf, weight 0
+            z = (row[order] - row[order[0]]) / self.temperature
         p = np.exp(z)
         p /= p.sum()
         if self.top_p < 1.0:
