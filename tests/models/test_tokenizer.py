@@ -214,6 +214,21 @@ def test_errors_are_clear() -> None:
         custom.stream().push(-1)
 
 
+def test_text_that_is_not_unicode_or_not_text_is_a_tokenizer_error() -> None:
+    """A lone surrogate (undecodable bytes of a command line keep that form) cannot reach the Rust tokenizer,
+    nor can a non-str; a file whose merges name unknown tokens is refused when it is read."""
+    tok = ours_for("smollm2")
+    with pytest.raises(TokenizerError, match=r"lone surrogate '\\udcff' at index 2"):
+        tok.encode("ab\udcffc")
+    with pytest.raises(TokenizerError, match="lone surrogate"):
+        tok.encode_chat([{"role": "user", "content": "\ud800"}])
+    with pytest.raises(TokenizerError, match="expects a str, got int"):
+        tok.encode(3)  # type: ignore[arg-type]
+    meta = dict(open_gguf(bundled_gguf("smollm2")).metadata)
+    with pytest.raises(TokenizerError, match=r"tokenizer\.ggml\.merges"):
+        GGUFTokenizer.from_metadata({**meta, "tokenizer.ggml.merges": ["nosuch token"]})
+
+
 def test_template_errors_are_tokenizer_errors() -> None:
     """Gemma's template (SmolLM2's checks nothing) raises on turns that do not alternate."""
     with pytest.raises(TokenizerError, match="roles must alternate"):

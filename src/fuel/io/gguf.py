@@ -71,6 +71,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GGUFError",
     "GGUFFile",
+    "GGUFKeyError",
     "GGUFNotFound",
     "GGUFTensor",
     "MissingDependency",
@@ -78,6 +79,15 @@ __all__ = [
     "bundled_gguf",
     "open_gguf",
 ]
+
+
+class GGUFKeyError(GGUFError, KeyError):
+    """A metadata key or a tensor the file does not have (a KeyError too, as a mapping's lookup raises).
+    Its message names the key and the file."""
+
+    def __str__(self) -> str:  # KeyError's own would quote the message as a repr
+        return str(self.args[0]) if self.args else ""
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Tensors
@@ -346,7 +356,7 @@ class GGUFFile:
             return self.metadata[full]
         if default is not ...:
             return default
-        raise KeyError(f"{self.path}: metadata has no {full!r}")
+        raise GGUFKeyError(f"{self.path}: metadata has no {full!r}")
 
     def names(self) -> list[str]:
         """Tensor names in file order."""
@@ -356,7 +366,7 @@ class GGUFFile:
         try:
             return self.tensors[name]
         except KeyError:
-            raise KeyError(f"{self.path.name}: no tensor {name!r} among its {len(self.tensors)} tensors") from None
+            raise GGUFKeyError(f"{self.path}: no tensor {name!r} among its {len(self.tensors)} tensors") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self.tensors

@@ -62,6 +62,7 @@ import numpy as np
 
 import fuel as fl
 from fuel.errors import FuelError, ParamError
+from fuel.models.tokenizer import lone_surrogate
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -218,6 +219,11 @@ class MiniLM:
         bad = [type(s).__name__ for s in sentences if not isinstance(s, str)]
         if bad:
             raise ParamError(f"embed: every sentence must be a str, got a {bad[0]}")
+        for i, s in enumerate(sentences):
+            at = lone_surrogate(s)
+            if at is not None:
+                raise ParamError(f"embed: sentence {i} holds a lone surrogate {s[at]!r} at index {at}; "
+                                 "text must be valid Unicode (encodable as UTF-8)")
         out = np.empty((len(sentences), self.config.hidden), np.float32)
         encoded = self.token_ids(sentences)
         # Longest first, so each batch pads its sentences to lengths close to their own.
@@ -289,18 +295,34 @@ def embed(sentences: Sequence[str], *, normalize: bool = True, batch_size: int =
 # ---- the `fuel embed` command ------------------------------------------------------------------
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
+    return n
+
+
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("sentences", nargs="*", help="sentences to embed (each one argument; quote them)")
-    p.add_argument("--file", type=Path, help="read sentences from this file, one per line (blank lines skipped)")
+    p.add_argument("--file", type=Path, help="read sentences from this UTF-8 file, one per line (blank lines skipped)")
     p.add_argument("--out", type=Path, help="save the [n, 384] float32 embeddings to this .npy instead of printing")
-    p.add_argument("--batch-size", type=int, default=32, help="sentences per batch (default 32)")
+    p.add_argument("--batch-size", type=_positive_int, default=32, help="sentences per batch (default 32)")
     p.add_argument("--no-normalize", action="store_true", help="mean-pooled vectors without L2 normalisation")
 
 
 def _sentences(args: argparse.Namespace) -> list[str]:
     sentences = list(args.sentences or [])
     if args.file is not None:
-        text = Path(args.file).read_text(encoding="utf-8")
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ParamError(f"embed: cannot read --file: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ParamError(f"embed: --file {args.file} is not UTF-8 text ({e.reason}: byte {e.object[e.start]:#04x} "
+                             f"at offset {e.start})") from None
         sentences += [line for line in text.splitlines() if line.strip()]
     return sentences
 
@@ -310,29 +332,24 @@ def _show(text: str, width: int = 40) -> str:
 
 
 def run_embed(args: argparse.Namespace) -> int:
-    """`fuel embed`: print each embedding (shape, norm, first values) and the cosine matrix, or --out."""
+    """`fuel embed`: print each embedding (shape, norm, first values) and the cosine matrix, or --out. An
+    error is one line `fuel: error: ...` on stderr, and 2."""
+    from fuel.cli import error_line
+
     try:
         sentences = _sentences(args)
-    except OSError as e:
-        print(f"embed: cannot read --file: {e}", file=sys.stderr)
-        return 2
-    if not sentences:
-        print("embed: no sentences; pass them as arguments or with --file", file=sys.stderr)
-        return 2
-    try:
+        if not sentences:
+            raise ParamError("embed: no sentences; pass them as arguments or with --file")
         emb = embed(sentences, normalize=not args.no_normalize, batch_size=args.batch_size)
-    except ModelNotInstalled as e:
-        print(e, file=sys.stderr)
-        return 2
-    except ParamError as e:
-        print(e, file=sys.stderr)
+        if args.out is not None:
+            try:
+                np.save(args.out, emb)
+            except OSError as e:
+                raise ParamError(f"embed: cannot write {args.out}: {e}") from None
+    except FuelError as e:
+        print(error_line(e), end="", file=sys.stderr)
         return 2
     if args.out is not None:
-        try:
-            np.save(args.out, emb)
-        except OSError as e:
-            print(f"embed: cannot write {args.out}: {e}", file=sys.stderr)
-            return 2
         # np.save appends .npy to a name without it; report the file it wrote.
         written = args.out if args.out.suffix == ".npy" else args.out.with_name(args.out.name + ".npy")
         print(f"wrote {list(emb.shape)} float32 embeddings to {written}")

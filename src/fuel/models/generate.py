@@ -1,35 +1,71 @@
-"""`fuel generate`: stream text from a GGUF model (SmolLM2-135M-Instruct by default, or Gemma-3-270M).
+"""Text generation on a Llama-family GGUF model: `LLM.generate` yields the text as the tokens come.
 
-Loading shows its progress on stderr; the tokens stream to stdout as they come; the end prints the
-prefill and decode speeds and the peak RSS. The steps are captured once before the clock starts
-(the first call of a jitted step traces and plans it, and Numba loads its kernels), so the speeds are
-those of the replayed steps. `--chat` wraps the prompt in the model's chat template; with no prompt
-it reads turns from stdin and keeps the conversation in the KV cache.
+    llm = load("smollm2")                                  # weights (kept per process) and tokenizer
+    g = llm.generate("What is 2 + 2?", max_tokens=64, chat=True, stop=["\\n\\n"])
+    for piece in g:
+        print(piece, end="")
+    g.finish_reason, g.context_full                        # "stop" or "length"; whether the KV cache filled
+
+**Each generation has its own state.** A generation borrows a sequence (`KVSequence`: a KV cache, its
+position, the steps captured over it) from the model's pool when it starts, and gives it back when it
+ends: exhausted, closed, or dropped. So generations interleave (`zip(llm.generate(a), llm.generate(b))`)
+and run from several threads on one model, each giving exactly what it gives alone; the model runs one
+step at a time. The pool lends the idle sequence whose cache shares the longest prefix with the prompt:
+a chat's next turn runs only its new tokens. At most the model's `max_sequences` generations run at once;
+one more is a `ModelError` when it starts.
+
+**Arguments are checked when `generate` is called**, before anything runs, each error a `ParamError`
+(or a `ModelError` for a prompt longer than the KV cache) naming the argument: the prompt is a str, a
+list of token ids or a list of chat messages; `max_tokens` an int >= 0; `temperature` a finite real >= 0;
+`top_k` an int >= 0; `top_p` a real in (0, 1]; `seed` None or an int >= 0; `stop` a str or a list of them.
+
+**Finish reasons**, as OpenAI's `finish_reason`: "stop" when the model emits an end-of-turn token or the
+text reaches a stop sequence; "length" when `max_tokens` tokens were generated or the KV cache is full
+(`context_full`: the prompt and the tokens so far fill the model's capacity, and one more token would
+need a position past it).
+
+**Stop sequences** (`stop=`): the text ends before the first occurrence of any of them, which is not
+returned; an occurrence may span tokens. A piece never holds text a stop sequence might still claim:
+while the text ends with the start of a stop sequence, that end is held back until the next tokens
+settle it (then it is emitted, or the generation stops).
+
+**The last token is never run through the model.** A token is sampled from the logits of the step
+before it; running it would only give the logits of a token nobody asks for. A continuation (a chat's
+next turn) runs it as part of its prompt.
 """
 
 from __future__ import annotations
 
-import argparse
-import resource
-import sys
+import math
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
-from fuel.errors import FuelError
-from fuel.io.gguf import GGUFError
+import numpy as np
+
+from fuel.errors import ParamError
+from fuel.io.gguf import GGUFError, GGUFFile, open_gguf
+from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import LlamaModel, ModelError
+from fuel.models.llama_weights import LlamaConfig, check_ids
 from fuel.models.sampling import Sampler
-from fuel.models.tokenizer import GGUFTokenizer
+from fuel.models.tokenizer import GGUFTokenizer, lone_surrogate
 
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
-DEFAULT_PROMPT = "What is the capital of France, and what is it famous for? Answer in two sentences."
+KEEP_LOADED = 2  # models `load` keeps per process (by file and context), least recently used dropped first
+
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 
 @dataclass
 class Stats:
+    """The work of an LLM's generations: prompt tokens run (a cached prefix is not run again) and the time
+    of their prefill, tokens run through the decode step and the time of those steps."""
+
     prompt_tokens: int = 0
     prefill_s: float = 0.0
     new_tokens: int = 0
@@ -52,68 +88,285 @@ def model_path(name: str) -> Path:
                          "or the path of a .gguf file") from e
 
 
-class LLM:
-    """A loaded model with its tokenizer: `generate` yields text pieces as the tokens come.
+# ---- checking arguments -------------------------------------------------------------------------------
 
-    The KV cache keeps the last conversation: a prompt that starts with the tokens already cached
-    (a chat's next turn) runs only its new tokens. `stats` counts the work of every call."""
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+
+
+def check_text(text: str, what: str) -> None:
+    """A ParamError naming `what` for text that is not valid Unicode (a lone surrogate, which UTF-8 cannot
+    encode: e.g. undecodable bytes of a command line)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ParamError(f"generate: {what} holds a lone surrogate {text[at]!r} at index {at}; "
+                         "text must be valid Unicode (encodable as UTF-8)")
+
+
+def sampler_of(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampler:
+    """A Sampler, each argument checked first (type and domain) with a ParamError naming it."""
+    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ParamError(f"generate: temperature must be a finite real >= 0 (0: greedy), got {temperature!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ParamError(f"generate: top_k must be an int >= 0 (0 keeps every token), got {top_k!r}")
+    if not _is_real(top_p) or not 0.0 < top_p <= 1.0:
+        raise ParamError(f"generate: top_p must be a real in (0, 1], got {top_p!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise ParamError(f"generate: seed must be None or an int >= 0, got {seed!r}")
+    return Sampler(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
+
+
+def stops_of(stop: Any) -> tuple[str, ...]:
+    """`stop` (None, a str or a list/tuple of str) as a tuple of non-empty strings."""
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
+        raise ParamError(f"generate: stop must be None, a non-empty str or a list of them, got {stop!r}")
+    for s in stops:
+        check_text(s, "a stop sequence")
+    return tuple(stops)
+
+
+class _StopText:
+    """The text of a generation with its stop sequences cut (module doc): `push` a piece, get what is
+    settled and whether a stop sequence was reached; `flush` the held end once no token follows."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held = stops, ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        if not self.stops:
+            return piece, False
+        held = self.held + piece
+        hits = [i for i in (held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return held[:min(hits)], True
+        # the longest end of the text that begins a stop sequence stays held
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(held)), 0, -1)
+                    if held.endswith(s[:k])), default=0)
+        self.held = held[len(held) - keep:]
+        return held[:len(held) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+# ---- generating ---------------------------------------------------------------------------------------
+
+
+class Generation(Iterator[str]):
+    """One generation's text pieces, as they come (module doc). Once it ends, `finish_reason` is "stop" or
+    "length" and `context_full` says whether the KV cache was what ended it; `tokens` are the ids generated
+    (an end-of-turn token excluded), `prompt_tokens` the prompt's length."""
+
+    def __init__(self, llm: LLM, ids: list[int], max_tokens: int, sampler: Sampler, stops: tuple[str, ...],
+                 sequence: KVSequence | None) -> None:
+        self.prompt_tokens = len(ids)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.context_full = False
+        self._it: Generator[str, None, None] = self._run(llm, ids, max_tokens, sampler, stops, sequence)
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    def close(self) -> None:
+        """End the generation early (its sequence goes back to the pool)."""
+        self._it.close()
+
+    def _run(self, llm: LLM, ids: list[int], max_tokens: int, sampler: Sampler, stops: tuple[str, ...],
+             sequence: KVSequence | None) -> Generator[str, None, None]:
+        if max_tokens == 0:
+            self.finish_reason = "length"
+            return
+        model = llm.model
+        seq = model.acquire(ids) if sequence is None else sequence
+        try:
+            if not seq.in_use.acquire(blocking=False):
+                raise ModelError("generate: the sequence given is in use by another generation")
+            try:
+                yield from self._steps(llm, seq, ids, max_tokens, sampler, _StopText(stops))
+            finally:
+                seq.in_use.release()
+        finally:
+            if sequence is None:
+                model.release(seq)
+
+    def _steps(self, llm: LLM, seq: KVSequence, ids: list[int], max_tokens: int, sampler: Sampler,
+               stop: _StopText) -> Generator[str, None, None]:
+        common = min(seq.common_prefix(ids), len(ids) - 1)  # at least one token runs, for its logits
+        seq.rewind(common)
+        start = time.perf_counter()
+        logits = seq.prefill(ids[common:])
+        llm.count(prompt_tokens=len(ids) - common, prefill_s=time.perf_counter() - start)
+        pieces = llm.tokenizer.stream()
+        reason, stopped = "length", False
+        while True:
+            t = sampler(logits)
+            if t in llm.tokenizer.eos_ids:
+                reason = "stop"
+                break
+            self.tokens.append(t)
+            text, stopped = stop.push(pieces.push(t))
+            if text:
+                yield text
+            if stopped:
+                reason = "stop"
+                break
+            if len(self.tokens) == max_tokens:
+                break
+            if seq.pos >= seq.capacity:
+                self.context_full = True
+                break
+            start = time.perf_counter()
+            logits = seq.decode(t)
+            llm.count(new_tokens=1, decode_s=time.perf_counter() - start)
+        if not stopped:
+            text, stopped = stop.push(pieces.flush())
+            rest = text + ("" if stopped else stop.flush())
+            if rest:
+                yield rest
+            reason = "stop" if stopped else reason
+        self.finish_reason = reason
+
+
+def encode_prompt(tok: GGUFTokenizer, vocab: int, prompt: Any, chat: Any = False) -> list[int]:
+    """The ids of a prompt: a str (with `chat`, the model's chat template for one user message around it),
+    a list of chat messages (dicts with str "role" and "content"; always templated) or a list of token ids
+    (run as given, each in [0, vocab)). Checked: a ParamError (ModelError for a token id) names what is
+    wrong, an empty prompt included."""
+    if not isinstance(chat, bool):
+        raise ParamError(f"generate: chat must be a bool, got {chat!r}")
+    if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        for i, m in enumerate(prompt):
+            if not all(isinstance(m.get(k), str) for k in ("role", "content")):
+                raise ParamError(f"generate: chat message {i} must have str 'role' and 'content', got {m!r}")
+            check_text(m["content"], f"chat message {i}")
+        ids = tok.encode_chat(prompt)
+    elif isinstance(prompt, list | tuple | np.ndarray) and all(_is_int(t) for t in prompt):
+        if chat:
+            raise ParamError("generate: chat=True wraps a str prompt in the chat template; token ids run as given")
+        ids = check_ids(prompt, vocab, "generate: prompt")
+    else:
+        raise ParamError("generate: prompt must be a str, a list of token ids or a list of chat messages, "
+                         f"got {_describe(prompt)}")
+    if not ids:
+        raise ParamError("generate: the prompt is empty (it has no tokens)")
+    return ids
+
+
+class LLM:
+    """A loaded model with its tokenizer: `generate` yields text pieces as the tokens come. `stats` counts
+    the work of every generation (`Stats`)."""
 
     def __init__(self, model: LlamaModel, tokenizer: GGUFTokenizer) -> None:
         self.model, self.tokenizer = model, tokenizer
-        self.cached: list[int] = []  # the ids whose K/V the cache holds, positions 0 … len - 1
         self.stats = Stats()
+        self._stats_lock = threading.Lock()
 
-    def prompt_ids(self, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
-        """A plain prompt's ids, or (chat) the ids of the rendered chat template for one user message
-        or a list of messages."""
-        tok = self.tokenizer
-        if isinstance(prompt, list):
-            return tok.encode_chat(prompt)
-        return tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    def count(self, **work: float) -> None:
+        with self._stats_lock:
+            for k, v in work.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
 
-    def generate(self, prompt: str | list[dict[str, str]], max_tokens: int = 128, *, chat: bool = False,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int | None = None) -> Iterator[str]:
-        """Text pieces of the continuation of `prompt` (see `prompt_ids`), greedy unless temperature > 0."""
-        return self.stream(self.prompt_ids(prompt, chat), max_tokens, Sampler(temperature, top_k, top_p, seed))
+    def prompt_ids(self, prompt: Any, chat: Any = False) -> list[int]:
+        """`encode_prompt` with this model's tokenizer and vocabulary."""
+        return encode_prompt(self.tokenizer, self.model.cfg.vocab, prompt, chat)
 
-    def stream(self, ids: list[int], max_tokens: int, sampler: Sampler) -> Iterator[str]:
-        """Continue from the cache's longest common prefix with `ids`, then generate up to `max_tokens`."""
-        if max_tokens < 0:
-            raise ModelError(f"generate: max_tokens must be >= 0, got {max_tokens}")
-        room = self.model.capacity - len(ids)
-        if room < 1:
+    def generate(self, prompt: Prompt, max_tokens: int = 128, *, chat: bool = False, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None) -> Generation:
+        """The continuation of `prompt` (see `prompt_ids`) as text pieces, greedy unless temperature > 0,
+        ending at an end-of-turn token, a `stop` sequence, `max_tokens` tokens or a full KV cache."""
+        sampler = sampler_of(temperature, top_k, top_p, seed)
+        stops = stops_of(stop)
+        return self.stream(self.prompt_ids(prompt, chat), max_tokens, sampler, stops)
+
+    def stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stop: tuple[str, ...] = (),
+               sequence: KVSequence | None = None) -> Generation:
+        """Generate from prompt ids (checked) on a sequence of the pool, or on `sequence` (the caller's: it
+        stays the caller's, with the prompt and the tokens run cached)."""
+        if not _is_int(max_tokens) or max_tokens < 0:
+            raise ParamError(f"generate: max_tokens must be an int >= 0, got {max_tokens!r}")
+        ids = self.model.check_ids(ids, "generate: prompt")
+        if not ids:
+            raise ParamError("generate: the prompt is empty (it has no tokens)")
+        if len(ids) > self.model.capacity:
             raise ModelError(f"generate: the prompt has {len(ids)} tokens, the KV cache holds "
-                             f"{self.model.capacity}; load the model with a larger context")
-        common = 0
-        while common < min(len(ids), len(self.cached)) and ids[common] == self.cached[common]:
-            common += 1
-        common = min(common, len(ids) - 1)  # at least one token runs, for its logits
-        self.model.pos = common
-        start = time.perf_counter()
-        logits = self.model.prefill(ids[common:])
-        self.stats.prompt_tokens += len(ids) - common
-        self.stats.prefill_s += time.perf_counter() - start
-        self.cached = list(ids)
-        pieces = self.tokenizer.stream()
-        start = time.perf_counter()
-        for _ in range(min(max_tokens, room)):
-            t = sampler(logits)
-            if t in self.tokenizer.eos_ids:
-                break
-            piece = pieces.push(t)
-            if piece:
-                yield piece
-            logits = self.model.decode(t)
-            self.cached.append(t)
-            self.stats.new_tokens += 1
-        self.stats.decode_s += time.perf_counter() - start
-        rest = pieces.flush()
-        if rest:
-            yield rest
+                             f"{self.model.capacity}; load the model with a larger context (fuel generate "
+                             "--context)")
+        return Generation(self, ids, int(max_tokens), sampler, stop, sequence)
 
 
-def _progress(stream: TextIO) -> Callable[[str, int, int], None]:
+def _describe(v: Any) -> str:
+    if isinstance(v, list | tuple):
+        kinds = sorted({type(x).__name__ for x in v})
+        return f"an empty {type(v).__name__}" if not v else f"a {type(v).__name__} of {', '.join(kinds)}"
+    return type(v).__name__
+
+
+# ---- loading ------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_headers: OrderedDict[tuple[Any, ...], tuple[GGUFFile, GGUFTokenizer, LlamaConfig]] = OrderedDict()
+_models: OrderedDict[tuple[Any, ...], LlamaModel] = OrderedDict()
+
+
+def _key(path: Path) -> tuple[Any, ...]:
+    st = path.stat()
+    return (str(path.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def describe(path: Path) -> tuple[GGUFFile, GGUFTokenizer, LlamaConfig]:
+    """A GGUF file's header, tokenizer and hyper-parameters (no weights read): enough to check a request
+    before loading. Kept per process, like `load`'s models."""
+    key = _key(path)
+    with _lock:
+        if key in _headers:
+            _headers.move_to_end(key)
+            return _headers[key]
+    f = open_gguf(path)
+    found = (f, GGUFTokenizer.from_metadata(f.metadata), LlamaConfig.from_gguf(f))
+    with _lock:
+        _headers[key] = found
+        while len(_headers) > KEEP_LOADED:
+            _headers.popitem(last=False)
+    return found
+
+
+def load(name: str = "smollm2", context: int = 2048, err: TextIO | None = None) -> LLM:
+    """A bundled model by short name (`smollm2`, `gemma3`) or a .gguf path, with KV caches of `context`
+    tokens; `err` (e.g. sys.stderr) receives loading progress. The weights are loaded once per process
+    and (file, context) (the `KEEP_LOADED` most recently used are kept): a model is safe to share, each
+    generation having its own sequence. Each call gives a new LLM (its own `stats`)."""
+    path = model_path(name)
+    f, tokenizer, _ = describe(path)
+    key = (*_key(path), context)
+    with _lock:
+        model = _models.get(key)
+        if model is not None:
+            _models.move_to_end(key)
+    if model is None:
+        if err is not None:
+            err.write(f"Loading {MODELS.get(name, path.name)} from {path}\n")
+        model = LlamaModel(f, context, progress=None if err is None else _progress(err))
+        with _lock:
+            model = _models.setdefault(key, model)
+            while len(_models) > KEEP_LOADED:
+                _models.popitem(last=False)
+    return LLM(model, tokenizer)
+
+
+def _progress(stream: TextIO) -> Any:
     live = stream.isatty()  # redraw one line on a terminal; a log gets the finished line only
 
     def report(what: str, i: int, n: int) -> None:
@@ -123,92 +376,4 @@ def _progress(stream: TextIO) -> Callable[[str, int, int], None]:
     return report
 
 
-def load(name: str = "smollm2", context: int = 2048, err: TextIO | None = None) -> LLM:
-    """A bundled model by short name (`smollm2`, `gemma3`) or a .gguf path, with a KV cache of `context`
-    tokens; `err` (e.g. sys.stderr) receives loading progress."""
-    path = model_path(name)
-    if err is not None:
-        err.write(f"Loading {MODELS.get(name, path.name)} from {path}\n")
-    model = LlamaModel.load(path, capacity=context, progress=None if err is None else _progress(err))
-    return LLM(model, GGUFTokenizer.from_metadata(model.file.metadata))
-
-
-def warm_up(model: LlamaModel, prompt_len: int, err: TextIO) -> None:
-    """Capture the decode step and the prefill chunk sizes a prompt of `prompt_len` tokens uses."""
-    err.write("  capturing the prefill and decode steps (Numba loads its kernels on first use) ...")
-    err.flush()
-    start = time.perf_counter()
-    model.prefill([0] * max(1, min(prompt_len, model.capacity - 1)))
-    model.decode(0)  # prefill's last chunk gives the logits itself: the decode step is captured apart
-    model.reset()
-    err.write(f" {time.perf_counter() - start:.1f} s\n")
-
-
-def report(stats: Stats, err: TextIO) -> None:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    pre = stats.prompt_tokens / stats.prefill_s if stats.prefill_s else 0.0
-    dec = stats.new_tokens / stats.decode_s if stats.decode_s else 0.0
-    err.write(f"\nprefill: {stats.prompt_tokens} tokens in {stats.prefill_s:.2f} s ({pre:.1f} tokens/s); "
-              f"decode: {stats.new_tokens} tokens in {stats.decode_s:.2f} s ({dec:.1f} tokens/s); "
-              f"peak RSS {rss:.0f} MiB\n")
-
-
-def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="?", default=None,
-                   help="the prompt (default: a short question in chat mode; with --chat and no prompt, "
-                        "read turns from stdin)")
-    p.add_argument("--model", default="smollm2", help=f"{' or '.join(MODELS)} (bundled), or a .gguf path")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128, help="the most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) decodes greedily")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set reaching p")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampler, for repeatable runs")
-    p.add_argument("--context", type=int, default=2048, help="the KV cache's capacity in tokens (default 2048)")
-
-
-def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None,
-                 stdin: TextIO | None = None) -> int:
-    out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
-    try:
-        sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
-        if args.max_tokens < 0:
-            raise ModelError(f"generate: --max-tokens must be >= 0, got {args.max_tokens}")
-        llm = load(args.model, args.context, err)
-        if args.chat and args.prompt is None:
-            return _chat_loop(llm, args.max_tokens, sampler, out, err, stdin)
-        chat = args.chat or args.prompt is None  # the default prompt is a question for the chat model
-        prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
-        ids = llm.prompt_ids(prompt, chat)
-        warm_up(llm.model, len(ids), err)
-        out.write(f"> {prompt}\n" if chat else prompt)
-        for _ in _echo(llm.stream(ids, args.max_tokens, sampler), out):
-            pass
-        out.write("\n")
-        report(llm.stats, err)
-        return 0
-    except FuelError as e:
-        err.write(f"\nerror: {e}\n")
-        return 2
-
-
-def _chat_loop(llm: LLM, max_tokens: int, sampler: Sampler, out: TextIO, err: TextIO, stdin: TextIO) -> int:
-    messages: list[dict[str, str]] = []
-    warm_up(llm.model, 64, err)
-    err.write("Chat: one message per line; an empty line or the end of input ends the chat.\n")
-    for line in stdin:
-        if not line.strip():
-            break
-        messages.append({"role": "user", "content": line.strip()})
-        reply = "".join(_echo(llm.stream(llm.prompt_ids(messages, True), max_tokens, sampler), out))
-        out.write("\n")
-        messages.append({"role": "assistant", "content": reply})
-    report(llm.stats, err)
-    return 0
-
-
-def _echo(pieces: Iterator[str], out: TextIO) -> Iterator[str]:
-    for piece in pieces:
-        out.write(piece)
-        out.flush()
-        yield piece
+__all__ = ["LLM", "MODELS", "Generation", "Stats", "describe", "load", "model_path", "sampler_of", "stops_of"]

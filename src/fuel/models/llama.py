@@ -3,6 +3,17 @@
     model = LlamaModel.load(bundled_gguf("smollm2"), capacity=2048)
     logits = model.prefill(prompt_ids)        # fills the KV cache, returns the last token's logits
     logits = model.decode(next_id)            # one token: one replay of the captured step
+    seq = model.acquire(prompt_ids)           # a sequence of its own (KV cache, position, captures) ...
+    logits = seq.prefill(prompt_ids[seq.common_prefix(prompt_ids):])
+    model.release(seq)                        # ... lent from the model's pool and given back
+
+**State.** The model holds the weights and builds the graph; the state of a sequence (its KV cache, its
+position and the steps captured over that cache) is a `KVSequence` (`fuel.models.kv_sequence`), so any
+number of sequences run on one model, interleaved and from several threads, each seeing only its own
+cache (the model's lock runs one step at a time). `model.prefill/decode/reset/pos` act on the model's
+own sequence, `model.default`; generations (`fuel.models.generate`) borrow sequences from the pool:
+`acquire(ids)` lends the idle one whose cached tokens share the longest prefix with `ids` (a chat's next
+turn runs only its new tokens) or a new one, up to `max_sequences` lent at once.
 
 **The graph.** Every layer is RmsNormLastDim (times the norm weight), QMatMul for each quantized
 projection, Rope with the model's tables, an in-graph `cache_write` of the step's K/V rows into a
@@ -23,10 +34,8 @@ projection it would throw away, nor reads every weight again for a separate one-
 (`gguf_blocks.dequantize_rows_into`): a lookup of a few rows of a quantized table is not a graph op
 (a gather over block bytes would need a dequantising gather kernel), and the rows are the step's input.
 
-**Rope layout.** llama.cpp's converter permutes the rows of Q and K inside each head so that its rope
-rotates adjacent pairs; Fuel's Rope rotates halves (as Hugging Face does). `_unpermute_rows` reorders
-the quantized rows back (whole rows of blocks, so the bytes are moved, never requantised). Gemma files
-are not permuted.
+**Rope layout.** llama.cpp's converter permutes the rows of Q and K inside each head for its pair-rotating
+rope; the loader moves them back (`fuel.models.llama_weights`).
 
 **Gemma 3** adds: embeddings scaled by √hidden, RMS norms on q and k per head, norms after attention
 and after the FFN, GeGLU with the tanh GELU, and sliding-window attention (window 512, which is
@@ -38,8 +47,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,165 +56,21 @@ import numpy as np
 import fuel as fl
 from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into, weight_rows
 from fuel.dispatch.threads import serial
-from fuel.errors import FuelError, ParamError
+from fuel.errors import ParamError
 from fuel.graph.tensor import Tensor
-from fuel.io.gguf import GGUFFile, GGUFTensor, open_gguf
+from fuel.io.gguf import GGUFFile, open_gguf
+from fuel.models.kv_sequence import CACHE_ONLY, Caches, KVSequence
+from fuel.models.llama_weights import (
+    ARCHITECTURES,
+    LlamaConfig,
+    ModelError,
+    _Linear,
+    _Projections,
+    check_ids,
+    rope_tables,
+)
 
-ARCHITECTURES = ("llama", "gemma3")
-# Gemma 3 hard-codes these in its reference implementation; the GGUF file does not carry them.
-GEMMA3_LOCAL_ROPE_BASE = 10_000.0
-GEMMA3_GLOBAL_EVERY = 6
-PREFILL_BUCKETS = (8, 16, 32, 64, 128, 256)
-CACHE_ONLY: Any = object()  # `_forward`'s rows for a prefill chunk whose logits nobody reads
-
-
-class ModelError(FuelError, ValueError):
-    """A model file this module cannot run, or a request outside the model's limits."""
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    arch: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    ffn: int
-    eps: float
-    rope_base: float
-    vocab: int
-    context_length: int
-    gemma: bool = False
-    sliding_window: int | None = None
-    local_rope_base: float | None = None
-    attn_scale: float = 0.0
-
-    @classmethod
-    def from_gguf(cls, f: GGUFFile) -> LlamaConfig:
-        arch = f.architecture
-        if arch not in ARCHITECTURES:
-            raise ModelError(f"model: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-        heads = int(f.hparam("attention.head_count"))
-        hidden = int(f.hparam("embedding_length"))
-        head_dim = int(f.hparam("attention.key_length", hidden // heads))
-        gemma = arch == "gemma3"
-        window = f.hparam("attention.sliding_window", None) if gemma else None
-        return cls(
-            arch=arch, layers=int(f.hparam("block_count")), hidden=hidden, heads=heads,
-            kv_heads=int(f.hparam("attention.head_count_kv", heads)), head_dim=head_dim,
-            ffn=int(f.hparam("feed_forward_length")), eps=float(f.hparam("attention.layer_norm_rms_epsilon")),
-            rope_base=float(f.hparam("rope.freq_base", 10_000.0)), vocab=f["token_embd.weight"].shape[0],
-            context_length=int(f.hparam("context_length")), gemma=gemma,
-            sliding_window=None if window is None else int(window),
-            local_rope_base=GEMMA3_LOCAL_ROPE_BASE if gemma else None,
-            attn_scale=1.0 / math.sqrt(head_dim),
-        )
-
-    def is_local(self, layer: int) -> bool:
-        """Whether `layer` uses sliding-window attention (Gemma 3: all but every sixth)."""
-        return self.sliding_window is not None and (layer + 1) % GEMMA3_GLOBAL_EVERY != 0
-
-
-def rope_tables(base: float, head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin `[len(positions), head_dim]` float32 for rotate-half rope (angles in float64)."""
-    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    ang = np.outer(positions.astype(np.float64), inv_freq)
-    ang = np.concatenate([ang, ang], axis=1)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-def _halves_order(rows: int, heads: int) -> np.ndarray:
-    """The row order that turns llama.cpp's per-head pair layout (rows 2i, 2i + 1 rotate together)
-    into the halves layout (rows i, i + D/2): row r of the result is row order[r] of the file."""
-    d = rows // heads
-    return np.arange(rows).reshape(heads, d // 2, 2).swapaxes(1, 2).reshape(-1)
-
-
-def _as_words(rows: np.ndarray) -> np.ndarray:
-    """uint8 rows of whole blocks as the u32 words QMatMul reads (zero-padded to a whole word at the end)."""
-    flat = rows.reshape(-1)
-    if flat.size % 4 == 0 and flat.flags.c_contiguous:
-        return flat.view(np.uint32)
-    padded = np.zeros(-(-flat.size // 4) * 4, np.uint8)
-    padded[:flat.size] = flat
-    return padded.view(np.uint32)
-
-
-@dataclass
-class _Linear:
-    """A projection `x @ Wᵀ`: a quantized weight's block bytes `[n, row bytes]`, or a float weight
-    transposed once (`dense`, `[k, n]`)."""
-
-    rows: np.ndarray | None
-    quant: str
-    k: int
-    n: int
-    dense: np.ndarray | None = None
-
-    @classmethod
-    def of(cls, t: GGUFTensor, heads: int | None = None) -> _Linear:
-        """The projection by weight t; `heads` reorders its rows per head (see `_halves_order`)."""
-        if t.ndim != 2:
-            raise ModelError(f"model: tensor {t.name!r} has shape {list(t.shape)}, expected a matrix")
-        order = None if heads is None else _halves_order(t.n, heads)
-        if t.is_quantized:
-            t.words  # noqa: B018  (raises UnsupportedTensorType, naming the tensor, for a type QMatMul lacks)
-            rows = t.raw().reshape(t.n, -1)
-            return cls(rows if order is None else rows[order], t.type_name, t.k, t.n)
-        w = t.array().astype(np.float32)
-        return cls(None, t.type_name, t.k, t.n, np.ascontiguousarray((w if order is None else w[order]).T))
-
-    def joins(self, other: _Linear) -> bool:
-        return self.rows is not None and other.rows is not None and (self.quant, self.k) == (other.quant, other.k)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.rows is not None:
-            return fl.ops.qmatmul(x, fl.tensor(_as_words(self.rows)), self.quant, self.k, self.n)
-        assert self.dense is not None
-        return x @ fl.tensor(self.dense)
-
-
-class _Projections:
-    """Projections of one input (Q, K, V; gate, up). Consecutive quantized ones of the same type run as
-    one QMatMul over their stacked rows, whose output columns are then sliced: fewer, larger kernel
-    calls in a decode step (one weight pass per group instead of one per projection)."""
-
-    def __init__(self, parts: dict[str, _Linear]) -> None:
-        self.groups: list[tuple[_Linear, list[tuple[str, int, int]]]] = []
-        pending: list[tuple[str, _Linear]] = []
-        for name, lin in [*parts.items(), ("", None)]:
-            if pending and (lin is None or not pending[0][1].joins(lin)):
-                self.groups.append(self._stack(pending))
-                pending = []
-            if lin is not None:
-                pending.append((name, lin))
-
-    @staticmethod
-    def _stack(group: list[tuple[str, _Linear]]) -> tuple[_Linear, list[tuple[str, int, int]]]:
-        spans, start = [], 0
-        for name, lin in group:
-            spans.append((name, start, start + lin.n))
-            start += lin.n
-        first = group[0][1]
-        if len(group) == 1:
-            return first, spans
-        stacked = np.concatenate([lin.rows for _, lin in group if lin.rows is not None])
-        return _Linear(stacked, first.quant, first.k, start), spans
-
-    def __call__(self, x: Tensor, joined: tuple[str, str] | None = None) -> dict[str, Tensor]:
-        """Each projection's output by name; with `joined` = (first, second), also `first+second`, their
-        columns as one slice where one QMatMul gave both, adjacent."""
-        out: dict[str, Tensor] = {}
-        for lin, spans in self.groups:
-            y = lin(x)
-            for name, a, b in spans:
-                out[name] = y if len(spans) == 1 else y[:, a:b]
-            names = [name for name, _, _ in spans]
-            if joined and joined[0] in names and names[names.index(joined[0]) + 1:][:1] == [joined[1]]:
-                at = names.index(joined[0])
-                out["+".join(joined)] = y[:, spans[at][1]:spans[at + 1][2]]
-        return out
+__all__ = ["ARCHITECTURES", "KVSequence", "LlamaConfig", "LlamaModel", "ModelError", "load", "rope_tables"]
 
 
 def _gelu_tanh(x: Tensor) -> Tensor:
@@ -214,15 +79,18 @@ def _gelu_tanh(x: Tensor) -> Tensor:
 
 
 class LlamaModel:
-    """A loaded model with its KV cache and captured steps; see the module doc."""
+    """A loaded model: its weights, the graph of a step, and the pool of sequences that run it (module doc)."""
 
-    def __init__(self, f: GGUFFile, capacity: int, progress: Callable[[str, int, int], None] | None = None) -> None:
+    def __init__(self, f: GGUFFile, capacity: int, progress: Callable[[str, int, int], None] | None = None, *,
+                 max_sequences: int = 4) -> None:
         self.file = f
         self.cfg = cfg = LlamaConfig.from_gguf(f)
-        if not 1 <= capacity <= cfg.context_length:
-            raise ModelError(f"model: KV-cache capacity must be in [1, {cfg.context_length}] (the model's context), "
-                             f"got {capacity}")
-        self.capacity = capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= cfg.context_length:
+            raise ModelError(f"model: KV-cache capacity must be an int in [1, {cfg.context_length}] (the model's "
+                             f"context), got {capacity!r}")
+        if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
+            raise ModelError(f"model: max_sequences must be a positive int, got {max_sequences!r}")
+        self.capacity, self.max_sequences = capacity, max_sequences
         report = progress or (lambda what, i, n: None)
         self.layers: list[dict[str, Any]] = []
         for i in range(cfg.layers):
@@ -236,22 +104,20 @@ class LlamaModel:
         self._embd_qt = embd.quant_type
         self._embd_rows = None if embd.quant_type is None else weight_rows(embd.words, embd.quant_type, embd.n, embd.k)
         self._embd_table = embd.array() if embd.quant_type is None else None
-        shape = (1, cfg.kv_heads, capacity, cfg.head_dim)
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.layers)]
         positions = np.arange(capacity)
         self.rope = {"global": rope_tables(cfg.rope_base, cfg.head_dim, positions)}
         if cfg.local_rope_base is not None:
             self.rope["local"] = rope_tables(cfg.local_rope_base, cfg.head_dim, positions)
-        self._decode = fl.jit(lambda x, *tables: self._forward(x, tables))
-        self._prefill = fl.jit(lambda x, *tables: self._forward(x, tables, rows=CACHE_ONLY))
-        self._prefill_last = fl.jit(lambda x, row, *tables: self._forward(x, tables, rows=row))
-        self.pos = 0
+        self.lock = threading.RLock()  # held by every step of every sequence: one step at a time
+        self._pool_lock = threading.Lock()
+        self._idle: list[KVSequence] = []
+        self._lent: list[KVSequence] = []
+        self.default = KVSequence(self)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], capacity: int = 2048,
-             progress: Callable[[str, int, int], None] | None = None) -> LlamaModel:
-        return cls(open_gguf(path), capacity, progress)
+             progress: Callable[[str, int, int], None] | None = None, *, max_sequences: int = 4) -> LlamaModel:
+        return cls(open_gguf(path), capacity, progress, max_sequences=max_sequences)
 
     def _layer(self, i: int) -> dict[str, Any]:
         f, cfg = self.file, self.cfg
@@ -283,8 +149,8 @@ class LlamaModel:
         s = x.shape[0]
         return x.reshape(1, s, heads, self.cfg.head_dim).permute(0, 2, 1, 3)
 
-    def _write_kv(self, i: int, lw: dict[str, Any], h: Tensor,
-                  tables: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    def _write_kv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]],
+                  caches: Caches) -> tuple[Tensor, Tensor, Tensor]:
         """Layer i's queries, and its K/V caches with this step's rows written at `pos`."""
         cfg = self.cfg
         p = lw["qkv"](h, joined=("q", "k"))
@@ -298,8 +164,8 @@ class LlamaModel:
                 q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
             q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
         pos = fl.dyn("pos")
-        kc = fl.cache_write(fl.tensor(self.k_cache[i]), k, pos)
-        vc = fl.cache_write(fl.tensor(self.v_cache[i]), v, pos)
+        kc = fl.cache_write(fl.tensor(caches[0][i]), k, pos)
+        vc = fl.cache_write(fl.tensor(caches[1][i]), v, pos)
         return q, kc, vc
 
     def _attend(self, i: int, lw: dict[str, Any], q: Tensor, kc: Tensor, vc: Tensor, k_len: str) -> Tensor:
@@ -312,8 +178,9 @@ class LlamaModel:
         s = q.shape[2]
         return lw["o"](a.permute(0, 2, 1, 3).reshape(s, cfg.heads * cfg.head_dim))
 
-    def _forward(self, x: Tensor, table_args: Sequence[Tensor], rows: Tensor | None = None) -> Tensor:
-        """The logits `[S, vocab]` of the rows x `[S, hidden]` (a decode step); with `rows` (a prefill chunk),
+    def forward(self, x: Tensor, table_args: Sequence[Tensor], caches: Caches, rows: Any = None) -> Tensor:
+        """The logits `[S, vocab]` of the rows x `[S, hidden]` (a decode step), writing their K/V rows into
+        `caches` (a sequence's per-layer K and V arrays) at DynScalar `pos`; with `rows` (a prefill chunk),
         those of the one row `rows` `[1]` picks (its keys end at DynScalar `last_len`), or with CACHE_ONLY
         none: the chunk's K/V rows written to the caches is all it does."""
         cfg = self.cfg
@@ -322,7 +189,7 @@ class LlamaModel:
         if cfg.gemma:
             x = x * float(np.float32(math.sqrt(cfg.hidden)))
         for i, lw in enumerate(self.layers):
-            q, kc, vc = self._write_kv(i, lw, self._norm(x, lw["attn_norm"]), tables)
+            q, kc, vc = self._write_kv(i, lw, self._norm(x, lw["attn_norm"]), tables, caches)
             k_len = "k_len"
             if rows is CACHE_ONLY and i == cfg.layers - 1:
                 # only the last layer's cache rows are needed: a one-element read of each cache keeps the
@@ -339,6 +206,64 @@ class LlamaModel:
             d = lw["down"](act * p["up"])
             x = x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
         return self.head(self._norm(x, self.out_norm))
+
+    # -- sequences -------------------------------------------------------------------------------
+
+    def sequence(self) -> KVSequence:
+        """A new sequence of this model, outside the pool (its caller owns it)."""
+        return KVSequence(self)
+
+    def acquire(self, ids: Sequence[int] = ()) -> KVSequence:
+        """A sequence lent for one generation: of the idle ones, the one whose cached tokens share the
+        longest prefix with `ids` (its K/V rows of that prefix are reused), else a new one. At most
+        `max_sequences` are lent at once; `release` gives one back."""
+        with self._pool_lock:
+            if self._idle:
+                best = max(self._idle, key=lambda s: s.common_prefix(ids))
+                self._idle.remove(best)
+            elif len(self._lent) >= self.max_sequences:
+                raise ModelError(f"model: {len(self._lent)} sequences are in use on this model, its max_sequences; "
+                                 "finish or close a generation first, or load the model with a larger max_sequences")
+            else:
+                best = KVSequence(self)
+            self._lent.append(best)
+        return best
+
+    def release(self, seq: KVSequence) -> None:
+        """Give a lent sequence back to the pool (its cached tokens stay for the next `acquire`)."""
+        with self._pool_lock:
+            if not any(s is seq for s in self._lent):
+                raise ParamError("model.release: this sequence is not lent from this model's pool")
+            self._lent = [s for s in self._lent if s is not seq]
+            self._idle.append(seq)
+
+    @property
+    def sequences_in_use(self) -> int:
+        return len(self._lent)
+
+    # -- the model's own sequence ----------------------------------------------------------------
+
+    @property
+    def pos(self) -> int:
+        """The model's own sequence's position: the tokens its KV cache holds."""
+        return self.default.pos
+
+    def reset(self) -> None:
+        """Forget the model's own sequence: later tokens start at position 0 (the cache is overwritten)."""
+        self.default.reset()
+
+    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+        """`KVSequence.prefill` on the model's own sequence."""
+        return self.default.prefill(ids)
+
+    def decode(self, token: int) -> np.ndarray:
+        """`KVSequence.decode` on the model's own sequence."""
+        return self.default.decode(token)
+
+    @property
+    def _decode(self) -> Any:
+        """The model's own sequence's captured decode step (read by the benchmarks)."""
+        return self.default.decode_step
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -358,54 +283,13 @@ class LlamaModel:
                     out[r] = self._embd_table[int(t)]
         return out
 
-    def _tables(self, start: int, rows: int) -> list[np.ndarray]:
+    def tables(self, start: int, rows: int) -> list[np.ndarray]:
+        """The rope tables' rows of positions start … start + rows - 1, in `forward`'s argument order."""
         return [t[start:start + rows] for pair in self.rope.values() for t in pair]
 
-    def _check_room(self, rows: int) -> None:
-        if self.pos + rows > self.capacity:
-            raise ModelError(f"model: {self.pos + rows} tokens do not fit the KV cache of {self.capacity}; "
-                             "load the model with a larger capacity")
-
-    def reset(self) -> None:
-        """Forget the conversation: later tokens start at position 0 (the cache is overwritten)."""
-        self.pos = 0
-
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """Run the prompt `ids` from the current position; the logits `[vocab]` after its last token."""
-        if not ids:
-            raise ParamError("prefill: the prompt has no tokens")
-        self._check_room(len(ids))
-        todo = list(ids)
-        logits = np.empty(0, np.float32)
-        while todo:
-            bucket = next((b for b in PREFILL_BUCKETS if b >= len(todo)), PREFILL_BUCKETS[-1])
-            chunk, todo = todo[:bucket], todo[bucket:]
-            # the padding's cache rows must fit too (they lie past the live length, never read)
-            if len(chunk) == 1 or min(self.pos, self.capacity - bucket) != self.pos:
-                # one token, or too close to the end for a padded chunk: one token at a time
-                for t in chunk:
-                    logits = self.decode(t)
-                continue
-            x = np.zeros((bucket, self.cfg.hidden), np.float32)
-            x[:len(chunk)] = self.embed(chunk)
-            # the chunk's queries align with the keys' end (causal), padding included; see _forward
-            env = {"pos": self.pos} | ({"k_len": self.pos + bucket} if self.cfg.layers > 1 else {})
-            tables = self._tables(self.pos, bucket)
-            if todo:
-                self._prefill(x, *tables, **env)
-            else:  # the last chunk: the logits after its last live row
-                row = np.array([len(chunk) - 1], np.int64)
-                out = self._prefill_last(x, row, *tables, **env, last_len=self.pos + len(chunk))
-                logits = np.asarray(out.numpy()).reshape(-1)
-            self.pos += len(chunk)
-        return logits
-
-    def decode(self, token: int) -> np.ndarray:
-        """Run one token at the current position; its logits `[vocab]`."""
-        self._check_room(1)
-        out = self._decode(self.embed([token]), *self._tables(self.pos, 1), pos=self.pos, k_len=self.pos + 1)
-        self.pos += 1
-        return np.asarray(out.numpy()).reshape(-1)
+    def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        """`ids` as a list of ints, each a token of the vocabulary; else a ModelError naming `what`."""
+        return check_ids(ids, self.cfg.vocab, what)
 
 
 def load(name_or_path: str = "smollm2", context: int = 2048) -> Any:
@@ -414,4 +298,3 @@ def load(name_or_path: str = "smollm2", context: int = 2048) -> Any:
     from fuel.models.generate import load as load_llm
 
     return load_llm(name_or_path, context)
-

@@ -53,11 +53,21 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from fuel.errors import FuelError
 
-__all__ = ["GEMMA3_CHAT_TEMPLATE", "GGUFTokenizer", "StreamDecoder", "TokenizerError"]
+__all__ = ["GEMMA3_CHAT_TEMPLATE", "GGUFTokenizer", "StreamDecoder", "TokenizerError", "lone_surrogate"]
 
 
 class TokenizerError(FuelError, ValueError):
     """The GGUF metadata does not describe a tokenizer this module builds, or a tokenizer call is invalid."""
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in `text` (a code point UTF-8 cannot encode, which Python keeps
+    for undecodable bytes of a command line or a file name), or None for valid Unicode text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 # llama.cpp's token types (enum llama_token_type), and our own mark for a whitespace run respelled with ▁.
@@ -154,7 +164,10 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> Tokeniz
             raise TokenizerError(f"tokenizer.ggml.merges: {line!r} is not two tokens separated by one space")
         merges.append((pair[0], pair[1]))
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    try:
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as exc:  # tokenizers raises a bare Exception for a merge of unknown tokens
+        raise TokenizerError(f"tokenizer.ggml.merges: {exc}") from None
     tk.pre_tokenizer = _byte_level_pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "gpt-2")))
     tk.decoder = decoders.ByteLevel()
     return tk
@@ -294,6 +307,12 @@ class GGUFTokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special markers in it become their ids. `add_bos` defaults to the file's flag."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode: expects a str, got {type(text).__name__}")
+        at = lone_surrogate(text)
+        if at is not None:
+            raise TokenizerError(f"encode: the text holds a lone surrogate {text[at]!r} at index {at}, which is "
+                                 "not valid Unicode (UTF-8 cannot encode it)")
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos):
             if self.bos_id is None:
