@@ -14,12 +14,10 @@ Run it through `fuel bench --latency` or, from the checkout, `python -m benchmar
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -29,6 +27,7 @@ import numpy as np
 
 import fuel as fl
 from benchmarks import latency_model as lm
+from benchmarks import timing
 from benchmarks.bench_ops import blas_info, machine_limits
 
 # torch's OpenMP pool waits passively, as fuel's does: spinning, torch's decode took 79 ms instead of
@@ -43,31 +42,9 @@ THREADS = 2  # fuel's and torch's, each set explicitly
 
 def interleaved_ms(fns: dict[str, Callable[[], Any]], repeat: int, warmup: int = 1,
                    calls: int = 1) -> dict[str, float]:
-    """Median ms per call of each fn; each round runs every fn once (`calls` times in a row), so a
-    slow patch of the machine lands on all of them rather than on whichever ran then. As `timeit`
-    does, the cyclic garbage collector is off while a fn is timed: it runs between fns instead, so
-    one fn's garbage (fuel eager's graph of ~700 nodes) is not collected on the next fn's clock."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    enabled = gc.isenabled()
-    try:
-        for _ in range(repeat):
-            for name, fn in fns.items():
-                gc.collect()
-                gc.disable()
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                times[name].append((time.perf_counter() - start) / calls)
-                gc.enable()
-    finally:
-        if enabled:
-            gc.enable()
-        else:
-            gc.disable()
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    """Median ms per call of each fn, interleaved (`timing.timed_ms`), the garbage collector run between
+    fns and off while one is timed."""
+    return timing.timed_ms(fns, repeat, warmup=warmup, calls=calls, collect=True)[0]
 
 
 def as_arrays(outs: Any) -> list[np.ndarray]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import fuel as fl
 from fuel.dtype import DType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks import bench_ops
+from benchmarks import bench_ops, timing
 
 
 @pytest.fixture
@@ -69,3 +70,17 @@ def test_bench_harness_reports_ratio_and_roofline(tmp_path: Path, monkeypatch: p
     assert {n for what, n in log if what != "make"} == {2}, log
     assert (tmp_path / "bench_ops.png").stat().st_size > 1000
     assert bench_ops.main(["nope"], ["f32"], str(tmp_path), 1, compile_torch=False) == 2
+
+
+def test_timed_ms_interleaves_and_keeps_the_collector_off_the_clock() -> None:
+    """Warm-up rounds, then each round runs every fn `calls` times in a row after its `before`; with
+    `collect` the garbage collector is off while a fn is timed and on again afterwards."""
+    log: list[tuple[str, bool]] = []
+    fns = {"a": lambda: log.append(("a", gc.isenabled())), "b": lambda: log.append(("b", gc.isenabled()))}
+    ms, rounds = timing.timed_ms(fns, 2, before=lambda name: log.append((f"before {name}", True)),
+                                 warmup=2, calls=3, collect=True)
+    assert rounds == 2 and set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
+    timed_round = ["before a", "a", "a", "a", "before b", "b", "b", "b"]
+    assert [name for name, _ in log] == ["a", "b"] * 2 + timed_round * 2
+    assert [on for name, on in log[4:] if not name.startswith("before")] == [False] * 12
+    assert gc.isenabled()
