@@ -8,6 +8,7 @@ from typing import Any
 
 import numba
 import numpy as np
+import pytest
 import torch
 
 import fuel as fl
@@ -73,6 +74,21 @@ def test_an_impl_whose_bytes_change_between_calls_is_not_bit_stable() -> None:
 
     result = verify_impl(SOFTMAX, _with_kernel(impl, drifting))
     assert not result.bit_stable and "between calls" in result.unstable
+
+
+def test_fewer_repeats_still_catch_a_second_call_that_differs() -> None:
+    impl = _impl(DType.F64)
+    calls = itertools.count()
+
+    def second_differs(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+        impl.kernel(inputs, out, params)
+        if out.size and next(calls) == 1:
+            out.flat[0] = np.nextafter(out.flat[0], np.inf)
+
+    result = verify_impl(SOFTMAX, _with_kernel(impl, second_differs), repeats=2)
+    assert not result.bit_stable and "between calls" in result.unstable
+    with pytest.raises(fl.ParamError, match=r"verify_impl: repeats must be at least 1 \(the call measured\), got 0"):
+        verify_impl(SOFTMAX, impl, repeats=0)
 
 
 def test_fused_linear_is_scaled_per_element_by_the_sum_of_absolute_terms() -> None:
