@@ -264,3 +264,20 @@ def test_a_dynscalar_as_a_size_is_a_clear_error(build, op: str, what: str) -> No
     t = fl.tensor(np.zeros((2, 3), np.float32))
     with pytest.raises(fl.ParamError, match=rf"{op}: a DynScalar \('n'\) is not supported as {what}"):
         build(t, fl.dyn("n"))
+
+
+def test_tensor_const_takes_a_read_only_snapshot_without_touching_the_callers_array() -> None:
+    w = np.arange(4, dtype=np.float32)
+    tc = fl.tensor(w, const=True)
+    assert w.flags.writeable and not np.shares_memory(tc.numpy(), w)  # the caller's array is left as it was
+    w[:] = -1.0
+    np.testing.assert_array_equal(tc.numpy(), np.arange(4))
+    frozen = _read_only(np.arange(4, dtype=np.float32))
+    assert np.shares_memory(fl.tensor(frozen, const=True).numpy(), frozen)  # already constant: no copy
+    with pytest.raises(fl.ParamError, match="const=True takes an array, got a Tensor"):
+        fl.tensor(tc, const=True)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
