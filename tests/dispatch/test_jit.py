@@ -366,14 +366,12 @@ def test_dynamic_scalars_bind_any_integer() -> None:
     """pos and k_len given as any integral number (Python's, NumPy's, a 0-d integer array, a registered
     numbers.Integral) bind as that integer, on the capturing call, the checked replay and the steady state;
     torch's attention over its own caches is the oracle."""
-    for kind in _INTEGERS:
-        _attend_with(kind)
+    for kind, as_kind in _INTEGERS.items():
+        _attend_with(kind, as_kind)
 
 
-def _attend_with(kind: str) -> None:
-    as_kind = _INTEGERS[kind]
-    rng = np.random.default_rng(5)
-    step = _decode_attention()
+def _attend_with(kind: str, as_kind: Callable[[int], Any]) -> None:
+    rng, step = np.random.default_rng(5), _decode_attention()
     kc, vc = np.zeros((1, H, CAP, D), np.float32), np.zeros((1, H, CAP, D), np.float32)
     tk, tv = torch.zeros((1, H, CAP, D), dtype=torch.float64), torch.zeros((1, H, CAP, D), dtype=torch.float64)
     for pos in range(4):
