@@ -43,11 +43,3 @@ def test_verify_passes_and_reports(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "SoftmaxLastDim[cpu:bf16,bf16]" in out and "4 passed, 0 failed" in out
     assert main(["verify", "NoSuchOp"]) == 2
-
-
-def test_demo_streams_an_answer(capsys: pytest.CaptureFixture[str]) -> None:
-    """`make demo`: SmolLM2 answers the default question greedily; the speeds and peak RSS follow."""
-    assert main(["demo", "--max-tokens", "12", "--context", "128"]) == 0
-    out, err = capsys.readouterr()
-    assert out.startswith("> What is the capital of France") and "Paris" in out
-    assert "tokens/s" in err and "peak RSS" in err

@@ -47,3 +47,32 @@ def test_bench_refuses_an_unknown_case_before_measuring(capsys: pytest.CaptureFi
     monkeypatch.setattr(bench_ops, "machine_limits", lambda: pytest.fail("measured before checking names"))
     assert main(["bench", "no_such_case"]) == 2
     assert "unknown case(s) ['no_such_case']" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "hi", "--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["generate", "hi", "--seed", "x"], "argument --seed: expected an integer >= 0, got 'x'"),
+    (["generate", "hi", "--context", "0"], "argument --context: expected an integer >= 1, got 0"),
+    (["generate", "hi", "--max-tokens", "-3"], "argument --max-tokens: expected an integer >= 0, got -3"),
+    (["generate", "hi", "--top-p", "0"], "argument --top-p: expected a number in (0, 1], got 0"),
+    (["generate", "hi", "--top-p", "1.5"], "argument --top-p: expected a number in (0, 1], got 1.5"),
+    (["generate", "hi", "--temperature", "nan"], "argument --temperature: expected a finite number >= 0, got nan"),
+    (["generate", "hi", "--top-k", "-1"], "argument --top-k: expected an integer >= 0, got -1"),
+    (["demo", "--seed", "-1"], "argument --seed: expected an integer >= 0, got -1"),
+    (["embed", "a", "--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+])
+def test_model_arguments_are_checked_before_loading(argv: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused by argparse in one line (`fuel <command>: error: ...`, status 2) before any file is read."""
+    from fuel.io.gguf import GGUFFile
+    from fuel.models import bert
+
+    monkeypatch.setattr(GGUFFile, "__init__", lambda *a: pytest.fail("read a model with bad arguments"))
+    monkeypatch.setattr(bert, "embed", lambda *a, **kw: pytest.fail("embedded with bad arguments"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert err.startswith(f"fuel {argv[0]}: error: ") and err.endswith(f"(see: fuel {argv[0]} --help)\n")

@@ -56,7 +56,7 @@ from fuel.models.sampling import Sampler
 from fuel.models.tokenizer import GGUFTokenizer, lone_surrogate
 
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
-KEEP_LOADED = 2  # models `load` keeps per process (by file and context), least recently used dropped first
+KEEP_LOADED = 4  # models `load` keeps per process (by file and context), least recently used dropped first
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
