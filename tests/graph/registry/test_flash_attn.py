@@ -9,14 +9,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import fuel as fl
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import FusedOps
 from fuel.graph.registry.flash_attn import decompose
 from fuel.testing.contract import numba_threads
-from fuel.testing.oracle import assert_close_attention
+from fuel.testing.oracle import ATTENTION, assert_close_attention
 from fuel.testing.reference.attention_math import abs_attention64, attention64
+from tests.graph.registry.attention_slack import large, sdpa_with_slack
 
 Win = tuple[int | None, int | None]
 WINDOWS: list[Win] = [(None, None), (3, 2), (0, 0), (None, 1), (2, None)]
@@ -153,6 +156,26 @@ def test_random_grid(cfg: tuple[Any, ...]) -> None:
     assert_close_attention(got, ref, dt, s)
     if softcap is None and not alibi and k_len != 0:
         np.testing.assert_allclose(sdpa(x, 0.2, causal, window, k_len), ref, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**32 - 1), size=st.floats(0, 1), scale=st.floats(0.01, 2) | st.floats(-2, -0.01),
+       causal=st.booleans(), sq=st.sampled_from([1, 3, 5, 20, 130]), sk=st.sampled_from([1, 7, 40, 600]),
+       heads=st.sampled_from(HEADS), d=st.sampled_from([8, 16, 64]))
+@example(seed=0, size=1.0, scale=1.3, causal=False, sq=20, sk=40, heads=(4, 4), d=64)  # logits past 2^33
+def test_large_logits_match_torch_sdpa(dt: DType, seed: int, size: float, scale: float, causal: bool, sq: int,
+                                       sk: int, heads: tuple[int, int], d: int) -> None:
+    """q and k of 1e3-1e6 (logits far past exp's range): decode and prefill, one key block and several,
+    against torch's float64 SDPA, within what rounded scores allow (`attention_slack`: ~0 wherever a
+    row's largest score stands clear, so such rows must come out one-hot)."""
+    hq, hkv = heads
+    rng = np.random.default_rng(seed)
+    x = {"q": large(rng, (1, hq, sq, d), dt, size), "k": large(rng, (1, hkv, sk, d), dt, size),
+         "v": rng.standard_normal((1, hkv, sk, d)).astype(dt.np), "alibi": None}
+    want, s, slack = sdpa_with_slack(x["q"], x["k"], x["v"], scale, torch_mask(sq, sk, causal, None, None), dt)
+    got = run(x, softmax_scale=scale, causal=causal)
+    assert_close_attention(got, want, dt, s + slack / ATTENTION[dt][1])
 
 
 def test_long_sequence_spans_key_blocks() -> None:

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fuel as fl
 from fuel.dtype import FLOAT_DTYPES, DType
@@ -16,6 +18,7 @@ from fuel.graph.registry import flash_attn_backward_k, flash_attn_backward_q, fl
 from fuel.testing.contract import numba_threads
 from fuel.testing.oracle import assert_close_rowwise
 from fuel.testing.reference.attention_math import attention_grads64
+from tests.graph.registry.attention_slack import MAGNITUDES
 
 Win = tuple[int | None, int | None]
 WINDOWS: list[Win] = [(None, None), (3, 2), (0, 0), (None, 1), (2, None)]
@@ -137,6 +140,27 @@ def test_random_grid(cfg: tuple[Any, ...]) -> None:
     dt, hq, hkv, sq, sk, d, causal, window, softcap, alibi, k_len = cfg
     x = make_inputs(2, dt, 1, hq, hkv, sq, sk, d, alibi=alibi, q_scale=2.0)
     check(x, dt, 0.2, causal, window, softcap, k_len)
+
+
+@pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**32 - 1), size=st.floats(0, 1), scale=st.floats(0.01, 2) | st.floats(-2, -0.01),
+       causal=st.booleans(), sq=st.sampled_from([1, 5, 20]), sk=st.sampled_from([1, 7, 40]),
+       heads=st.sampled_from(HEADS), d=st.sampled_from([8, 16, 64]))
+def test_large_logits_match_torch_autograd(dt: DType, seed: int, size: float, scale: float, causal: bool, sq: int,
+                                           sk: int, heads: tuple[int, int], d: int) -> None:
+    """q and k of 1e3-1e6 on the grid I·2^e (|I| <= 8, 2^e about the size / 8): their dot products are
+    integers below 2^24 times 2^2e, exact in f32, and two different scores differ by at least
+    2^2e·|scale| >= 30, so the float64 gradients are what f32 can deliver, to the usual bound. The
+    backward must form P as the forward did, whatever the logits' size."""
+    lo, hi = MAGNITUDES.get(dt, (3.0, 6.0))
+    unit = 2.0 ** round(math.log2(10 ** (lo + size * (hi - lo)) / 8))
+    hq, hkv = heads
+    rng = np.random.default_rng(seed)
+    shapes = {"q": (1, hq, sq, d), "k": (1, hkv, sk, d), "v": (1, hkv, sk, d), "do": (1, hq, sq, d)}
+    x: dict[str, Any] = {n: (rng.integers(-8, 9, shapes[n]) * unit).astype(dt.np) for n in "qk"}
+    x.update({n: rng.standard_normal(shapes[n]).astype(dt.np) for n in ("v", "do")}, alibi=None)
+    check(x, dt, scale, causal)
 
 
 def test_grid_covers_the_options() -> None:

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fuel as fl
 from fuel.dispatch.cpu import paged_attention as kernel_module
@@ -16,9 +18,10 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, default_registry
 from fuel.graph.registry.paged_attn import PagedAttnParams, decompose, paged_attn
 from fuel.testing.contract import numba_threads, output_for, verify
-from fuel.testing.oracle import assert_close_rowwise
+from fuel.testing.oracle import ROWWISE, assert_close_rowwise
 from fuel.testing.reference.attention_math import abs_attention64, attention64
 from fuel.testing.reference.paged_attention import DEAD_BLOCK, paged_inputs
+from tests.graph.registry.attention_slack import large, sdpa_with_slack
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
 ENTRY = default_registry().entry(FusedOps.PAGED_ATTN)
@@ -94,6 +97,26 @@ def test_matches_torch_sdpa(dt: DType, config: Config) -> None:
     inputs, p = paged_inputs(np.random.default_rng(11), dt, b, hq, hkv, sq, d, bs, lens, **opts)
     ref, scale = torch_paged(inputs, p)
     assert_close_rowwise(run(inputs, p), ref, dt, scale=scale)
+
+
+@DTYPES
+@settings(max_examples=30)
+@given(seed=st.integers(0, 2**32 - 1), size=st.floats(0, 1), scale=st.floats(0.01, 2) | st.floats(-2, -0.01),
+       sq=st.sampled_from([1, 3, 9]), bs=st.sampled_from([1, 4, 16]), heads=st.sampled_from([(4, 4), (6, 2), (8, 1)]),
+       d=st.sampled_from([8, 16, 64]), lens=st.lists(st.integers(0, 60), min_size=1, max_size=3))
+def test_large_logits_match_torch_sdpa(dt: DType, seed: int, size: float, scale: float, sq: int, bs: int,
+                                       heads: tuple[int, int], d: int, lens: list[int]) -> None:
+    """q and k cache of 1e3-1e6 (logits far past exp's range), decode and prefill chunks, against torch's
+    float64 SDPA on the gathered pages, within what rounded scores allow (`attention_slack`: ~0 wherever
+    a row's largest score stands clear, so such rows must come out one-hot)."""
+    hq, hkv = heads
+    rng = np.random.default_rng(seed)
+    (_, _, vc, bt, cl), _ = paged_inputs(rng, dt, len(lens), hq, hkv, sq, d, bs, lens)
+    q, kc = large(rng, (len(lens), hq, sq, d), dt, size), large(rng, vc.shape, dt, size)
+    k, v = torch_gather(kc, bt, cl), torch_gather(vc, bt, cl)
+    want, s, slack = sdpa_with_slack(q, k.numpy(), v.numpy(), scale, admissible(sq, k.shape[2], cl), dt)
+    got = run((q, kc, vc, bt, cl), PagedAttnParams(scale, bs, None))
+    assert_close_rowwise(got, want, dt, scale=s + slack / ROWWISE[dt][1])
 
 
 def reference_with(inputs: tuple[np.ndarray, ...], p: PagedAttnParams) -> tuple[np.ndarray, np.ndarray]:

@@ -130,7 +130,8 @@ def problem(inputs: Sequence[np.ndarray], params: Any, acc: np.dtype[Any]) -> Pr
 
 
 def forward_block(p: Problem, i0: int, i1: int, qb: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(acc, m, l) of query rows [i0, i1): the unnormalised output and the softmax's max and sum."""
+    """(acc, m, l) of query rows [i0, i1): the unnormalised output and the softmax's max and sum (the max
+    in raw q·k units for a plain row, `attention_rows.online_row`)."""
     n, rows, d = qb.shape
     dt = qb.dtype
     acc = np.zeros((n, rows, d), dt)

@@ -25,7 +25,7 @@ from numba import prange
 
 from fuel.dispatch.buffers import POOL
 from fuel.dispatch.cpu.attention import BK, BQ, Problem, forward_block, grouped, problem, query_block
-from fuel.dispatch.cpu.attention_rows import FASTMATH, row_window, transform_row, zero_outside
+from fuel.dispatch.cpu.attention_rows import FASTMATH, plain_row, row_window, transform_row, zero_outside
 from fuel.dispatch.cpu.driver import row_kernel
 from fuel.dispatch.cpu.half import narrow_into, widened
 from fuel.dispatch.cpu.vecmath import cast_like, exp_nonpositive
@@ -81,10 +81,15 @@ def _grad_block(s: Any, dp: Any, m: Any, l: Any, delta: Any, i0: int, bq: int, j
         seg, dseg = row[lo:hi], drow[lo:hi]
         aq = i + kl - sq
         slope = slopes[g, r // bq]
-        transform_row(seg, aq, j0 + lo, scale, softcap, slope)
+        # P exactly as the forward formed it (`online_row`): a plain row's max is in raw q·k units and
+        # its scale is folded into exp; every other row's scores are transformed first.
+        sc = scale
+        if not plain_row(scale, softcap, slope):
+            transform_row(seg, aq, j0 + lo, scale, softcap, slope)
+            sc = cast_like(1, scale)
         shift, inv, dl = m[g, r], 1 / total, delta[g, r]
         for c in range(hi - lo):
-            pr = exp_nonpositive(seg[c] - shift) * inv
+            pr = exp_nonpositive((seg[c] - shift) * sc) * inv
             ds = pr * (dseg[c] - dl) * scale
             if softcap > 0:
                 capped = (seg[c] + slope * cast_like(abs(aq - (j0 + lo + c)), scale)) / softcap

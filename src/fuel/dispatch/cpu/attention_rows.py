@@ -83,6 +83,13 @@ def transform_row(seg: Any, aq: int, j0: int, scale: Any, softcap: Any, slope: A
     return m
 
 
+@njit(inline="always", cache=True)
+def plain_row(scale: Any, softcap: Any, slope: Any) -> bool:
+    """Whether a row's scores are q·k times a positive scale only: its softmax max is kept in raw q·k
+    units and the scale folded into exp (`online_row`); the backward recomputes P the same way."""
+    return softcap <= 0 and scale > 0 and slope == 0
+
+
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def row_max(seg: Any, like: Any) -> Any:
     """The max of a segment (-inf for an empty one or one of NaN), read only: vectorises."""
@@ -94,12 +101,15 @@ def row_max(seg: Any, like: Any) -> Any:
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def exp_scaled(seg: Any, scale: Any, shift: Any) -> Any:
-    """seg <- exp(seg·scale - shift) (every value·scale <= shift, up to rounding); returns the sum. The
-    scale is folded into the exponent's argument (one fused multiply-add) so the common row needs no
-    separate pass to scale it; scale 1 gives exactly `exp_shifted`."""
+    """seg <- exp((seg - shift)·scale) for every value <= shift and scale > 0; returns the sum. The
+    exponent is <= 0 whatever the rounding (a rounded difference of x <= shift is <= 0, and so is its
+    product with a positive scale), which the fast exp needs: `seg·scale - shift` with shift the rounded
+    max·scale is not (contracted to a fused multiply-add, the exact product passes the rounded max by up
+    to half its ulp, past exp's range once scores reach 2^31). The scale is folded into the exponent so
+    the common row needs no separate pass to scale it; scale 1 gives exactly `exp_shifted`."""
     total = shift * 0
     for c in range(seg.shape[0]):
-        e = exp_nonpositive(seg[c] * scale - shift)
+        e = exp_nonpositive((seg[c] - shift) * scale)
         seg[c] = e
         total += e
     return total
@@ -128,8 +138,9 @@ def zero_outside(row: Any, lo: int, hi: int) -> None:
 def online_row(s: Any, m: Any, l: Any, acc: Any, t: int, i0: int, bq: int, j0: int, kl: int, sq: int, left: int,
                right: int, scale: Any, softcap: Any, slopes: Any) -> None:
     """Row t (of n·rows) of one key block of the online softmax: s `[n, rows, cols]` holds raw q·k and
-    leaves holding P; m, l `[n, rows]` are the running max and sum; acc `[n, rows, D]` is rescaled to the
-    new max. Row r of a group is query i0 + r % bq of head r // bq."""
+    leaves holding P; m, l `[n, rows]` are the running max (raw q·k for a `plain_row`, else of the
+    transformed scores) and sum; acc `[n, rows, D]` is rescaled to the new max. Row r of a group is
+    query i0 + r % bq of head r // bq."""
     rows, cols = s.shape[1], s.shape[2]
     g, r = t // rows, t % rows
     i = i0 + r % bq
@@ -140,10 +151,11 @@ def online_row(s: Any, m: Any, l: Any, acc: Any, t: int, i0: int, bq: int, j0: i
         return
     seg = row[lo:hi]
     slope = slopes[g, r // bq]
-    # The common row: max(x·scale) = max(x)·scale, so one read-only max pass and the scaling folded
-    # into exp (measured 2.5x faster than scaling in place first, ~0.4 ns per score).
-    if softcap <= 0 and scale > 0 and slope == 0:
-        mx = row_max(seg, scale) * scale
+    # The common row keeps its max in raw q·k units (max(x·scale) = max(x)·scale for scale > 0): one
+    # read-only max pass and the scaling folded into exp (measured 2.5x faster than scaling in place
+    # first, ~0.4 ns per score). Every other row keeps the max of its transformed scores (scale 1 below).
+    if plain_row(scale, softcap, slope):
+        mx = row_max(seg, scale)
         sc = scale
     else:
         mx = transform_row(seg, i + kl - sq, j0 + lo, scale, softcap, slope)
@@ -154,7 +166,7 @@ def online_row(s: Any, m: Any, l: Any, acc: Any, t: int, i0: int, bq: int, j0: i
         seg[:] = 0
         return
     total = exp_scaled(seg, sc, new)
-    alpha = exp_nonpositive(old - new)
+    alpha = exp_nonpositive((old - new) * sc)
     if alpha != 1:
         a = acc[g, r]
         for d in range(a.shape[0]):
