@@ -297,6 +297,22 @@ def test_token_id_prompts_run_as_given(tiny: gen.LLM) -> None:
     assert "".join(tiny.generate(np.array(ids), max_tokens=6)) == "".join(tiny.generate("abc", max_tokens=6))
 
 
+def test_a_dropped_generation_gives_its_sequence_back_at_once(tiny: gen.LLM) -> None:
+    """Leaving a loop early and dropping the generation returns its sequence without waiting for the
+    garbage collector (the steps do not hold the generation: no reference cycle)."""
+    import gc
+
+    gc.disable()
+    try:
+        for _ in range(5):  # more than max_sequences
+            for piece in tiny.generate("abc", max_tokens=20):
+                assert piece
+                break
+        assert tiny.model.sequences_in_use == 0
+    finally:
+        gc.enable()
+
+
 def test_a_sequence_in_use_is_refused(tiny: gen.LLM) -> None:
     seq = tiny.model.acquire()
     try:

@@ -36,24 +36,22 @@ next turn) runs it as part of its prompt.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import numpy as np
-
 from fuel.errors import ParamError
 from fuel.io.gguf import GGUFError, GGUFFile, open_gguf
+from fuel.models.generate_args import encode_prompt, is_int, sampler_of, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import LlamaModel, ModelError
-from fuel.models.llama_weights import LlamaConfig, check_ids
+from fuel.models.llama_weights import LlamaConfig
 from fuel.models.sampling import Sampler
-from fuel.models.tokenizer import GGUFTokenizer, lone_surrogate
+from fuel.models.tokenizer import GGUFTokenizer
 
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
 KEEP_LOADED = 4  # models `load` keeps per process (by file and context), least recently used dropped first
@@ -88,49 +86,6 @@ def model_path(name: str) -> Path:
                          "or the path of a .gguf file") from e
 
 
-# ---- checking arguments -------------------------------------------------------------------------------
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int | np.integer) and not isinstance(v, bool)
-
-
-def _is_real(v: Any) -> bool:
-    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
-
-
-def check_text(text: str, what: str) -> None:
-    """A ParamError naming `what` for text that is not valid Unicode (a lone surrogate, which UTF-8 cannot
-    encode: e.g. undecodable bytes of a command line)."""
-    at = lone_surrogate(text)
-    if at is not None:
-        raise ParamError(f"generate: {what} holds a lone surrogate {text[at]!r} at index {at}; "
-                         "text must be valid Unicode (encodable as UTF-8)")
-
-
-def sampler_of(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampler:
-    """A Sampler, each argument checked first (type and domain) with a ParamError naming it."""
-    if not _is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ParamError(f"generate: temperature must be a finite real >= 0 (0: greedy), got {temperature!r}")
-    if not _is_int(top_k) or top_k < 0:
-        raise ParamError(f"generate: top_k must be an int >= 0 (0 keeps every token), got {top_k!r}")
-    if not _is_real(top_p) or not 0.0 < top_p <= 1.0:
-        raise ParamError(f"generate: top_p must be a real in (0, 1], got {top_p!r}")
-    if seed is not None and (not _is_int(seed) or seed < 0):
-        raise ParamError(f"generate: seed must be None or an int >= 0, got {seed!r}")
-    return Sampler(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
-
-
-def stops_of(stop: Any) -> tuple[str, ...]:
-    """`stop` (None, a str or a list/tuple of str) as a tuple of non-empty strings."""
-    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
-        raise ParamError(f"generate: stop must be None, a non-empty str or a list of them, got {stop!r}")
-    for s in stops:
-        check_text(s, "a stop sequence")
-    return tuple(stops)
-
-
 class _StopText:
     """The text of a generation with its stop sequences cut (module doc): `push` a piece, get what is
     settled and whether a stop sequence was reached; `flush` the held end once no token follows."""
@@ -160,18 +115,40 @@ class _StopText:
 # ---- generating ---------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Outcome:
+    """What a generation's steps report: the tokens so far and, once it ends, why."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    context_full: bool = False
+
+
 class Generation(Iterator[str]):
     """One generation's text pieces, as they come (module doc). Once it ends, `finish_reason` is "stop" or
     "length" and `context_full` says whether the KV cache was what ended it; `tokens` are the ids generated
-    (an end-of-turn token excluded), `prompt_tokens` the prompt's length."""
+    (an end-of-turn token excluded), `prompt_tokens` the prompt's length.
+
+    The steps run in a generator that holds no reference to this object: dropping an unfinished
+    generation closes them at once, which gives its sequence back to the pool."""
 
     def __init__(self, llm: LLM, ids: list[int], max_tokens: int, sampler: Sampler, stops: tuple[str, ...],
                  sequence: KVSequence | None) -> None:
         self.prompt_tokens = len(ids)
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.context_full = False
-        self._it: Generator[str, None, None] = self._run(llm, ids, max_tokens, sampler, stops, sequence)
+        self._out = _Outcome()
+        self._it: Generator[str, None, None] = _run(self._out, llm, ids, max_tokens, sampler, stops, sequence)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._out.tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._out.finish_reason
+
+    @property
+    def context_full(self) -> bool:
+        return self._out.context_full
 
     def __next__(self) -> str:
         return next(self._it)
@@ -180,88 +157,62 @@ class Generation(Iterator[str]):
         """End the generation early (its sequence goes back to the pool)."""
         self._it.close()
 
-    def _run(self, llm: LLM, ids: list[int], max_tokens: int, sampler: Sampler, stops: tuple[str, ...],
-             sequence: KVSequence | None) -> Generator[str, None, None]:
-        if max_tokens == 0:
-            self.finish_reason = "length"
-            return
-        model = llm.model
-        seq = model.acquire(ids) if sequence is None else sequence
+
+def _run(out: _Outcome, llm: LLM, ids: list[int], max_tokens: int, sampler: Sampler, stops: tuple[str, ...],
+         sequence: KVSequence | None) -> Generator[str, None, None]:
+    if max_tokens == 0:
+        out.finish_reason = "length"
+        return
+    model = llm.model
+    seq = model.acquire(ids) if sequence is None else sequence
+    try:
+        if not seq.in_use.acquire(blocking=False):
+            raise ModelError("generate: the sequence given is in use by another generation")
         try:
-            if not seq.in_use.acquire(blocking=False):
-                raise ModelError("generate: the sequence given is in use by another generation")
-            try:
-                yield from self._steps(llm, seq, ids, max_tokens, sampler, _StopText(stops))
-            finally:
-                seq.in_use.release()
+            yield from _steps(out, llm, seq, ids, max_tokens, sampler, _StopText(stops))
         finally:
-            if sequence is None:
-                model.release(seq)
+            seq.in_use.release()
+    finally:
+        if sequence is None:
+            model.release(seq)
 
-    def _steps(self, llm: LLM, seq: KVSequence, ids: list[int], max_tokens: int, sampler: Sampler,
-               stop: _StopText) -> Generator[str, None, None]:
-        common = min(seq.common_prefix(ids), len(ids) - 1)  # at least one token runs, for its logits
-        seq.rewind(common)
+
+def _steps(out: _Outcome, llm: LLM, seq: KVSequence, ids: list[int], max_tokens: int, sampler: Sampler,
+           stop: _StopText) -> Generator[str, None, None]:
+    common = min(seq.common_prefix(ids), len(ids) - 1)  # at least one token runs, for its logits
+    seq.rewind(common)
+    start = time.perf_counter()
+    logits = seq.prefill(ids[common:])
+    llm.count(prompt_tokens=len(ids) - common, prefill_s=time.perf_counter() - start)
+    pieces = llm.tokenizer.stream()
+    reason, stopped = "length", False
+    while True:
+        t = sampler(logits)
+        if t in llm.tokenizer.eos_ids:
+            reason = "stop"
+            break
+        out.tokens.append(t)
+        text, stopped = stop.push(pieces.push(t))
+        if text:
+            yield text
+        if stopped:
+            reason = "stop"
+            break
+        if len(out.tokens) == max_tokens:
+            break
+        if seq.pos >= seq.capacity:
+            out.context_full = True
+            break
         start = time.perf_counter()
-        logits = seq.prefill(ids[common:])
-        llm.count(prompt_tokens=len(ids) - common, prefill_s=time.perf_counter() - start)
-        pieces = llm.tokenizer.stream()
-        reason, stopped = "length", False
-        while True:
-            t = sampler(logits)
-            if t in llm.tokenizer.eos_ids:
-                reason = "stop"
-                break
-            self.tokens.append(t)
-            text, stopped = stop.push(pieces.push(t))
-            if text:
-                yield text
-            if stopped:
-                reason = "stop"
-                break
-            if len(self.tokens) == max_tokens:
-                break
-            if seq.pos >= seq.capacity:
-                self.context_full = True
-                break
-            start = time.perf_counter()
-            logits = seq.decode(t)
-            llm.count(new_tokens=1, decode_s=time.perf_counter() - start)
-        if not stopped:
-            text, stopped = stop.push(pieces.flush())
-            rest = text + ("" if stopped else stop.flush())
-            if rest:
-                yield rest
-            reason = "stop" if stopped else reason
-        self.finish_reason = reason
-
-
-def encode_prompt(tok: GGUFTokenizer, vocab: int, prompt: Any, chat: Any = False) -> list[int]:
-    """The ids of a prompt: a str (with `chat`, the model's chat template for one user message around it),
-    a list of chat messages (dicts with str "role" and "content"; always templated) or a list of token ids
-    (run as given, each in [0, vocab)). Checked: a ParamError (ModelError for a token id) names what is
-    wrong, an empty prompt included."""
-    if not isinstance(chat, bool):
-        raise ParamError(f"generate: chat must be a bool, got {chat!r}")
-    if isinstance(prompt, str):
-        check_text(prompt, "the prompt")
-        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
-    elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, Mapping) for m in prompt):
-        for i, m in enumerate(prompt):
-            if not all(isinstance(m.get(k), str) for k in ("role", "content")):
-                raise ParamError(f"generate: chat message {i} must have str 'role' and 'content', got {m!r}")
-            check_text(m["content"], f"chat message {i}")
-        ids = tok.encode_chat(prompt)
-    elif isinstance(prompt, list | tuple | np.ndarray) and all(_is_int(t) for t in prompt):
-        if chat:
-            raise ParamError("generate: chat=True wraps a str prompt in the chat template; token ids run as given")
-        ids = check_ids(prompt, vocab, "generate: prompt")
-    else:
-        raise ParamError("generate: prompt must be a str, a list of token ids or a list of chat messages, "
-                         f"got {_describe(prompt)}")
-    if not ids:
-        raise ParamError("generate: the prompt is empty (it has no tokens)")
-    return ids
+        logits = seq.decode(t)
+        llm.count(new_tokens=1, decode_s=time.perf_counter() - start)
+    if not stopped:
+        text, stopped = stop.push(pieces.flush())
+        rest = text + ("" if stopped else stop.flush())
+        if rest:
+            yield rest
+        reason = "stop" if stopped else reason
+    out.finish_reason = reason
 
 
 class LLM:
@@ -295,8 +246,10 @@ class LLM:
                sequence: KVSequence | None = None) -> Generation:
         """Generate from prompt ids (checked) on a sequence of the pool, or on `sequence` (the caller's: it
         stays the caller's, with the prompt and the tokens run cached)."""
-        if not _is_int(max_tokens) or max_tokens < 0:
+        if not is_int(max_tokens) or max_tokens < 0:
             raise ParamError(f"generate: max_tokens must be an int >= 0, got {max_tokens!r}")
+        if sequence is not None and sequence.model is not self.model:
+            raise ParamError("generate: the sequence given belongs to another model")
         ids = self.model.check_ids(ids, "generate: prompt")
         if not ids:
             raise ParamError("generate: the prompt is empty (it has no tokens)")
@@ -305,13 +258,6 @@ class LLM:
                              f"{self.model.capacity}; load the model with a larger context (fuel generate "
                              "--context)")
         return Generation(self, ids, int(max_tokens), sampler, stop, sequence)
-
-
-def _describe(v: Any) -> str:
-    if isinstance(v, list | tuple):
-        kinds = sorted({type(x).__name__ for x in v})
-        return f"an empty {type(v).__name__}" if not v else f"a {type(v).__name__} of {', '.join(kinds)}"
-    return type(v).__name__
 
 
 # ---- loading ------------------------------------------------------------------------------------------

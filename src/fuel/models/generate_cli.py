@@ -27,7 +27,8 @@ from collections.abc import Callable
 from typing import TextIO
 
 from fuel.errors import FuelError, ParamError
-from fuel.models.generate import LLM, MODELS, Generation, Stats, describe, encode_prompt, load, model_path, sampler_of
+from fuel.models.generate import LLM, MODELS, Generation, Stats, describe, load, model_path
+from fuel.models.generate_args import encode_prompt, sampler_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import ModelError
 from fuel.models.sampling import Sampler

@@ -1,0 +1,90 @@
+"""The arguments of a generation (`fuel.models.generate`), checked before anything runs: each error a
+`ParamError` (a `ModelError` for a token id outside the vocabulary) naming the argument and what came."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from fuel.errors import ParamError
+from fuel.models.llama_weights import check_ids
+from fuel.models.sampling import Sampler
+from fuel.models.tokenizer import GGUFTokenizer, lone_surrogate
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def is_real(v: Any) -> bool:
+    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
+
+
+def check_text(text: str, what: str) -> None:
+    """A ParamError naming `what` for text that is not valid Unicode (a lone surrogate, which UTF-8 cannot
+    encode: e.g. undecodable bytes of a command line)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ParamError(f"generate: {what} holds a lone surrogate {text[at]!r} at index {at}; "
+                         "text must be valid Unicode (encodable as UTF-8)")
+
+
+def sampler_of(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampler:
+    """A Sampler, each argument checked first (type and domain) with a ParamError naming it."""
+    if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
+        raise ParamError(f"generate: temperature must be a finite real >= 0 (0: greedy), got {temperature!r}")
+    if not is_int(top_k) or top_k < 0:
+        raise ParamError(f"generate: top_k must be an int >= 0 (0 keeps every token), got {top_k!r}")
+    if not is_real(top_p) or not 0.0 < top_p <= 1.0:
+        raise ParamError(f"generate: top_p must be a real in (0, 1], got {top_p!r}")
+    if seed is not None and (not is_int(seed) or seed < 0):
+        raise ParamError(f"generate: seed must be None or an int >= 0, got {seed!r}")
+    return Sampler(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
+
+
+def stops_of(stop: Any) -> tuple[str, ...]:
+    """`stop` (None, a str or a list/tuple of str) as a tuple of non-empty strings."""
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
+        raise ParamError(f"generate: stop must be None, a non-empty str or a list of them, got {stop!r}")
+    for s in stops:
+        check_text(s, "a stop sequence")
+    return tuple(stops)
+
+
+def encode_prompt(tok: GGUFTokenizer, vocab: int, prompt: Any, chat: Any = False) -> list[int]:
+    """The ids of a prompt: a str (with `chat`, the model's chat template for one user message around it),
+    a list of chat messages (dicts with str "role" and "content"; always templated) or a list of token ids
+    (run as given, each in [0, vocab)). Checked: a ParamError (ModelError for a token id) names what is
+    wrong, an empty prompt included."""
+    if not isinstance(chat, bool):
+        raise ParamError(f"generate: chat must be a bool, got {chat!r}")
+    if isinstance(prompt, str):
+        check_text(prompt, "the prompt")
+        ids = tok.encode_chat([{"role": "user", "content": prompt}]) if chat else tok.encode(prompt)
+    elif isinstance(prompt, list | tuple) and prompt and all(isinstance(m, Mapping) for m in prompt):
+        for i, m in enumerate(prompt):
+            if not all(isinstance(m.get(k), str) for k in ("role", "content")):
+                raise ParamError(f"generate: chat message {i} must have str 'role' and 'content', got {m!r}")
+            check_text(m["content"], f"chat message {i}")
+        ids = tok.encode_chat(prompt)
+    elif isinstance(prompt, list | tuple | np.ndarray) and all(is_int(t) for t in prompt):
+        if chat:
+            raise ParamError("generate: chat=True wraps a str prompt in the chat template; token ids run as given")
+        ids = check_ids(prompt, vocab, "generate: prompt")
+    else:
+        raise ParamError("generate: prompt must be a str, a list of token ids or a list of chat messages, "
+                         f"got {_describe(prompt)}")
+    if not ids:
+        raise ParamError("generate: the prompt is empty (it has no tokens)")
+    return ids
+
+
+def _describe(v: Any) -> str:
+    if isinstance(v, list | tuple):
+        kinds = sorted({type(x).__name__ for x in v})
+        return f"an empty {type(v).__name__}" if not v else f"a {type(v).__name__} of {', '.join(kinds)}"
+    return type(v).__name__
