@@ -70,7 +70,8 @@ def test_a_file_that_is_not_gguf(tmp_path: Path, capsys: pytest.CaptureFixture[s
     (["", "--context", "256"], "the prompt is empty"),
     (["a\udcffb", "--context", "256"], "the prompt holds a lone surrogate '\\udcff' at index 1"),
     (["word " * 300, "--context", "256"], "the prompt has 301 tokens, more than --context 256"),
-], ids=["context-1", "context-past-the-model", "empty", "surrogate", "too-long"])
+    (["hi", "--stop", "", "--context", "256"], "stop must be None, a non-empty str or a list of them"),
+], ids=["context-1", "context-past-the-model", "empty", "surrogate", "too-long", "empty-stop"])
 def test_the_request_is_checked_before_loading_and_echoing(argv: list[str], message: str, no_loading: None,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """A prompt that cannot run fails before the weights load, the steps are captured or the prompt is

@@ -242,10 +242,11 @@ class LLM:
         stops = stops_of(stop)
         return self.stream(self.prompt_ids(prompt, chat), max_tokens, sampler, stops)
 
-    def stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stop: tuple[str, ...] = (),
+    def stream(self, ids: list[int], max_tokens: int, sampler: Sampler, stop: str | Sequence[str] | None = None,
                sequence: KVSequence | None = None) -> Generation:
         """Generate from prompt ids (checked) on a sequence of the pool, or on `sequence` (the caller's: it
         stays the caller's, with the prompt and the tokens run cached)."""
+        stops = stops_of(stop)
         if not is_int(max_tokens) or max_tokens < 0:
             raise ParamError(f"generate: max_tokens must be an int >= 0, got {max_tokens!r}")
         if sequence is not None and sequence.model is not self.model:
@@ -257,7 +258,7 @@ class LLM:
             raise ModelError(f"generate: the prompt has {len(ids)} tokens, the KV cache holds "
                              f"{self.model.capacity}; load the model with a larger context (fuel generate "
                              "--context)")
-        return Generation(self, ids, int(max_tokens), sampler, stop, sequence)
+        return Generation(self, ids, int(max_tokens), sampler, stops, sequence)
 
 
 # ---- loading ------------------------------------------------------------------------------------------

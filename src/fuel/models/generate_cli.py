@@ -28,7 +28,7 @@ from typing import TextIO
 
 from fuel.errors import FuelError, ParamError
 from fuel.models.generate import LLM, MODELS, Generation, Stats, describe, load, model_path
-from fuel.models.generate_args import encode_prompt, sampler_of
+from fuel.models.generate_args import encode_prompt, sampler_of, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import ModelError
 from fuel.models.sampling import Sampler
@@ -89,7 +89,7 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
     sampler = sampler_of(args.temperature, args.top_k, args.top_p, args.seed)
-    stops = tuple(args.stop or ())
+    stops = stops_of(args.stop and tuple(args.stop))
     path = model_path(args.model)
     _, tokenizer, cfg = describe(path)
     if args.context > cfg.context_length:
@@ -153,7 +153,8 @@ def _echo(generation: Generation, out: TextIO, err: TextIO) -> str:
         text.append(piece)
     out.write("\n")
     if generation.context_full:
-        err.write(f"generate: stopped after {len(generation.tokens)} tokens: the KV cache is full (--context); "
+        n = len(generation.tokens)
+        err.write(f"generate: stopped after {n} token{'' if n == 1 else 's'}: the KV cache is full (--context); "
                   "the text may be cut short\n")
     return "".join(text)
 

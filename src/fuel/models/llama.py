@@ -85,12 +85,13 @@ class LlamaModel:
                  max_sequences: int = 4) -> None:
         self.file = f
         self.cfg = cfg = LlamaConfig.from_gguf(f)
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or not 1 <= capacity <= cfg.context_length:
+        if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or not (
+                1 <= capacity <= cfg.context_length):
             raise ModelError(f"model: KV-cache capacity must be an int in [1, {cfg.context_length}] (the model's "
                              f"context), got {capacity!r}")
         if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
             raise ModelError(f"model: max_sequences must be a positive int, got {max_sequences!r}")
-        self.capacity, self.max_sequences = capacity, max_sequences
+        self.capacity, self.max_sequences = int(capacity), max_sequences
         report = progress or (lambda what, i, n: None)
         self.layers: list[dict[str, Any]] = []
         for i in range(cfg.layers):
