@@ -260,10 +260,7 @@ def case_paged(limits: dict[str, float], repeat: int, compile_torch: bool = True
 
     want = torch_eager()
     tol = tolerance(dt)
-    try:
-        correctness = {"fuel": compare([want], build(), *tol), "fuel_jit": compare([want], [jitted(*inputs)], *tol)}
-    except Exception as e:  # a kernel still landing must not stop the other cases
-        return skipped("paged", label, dt, f"fuel paged_attn failed: {type(e).__name__}: {str(e)[:200]}")
+    correctness = {"fuel": compare([want], build(), *tol), "fuel_jit": compare([want], [jitted(*inputs)], *tol)}
     fns: dict[str, Callable[[], Any]] = {"fuel": lambda: fl.realize(*build()), "fuel_jit": lambda: jitted(*inputs),
                                          "torch_eager": torch_eager}
     if compile_torch:

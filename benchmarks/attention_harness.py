@@ -164,13 +164,26 @@ def case_record(case: str, label: str, dt: DType, fns: dict[str, Callable[[], An
         "analytic_flops": analytic[0], "analytic_bytes": analytic[1],
         "roofline_ms": roof_ms, "roofline_source": source, "analytic_floor_ms": analytic_ms,
         "roofline_fraction": roof_ms / fuel_ms if fuel_ms else None,
-        "correctness": correctness, "notes": notes, "skipped": None,
+        "correctness": correctness, "notes": notes, "skipped": None, "failed": None,
     }
 
 
-def skipped(case: str, label: str, dt: DType, reason: str) -> dict[str, Any]:
-    print(f"  {case} {dt.value}: skipped: {reason}", flush=True)
+def _untimed(case: str, label: str, dt: DType, reason: str, skip: str | None, fail: str | None) -> dict[str, Any]:
     return {"case": case, "shape": label, "dtype": dt.value, "ms": {w: None for w in WAYS}, "fuel_best_way": None,
             "fuel_ms": None, "fuel_over_torch": None, "fuel_over_compile": None, "impls": [],
             "roofline_ms": None, "roofline_fraction": None, "correctness": None, "notes": [reason],
-            "skipped": reason}
+            "skipped": skip, "failed": fail}
+
+
+def skipped(case: str, label: str, dt: DType, reason: str) -> dict[str, Any]:
+    """The record of a case that cannot run here (no kernel for it): no timings, `skipped` says why."""
+    print(f"  {case} {dt.value}: skipped: {reason}", flush=True)
+    return _untimed(case, label, dt, reason, reason, None)
+
+
+def failed(case: str, label: str, dt: DType, error: BaseException) -> dict[str, Any]:
+    """The record of a case that raised: no timings, `failed` holds the exception. A crash is never a
+    skip: the run reports it and exits non-zero."""
+    reason = f"{type(error).__name__}: {str(error)[:300]}"
+    print(f"  {case} {dt.value}: FAILED: {reason}", flush=True)
+    return _untimed(case, label, dt, reason, None, reason)

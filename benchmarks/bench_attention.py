@@ -21,7 +21,7 @@ from typing import Any
 
 import fuel as fl
 from benchmarks.attention_cases import case_backward, case_decode, case_forward, case_memory, case_paged
-from benchmarks.attention_harness import FUEL_WAYS, THREADS, WAYS, skipped
+from benchmarks.attention_harness import FUEL_WAYS, THREADS, WAYS, failed
 from benchmarks.bench_ops import blas_info, machine_limits
 from fuel.dtype import as_dtype
 
@@ -62,7 +62,8 @@ def print_table(results: list[dict[str, Any]], memory: list[dict[str, Any]]) -> 
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         ms = r["ms"]
-        ok = "skipped" if r["skipped"] else ("yes" if all(c["ok"] for c in r["correctness"].values()) else "NO")
+        ok = "FAILED" if r["failed"] else "skipped" if r["skipped"] else (
+            "yes" if all(c["ok"] for c in r["correctness"].values()) else "NO")
         frac = r["roofline_fraction"]
         print(f"| {r['case']} | {r['shape']} | {r['dtype']} | {_fmt(ms['fuel'])} | {_fmt(ms['fuel_jit'])} | "
               f"{_fmt(ms['torch_eager'])} | {_fmt(ms['torch_compile'])} | {_fmt(r['fuel_over_torch'])} | "
@@ -91,7 +92,7 @@ def plot(results: list[dict[str, Any]], memory: list[dict[str, Any]], path: Path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    timed = [r for r in results if not r["skipped"]]
+    timed = [r for r in results if not r["skipped"] and not r["failed"]]
     mem = [m for m in memory if not m["skipped"] and m["ways"]]
     panels = max(len(timed) + (1 if mem else 0), 1)
     cols = min(panels, 3)
@@ -152,7 +153,7 @@ def _write(out_dir: Path, meta: dict[str, Any], results: list[dict[str, Any]], m
 
 
 def _report(r: dict[str, Any]) -> None:
-    if r["skipped"]:
+    if r["skipped"] or r["failed"]:
         return
     ms = r["ms"]
     bad = [w for w, c in r["correctness"].items() if not c["ok"]]
@@ -168,7 +169,8 @@ def _report(r: dict[str, Any]) -> None:
 
 def main(out_dir: str, repeat: int, compile_torch: bool = True, sizes: Sizes | None = None,
          limits: dict[str, float] | None = None) -> int:
-    """Run every case, print the markdown table, write attention.json and attention.png in `out_dir`.
+    """Run every case, print the markdown table, write attention.json and attention.png in `out_dir`;
+    returns 1 when a case raised (its record says `failed`; the other cases still run), else 0.
     `sizes` defaults to the real sizes; tests pass `Sizes.tiny()` (and `limits`, skipping the measurement)."""
     import torch
 
@@ -204,8 +206,8 @@ def main(out_dir: str, repeat: int, compile_torch: bool = True, sizes: Sizes | N
     for run, (case, dtype, label) in zip(runs, labels, strict=True):
         try:
             results.append(run())
-        except Exception as e:  # one broken case (a kernel still landing, say) must not stop the others
-            results.append(skipped(case, label, as_dtype(dtype), f"failed: {type(e).__name__}: {str(e)[:300]}"))
+        except Exception as e:  # one broken case must not stop the others; the run still fails
+            results.append(failed(case, label, as_dtype(dtype), e))
         _report(results[-1])
         _write(folder, meta, results, memory)
     for h in sz.long_heads:
@@ -223,7 +225,10 @@ def main(out_dir: str, repeat: int, compile_torch: bool = True, sizes: Sizes | N
         for n in r["notes"]:
             print(f"note ({r['case']} {r['dtype']}): {n}")
     print(f"wrote {folder / 'attention.json'} and {folder / 'attention.png'}")
-    return 0
+    crashed = [f"{r['case']} {r['dtype']}" for r in results if r["failed"]]
+    if crashed:
+        print(f"FAILED (raised): {', '.join(crashed)}")
+    return 1 if crashed else 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from benchmarks import attention_cases as cases
 from benchmarks import attention_harness as harness
 from benchmarks import bench_attention as ba
 
+import fuel as fl
 from fuel import cli
 from fuel.dtype import DType
 from fuel.graph.registry import FusedOps
@@ -28,7 +29,7 @@ LIMITS = {"bandwidth_gbs": 30.0, "gemm_gflops": 200.0}  # skip measuring the mac
 
 
 def _check_timed(r: dict[str, Any]) -> None:
-    assert r["skipped"] is None, r["notes"]
+    assert r["failed"] is None and r["skipped"] is None, r["notes"]
     assert all(r["ms"][w] > 0 for w in ("fuel", "fuel_jit", "torch_eager"))
     assert r["fuel_best_way"] in ("fuel", "fuel_jit") and r["fuel_ms"] == r["ms"][r["fuel_best_way"]]
     assert r["fuel_over_torch"] == pytest.approx(r["fuel_ms"] / r["ms"]["torch_eager"])
@@ -46,6 +47,7 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
     results = {(r["case"], r["dtype"]): r for r in data["results"]}
     assert set(results) == {("forward", "f32"), ("forward", "bf16"), ("backward", "f32"), ("decode", "f32"),
                             ("paged", "f32")}
+    assert not [r for r in data["results"] if r["failed"]]  # a case that raised: main would also return 1
     for key in [("forward", "f32"), ("backward", "f32"), ("decode", "f32")]:
         _check_timed(results[key])
     # With its kernel registered, each case finds the impl that ran (the backward's is one joint step)
@@ -55,9 +57,11 @@ def test_harness_writes_json_and_png(tmp_path: Path) -> None:
         if harness.has_impl(op, DType.F32) and results[key]["skipped"] is None:
             assert results[key]["roofline_source"] == "impl cost" and results[key]["impls"], key
     assert results["forward", "f32"]["shape"] == f"B1 H{TINY.heads} S{TINY.seq} D{TINY.head_dim} causal"
-    for key in [("forward", "bf16"), ("paged", "f32")]:  # these two skip when their kernel is missing
+    # these two may skip only when their kernel is missing
+    for key, op, dt in [(("forward", "bf16"), FusedOps.FLASH_ATTN, DType.BF16),
+                        (("paged", "f32"), FusedOps.PAGED_ATTN, DType.F32)]:
         r = results[key]
-        if r["skipped"] is None:
+        if harness.has_impl(op, dt):
             _check_timed(r)
         else:
             assert r["skipped"] in r["notes"] and r["fuel_ms"] is None
@@ -81,13 +85,29 @@ def test_fuel_agrees_with_torch_on_gqa_decode_and_causal_forward() -> None:
     assert fwd["analytic_flops"] == 2 * 2 * 2 * 3 * 19 * 19 * 8 // 2
 
 
-def test_paged_case_runs_or_skips_with_a_note() -> None:
+def test_paged_case_runs() -> None:
     r = cases.case_paged(LIMITS, 1, False, batch=2, hq=4, hkv=2, head_dim=8, block_size=4, context=10)
-    if r["skipped"] is None:
-        _check_timed(r)
-        assert r["torch_gather_ms"] > 0
-    else:
-        assert r["notes"] == [r["skipped"]]
+    _check_timed(r)
+    assert r["torch_gather_ms"] > 0
+
+
+def test_a_raising_kernel_fails_the_case_and_the_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An exception in fuel is a failure, recorded as such (never as a skip), and main returns 1 after
+    running the other cases."""
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("kernel exploded")
+
+    monkeypatch.setattr(fl.ops, "paged_attn", broken)
+    with pytest.raises(RuntimeError, match="kernel exploded"):  # the case itself does not swallow it
+        cases.case_paged(LIMITS, 1, False, batch=2, hq=4, hkv=2, head_dim=8, block_size=4, context=10)
+    monkeypatch.setattr(ba, "case_forward", broken)
+    assert ba.main(str(tmp_path), 1, False, TINY, LIMITS) == 1
+    data = json.loads((tmp_path / "attention.json").read_text())
+    crashed = {(r["case"], r["dtype"]): r for r in data["results"] if r["failed"]}
+    assert set(crashed) == {("forward", "f32"), ("forward", "bf16"), ("paged", "f32")}
+    for r in crashed.values():
+        assert r["skipped"] is None and r["failed"] == "RuntimeError: kernel exploded" and r["fuel_ms"] is None
+    _check_timed(next(r for r in data["results"] if r["case"] == "decode"))
 
 
 def test_memory_case_skips_without_a_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
