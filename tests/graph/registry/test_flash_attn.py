@@ -1,5 +1,6 @@
-"""FlashAttn (entry 12) against torch float64 SDPA and the float64 attention reference: every option, GQA,
-bottom-right alignment against k_len, edge shapes, build and realize errors, decomposition, bit-stability."""
+"""FlashAttn (entry 12) against torch float64 (SDPA, and the softcap/ALiBi/window math written out in torch):
+every option, GQA, bottom-right alignment against k_len, large logits, edge shapes, build and realize
+errors, decomposition, bit-stability."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ from fuel.graph.registry import FusedOps
 from fuel.graph.registry.flash_attn import decompose
 from fuel.testing.contract import numba_threads
 from fuel.testing.oracle import ATTENTION, assert_close_attention
-from fuel.testing.reference.attention_math import abs_attention64, attention64
-from tests.graph.registry.attention_slack import large, sdpa_with_slack
+from tests.graph.registry.attention_oracle import bottom_right, large, sdpa_with_slack, torch_attention
 
 Win = tuple[int | None, int | None]
 WINDOWS: list[Win] = [(None, None), (3, 2), (0, 0), (None, 1), (2, None)]
@@ -43,11 +43,10 @@ def make_inputs(seed: int, dt: DType, b: int, hq: int, hkv: int, sq: int, sk: in
 
 def reference(x: dict[str, Any], scale: float, causal: bool = False, window: Win = (None, None),
               softcap: float | None = None, k_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(attention64, its per-element scale Σ p·|v|) from the rounded inputs in float64."""
-    args = [np.asarray(x[n], np.float64) for n in "qkv"]
-    kw = {"causal": causal, "left": window[0], "right": window[1], "softcap": softcap, "alibi": x["alibi"],
-          "k_len": k_len}
-    return attention64(*args, scale, **kw), abs_attention64(*args, scale, **kw)
+    """(output, its per-element scale Σ p·|v|) from the rounded inputs, by torch in float64 with the
+    softcap and ALiBi written out (`attention_oracle.torch_attention`)."""
+    mask, aq = bottom_right(x["q"].shape[2], x["k"].shape[2], k_len, causal, *window)
+    return torch_attention(x["q"], x["k"], x["v"], scale, mask, aq, softcap, x["alibi"])
 
 
 def run(x: dict[str, Any], **opts: Any) -> np.ndarray:
@@ -115,7 +114,7 @@ REF_CONFIGS = [  # (hq, hkv, sq, sk, d, causal, window, softcap, alibi, k_len)
 
 
 @pytest.mark.parametrize("cfg", REF_CONFIGS, ids=str)
-def test_matches_reference_softcap_alibi_window(float_dtype: DType, cfg: tuple[Any, ...]) -> None:
+def test_softcap_alibi_window_match_torch(float_dtype: DType, cfg: tuple[Any, ...]) -> None:
     hq, hkv, sq, sk, d, causal, window, softcap, alibi, k_len = cfg
     x = make_inputs(2, float_dtype, 2, hq, hkv, sq, sk, d, alibi=alibi, q_scale=3.0)
     scale = 1 / math.sqrt(d)
@@ -167,7 +166,7 @@ def test_random_grid(cfg: tuple[Any, ...]) -> None:
 def test_large_logits_match_torch_sdpa(dt: DType, seed: int, size: float, scale: float, causal: bool, sq: int,
                                        sk: int, heads: tuple[int, int], d: int) -> None:
     """q and k of 1e3-1e6 (logits far past exp's range): decode and prefill, one key block and several,
-    against torch's float64 SDPA, within what rounded scores allow (`attention_slack`: ~0 wherever a
+    against torch's float64 SDPA, within what rounded scores allow (`attention_oracle`: ~0 wherever a
     row's largest score stands clear, so such rows must come out one-hot)."""
     hq, hkv = heads
     rng = np.random.default_rng(seed)

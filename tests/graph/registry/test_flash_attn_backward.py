@@ -18,7 +18,7 @@ from fuel.graph.registry import flash_attn_backward_k, flash_attn_backward_q, fl
 from fuel.testing.contract import numba_threads
 from fuel.testing.oracle import assert_close_rowwise
 from fuel.testing.reference.attention_math import attention_grads64
-from tests.graph.registry.attention_slack import MAGNITUDES
+from tests.graph.registry.attention_oracle import MAGNITUDES
 
 Win = tuple[int | None, int | None]
 WINDOWS: list[Win] = [(None, None), (3, 2), (0, 0), (None, 1), (2, None)]

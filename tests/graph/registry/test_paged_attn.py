@@ -19,9 +19,8 @@ from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, def
 from fuel.graph.registry.paged_attn import PagedAttnParams, decompose, paged_attn
 from fuel.testing.contract import numba_threads, output_for, verify
 from fuel.testing.oracle import ROWWISE, assert_close_rowwise
-from fuel.testing.reference.attention_math import abs_attention64, attention64
 from fuel.testing.reference.paged_attention import DEAD_BLOCK, paged_inputs
-from tests.graph.registry.attention_slack import large, sdpa_with_slack
+from tests.graph.registry.attention_oracle import large, sdpa_with_slack, torch_attention
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
 ENTRY = default_registry().entry(FusedOps.PAGED_ATTN)
@@ -107,7 +106,7 @@ def test_matches_torch_sdpa(dt: DType, config: Config) -> None:
 def test_large_logits_match_torch_sdpa(dt: DType, seed: int, size: float, scale: float, sq: int, bs: int,
                                        heads: tuple[int, int], d: int, lens: list[int]) -> None:
     """q and k cache of 1e3-1e6 (logits far past exp's range), decode and prefill chunks, against torch's
-    float64 SDPA on the gathered pages, within what rounded scores allow (`attention_slack`: ~0 wherever
+    float64 SDPA on the gathered pages, within what rounded scores allow (`attention_oracle`: ~0 wherever
     a row's largest score stands clear, so such rows must come out one-hot)."""
     hq, hkv = heads
     rng = np.random.default_rng(seed)
@@ -120,18 +119,15 @@ def test_large_logits_match_torch_sdpa(dt: DType, seed: int, size: float, scale:
 
 
 def reference_with(inputs: tuple[np.ndarray, ...], p: PagedAttnParams) -> tuple[np.ndarray, np.ndarray]:
-    """attention64 (softcap, ALiBi) per sequence on torch-gathered pages, and its S = Σ p·|v|."""
+    """(output, S = Σ p·|v|) by torch in float64 on the torch-gathered pages, with the softcap and the
+    ALiBi −slope·|i + L − Sq − t| written out (`attention_oracle.torch_attention`)."""
     q, kc, vc, bt, cl = inputs[:5]
     alibi = inputs[5] if len(inputs) == 6 else None
-    k, v = torch_gather(kc, bt, cl).numpy(), torch_gather(vc, bt, cl).numpy()
-    ref, scale = np.zeros(q.shape), np.zeros(q.shape)
-    q64 = q.astype(np.float64)
-    for i in range(q.shape[0]):
-        one = slice(i, i + 1)
-        for fn, dst in ((attention64, ref), (abs_attention64, scale)):
-            dst[one] = fn(q64[one], k[one], v[one], p.softmax_scale, causal=True, softcap=p.softcap, alibi=alibi,
-                          k_len=int(cl[i]))
-    return ref, scale
+    k, v = torch_gather(kc, bt, cl), torch_gather(vc, bt, cl)
+    sq = q.shape[2]
+    aq = torch.arange(sq)[None, None, :] + torch.from_numpy(cl.astype(np.int64))[:, None, None] - sq
+    return torch_attention(q, k.numpy(), v.numpy(), p.softmax_scale, admissible(sq, k.shape[2], cl), aq,
+                           p.softcap, alibi)
 
 
 @DTYPES
@@ -141,7 +137,7 @@ def reference_with(inputs: tuple[np.ndarray, ...], p: PagedAttnParams) -> tuple[
     ((2, 4, 1, 1, 128, 16, (50, 1)), 5.0, True),
     ((2, 4, 2, 5, 32, 1, (3, 9)), None, True),
 ], ids=["softcap", "alibi", "softcap+alibi decode", "alibi L<Sq bs1"])
-def test_softcap_and_alibi_match_reference(dt: DType, config: tuple[int, int, int, int, int, int, tuple[int, ...]],
+def test_softcap_and_alibi_match_torch(dt: DType, config: tuple[int, int, int, int, int, int, tuple[int, ...]],
                                            softcap: float | None, alibi: bool) -> None:
     b, hq, hkv, sq, d, bs, lens = config
     inputs, p = paged_inputs(np.random.default_rng(12), dt, b, hq, hkv, sq, d, bs, lens, softcap=softcap,

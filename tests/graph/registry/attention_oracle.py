@@ -1,4 +1,11 @@
-"""How far an attention output may move when its scores carry rounding: the tolerance at large logits.
+"""Torch float64 oracles for the attention tests: the semantics written out in torch (`torch_attention`,
+`bottom_right`), and how far an output may move when its scores carry rounding (`sdpa_with_slack`).
+
+Semantics (FlashAttention-2's, the registry's): s = scale·q·k, then softcap c·tanh(s/c), then ALiBi
+−slope_h·|aq − j| with aq the query's position aligned bottom-right against the live keys, then the
+mask, then softmax; a row with no admissible key gives 0. Query head h reads kv head h // (Hq/Hkv).
+
+The tolerance at large logits:
 
 A kernel's scores come out of products, the scale and the shift by the row's max, each rounded, so the
 score s_j it uses is off by at most δ_j = 2·(D + 4)·u·(A_j + A_max) + 8·u, where u is the compute
@@ -61,12 +68,48 @@ def probability_bounds(s: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(torch.maximum(hi - p, p - lo), nan=0.0).clamp_min(0)
 
 
+def bottom_right(sq: int, sk: int, k_len: int | None = None, causal: bool = False, left: int | None = None,
+                 right: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, aq): bool `[Sq, Sk]` (True: attend) and each query's aligned position `[Sq]`. Query i sits
+    at aq = i + k_len − Sq and sees key j iff j < k_len and aq − left <= j <= aq + right (None:
+    unbounded; causal caps right at 0)."""
+    kl = sk if k_len is None else k_len
+    aq = torch.arange(sq) + kl - sq
+    j = torch.arange(sk)[None, :]
+    ok = (j < kl).expand(sq, sk).clone()
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is not None:
+        ok &= j >= aq[:, None] - left
+    if right is not None:
+        ok &= j <= aq[:, None] + right
+    return ok, aq
+
+
+def torch_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: torch.Tensor,
+                    aq: torch.Tensor, softcap: float | None = None, alibi: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(output, S = Σ p·|v|) in float64: q `[B,Hq,Sq,D]`, k and v `[B,Hkv,Sk,D]`, a bool mask and the
+    query positions aq broadcasting to `[B,1,Sq,Sk]` and `[B,1,Sq]` (`bottom_right`), slopes `[Hq]`."""
+    tq, tk, tv = (torch.from_numpy(np.array(a, np.float64)) for a in (q, k, v))
+    g = tq.shape[1] // max(tk.shape[1], 1)
+    kr, vr = tk.repeat_interleave(g, 1), tv.repeat_interleave(g, 1)
+    s = (tq @ kr.transpose(-2, -1)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        slopes = torch.from_numpy(np.asarray(alibi, np.float64))[:, None, None]
+        s = s - slopes * (aq[..., None] - torch.arange(tk.shape[2])).abs()
+    p = torch.nan_to_num(torch.softmax(s.masked_fill(~mask, -math.inf), -1), nan=0.0)
+    return (p @ vr).numpy(), (p @ vr.abs()).numpy()
+
+
 def sdpa_with_slack(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, mask: torch.Tensor, dt: DType
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(torch float64 SDPA output, S = Σ p·|v|, the slack) per element, for q `[B,Hq,Sq,D]`, k and v
     `[B,Hkv,Sk,D]` (query head h reads kv head h // (Hq/Hkv)) and a bool mask broadcasting to
     `[B,Hq,Sq,Sk]` (True: attend)."""
-    tq, tk, tv = (torch.from_numpy(np.asarray(a, np.float64)) for a in (q, k, v))
+    tq, tk, tv = (torch.from_numpy(np.array(a, np.float64)) for a in (q, k, v))
     out = scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, scale=scale, enable_gqa=True)
     g = tq.shape[1] // tk.shape[1]
     kr, vr = tk.repeat_interleave(g, 1), tv.repeat_interleave(g, 1)
