@@ -59,24 +59,11 @@ def run(x: dict[str, Any], **opts: Any) -> np.ndarray:
     return out
 
 
-def torch_mask(sq: int, kl: int, causal: bool, left: int | None, right: int | None) -> torch.Tensor:
-    """Bool [Sq, kl], True = attend, written independently of fuel: bottom-right, diagonal at i + kl - Sq."""
-    i = torch.arange(sq)[:, None]
-    j = torch.arange(kl)[None, :]
-    diag = i + kl - sq
-    ok = torch.ones(sq, kl, dtype=torch.bool)
-    if left is not None:
-        ok &= j >= diag - left
-    if causal or right is not None:
-        ok &= j <= diag + (0 if causal and (right is None or right > 0) else right)
-    return ok
-
-
 def sdpa(x: dict[str, Any], scale: float, causal: bool, window: Win, k_len: int | None) -> np.ndarray:
     """torch float64 SDPA on K/V sliced to the live length, with a bool mask (which gives 0 on empty rows)."""
     q, k, v = (torch.from_numpy(np.asarray(x[n], np.float64)) for n in "qkv")
     kl = k.shape[2] if k_len is None else k_len
-    mask = torch_mask(q.shape[2], kl, causal, *window)
+    mask, _ = bottom_right(q.shape[2], kl, None, causal, *window)
     out = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :kl], v[:, :, :kl], attn_mask=mask,
                                                            scale=scale, enable_gqa=True)
     return out.numpy()
@@ -172,7 +159,7 @@ def test_large_logits_match_torch_sdpa(dt: DType, seed: int, size: float, scale:
     rng = np.random.default_rng(seed)
     x = {"q": large(rng, (1, hq, sq, d), dt, size), "k": large(rng, (1, hkv, sk, d), dt, size),
          "v": rng.standard_normal((1, hkv, sk, d)).astype(dt.np), "alibi": None}
-    want, s, slack = sdpa_with_slack(x["q"], x["k"], x["v"], scale, torch_mask(sq, sk, causal, None, None), dt)
+    want, s, slack = sdpa_with_slack(x["q"], x["k"], x["v"], scale, bottom_right(sq, sk, None, causal)[0], dt)
     got = run(x, softmax_scale=scale, causal=causal)
     assert_close_attention(got, want, dt, s + slack / ATTENTION[dt][1])
 
