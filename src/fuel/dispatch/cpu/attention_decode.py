@@ -199,6 +199,10 @@ def _decode_f64(part: int, parts: int, argv: int) -> None:
     _run_part(part, parts, argv, np.float64)
 
 
+# The decode tasks by dtype: each reads its arrays' raw addresses as that type, so no other dtype may reach one.
+TASKS: dict[np.dtype[Any], spin.Task] = {np.dtype(np.float32): _decode_f32, np.dtype(np.float64): _decode_f64}
+
+
 @njit(cache=True)
 def _fill(q: Any, k: Any, v: Any, out: Any, slopes: Any, argv: Any) -> int:
     """argv <- the arrays and sizes `_run_part` reads (the mask and scales are set per call, by `run`); returns the
@@ -216,12 +220,15 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, slopes
     """The job of out [n, G, nq, D] <- attention of q [n, G, nq, D] over k, v [n, Sk, D] (f32 or f64,
     C-contiguous, one dtype; slopes [n, G]), its mask and scales still to set (`run`). Its `seconds` is
     the estimate per live key."""
-    if not all(x.flags.c_contiguous and x.dtype == q.dtype for x in (k, v, out, slopes)):
+    task = TASKS.get(q.dtype)
+    if task is None:
+        raise KernelError(f"flash_attn: the decode path runs on f32 or f64, got {q.dtype}")
+    if not all(x.flags.c_contiguous and x.dtype == q.dtype for x in (q, k, v, out, slopes)):
         raise KernelError("flash_attn: the decode path reads C-contiguous arrays of one dtype")
     argv = np.zeros(ARGS, np.int64)
     items = _fill(q, k, v, out, slopes, argv)
     n, g, nq, d = q.shape
-    return launches.prepare(_decode_f64 if q.dtype == np.float64 else _decode_f32, argv,
+    return launches.prepare(task, argv,
                             4 * n * nq * g * d / FLOPS_PER_SECOND, items)
 
 
