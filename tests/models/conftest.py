@@ -6,20 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
-from fuel.io.gguf import bundled_gguf
 from fuel.models import generate as gen
+from tests.models.oracles import hf_model
 
 SMOL_CONTEXT = 256
 GEMMA_CONTEXT = 1024
-
-
-def hf_model(name: str) -> Any:
-    path = bundled_gguf(name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,29 +25,16 @@ from fuel.models import generate as gen
 from fuel.models.llama import LlamaModel, ModelError
 from fuel.models.tokenizer import GGUFTokenizer
 from fuel.testing.llama_files import tiny_llama_gguf
+from tests.models.oracles import hf_greedy
 
 CHAT = ("What is the capital of France?", "Name three colours.", "Why is the sea salty?")
-
-
-def hf_continuation(hf: Any, ids: list[int], steps: int, eos: frozenset[int]) -> list[int]:
-    """transformers' greedy tokens after `ids`, up to `steps` or an end-of-turn token (excluded)."""
-    toks: list[int] = []
-    with torch.inference_mode():
-        out = hf(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-        for _ in range(steps):
-            t = int(out.logits[0, -1].argmax())
-            if t in eos:
-                break
-            toks.append(t)
-            out = hf(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
-    return toks
 
 
 @pytest.fixture(scope="module")
 def expected(smollm2: gen.LLM, smollm2_hf: Any) -> dict[str, list[int]]:
     """transformers' greedy answer (24 tokens at most) to each chat prompt."""
     tok = smollm2.tokenizer
-    return {p: hf_continuation(smollm2_hf, tok.encode_chat([{"role": "user", "content": p}]), 24, tok.eos_ids)
+    return {p: hf_greedy(smollm2_hf, tok.encode_chat([{"role": "user", "content": p}]), 24, tok.eos_ids)[0]
             for p in CHAT}
 
 

@@ -24,6 +24,7 @@ from fuel.io.gguf import bundled_gguf
 from fuel.models import generate as gen
 from fuel.models.llama import LlamaModel, ModelError
 from fuel.testing.llama_files import tiny_llama_gguf
+from tests.models.oracles import hf_greedy, hf_logits
 
 STEPS = 32
 SMOL_PROMPTS = (
@@ -31,20 +32,6 @@ SMOL_PROMPTS = (
     "Write a haiku about the sea.",
     "List three uses of a paperclip.",
 )
-
-
-def hf_greedy(model: Any, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
-    """transformers' greedy continuation (its own KV cache) and its first-step logits; only the last
-    position's logits are computed (`logits_to_keep=1`), the only ones read."""
-    with torch.inference_mode():
-        out = model(torch.tensor([ids]), use_cache=True, logits_to_keep=1)
-        first = out.logits[0, -1].double().numpy()
-        toks: list[int] = []
-        for _ in range(steps):
-            t = int(out.logits[0, -1].argmax())
-            toks.append(t)
-            out = model(torch.tensor([[t]]), past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
-    return toks, first
 
 
 def fuel_greedy(model: LlamaModel, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
@@ -147,8 +134,7 @@ def test_gemma3_past_the_sliding_window(gemma3: gen.LLM, gemma3_hf: Any) -> None
     model = gemma3.model
     rng = np.random.default_rng(0)
     ids = [2, *(int(t) for t in rng.integers(300, 200_000, 699))]
-    with torch.inference_mode():
-        ref = gemma3_hf(torch.tensor([ids]), logits_to_keep=11).logits[0].double().numpy()  # positions 689 … 699
+    ref = hf_logits(gemma3_hf, ids, 11)  # positions 689 … 699
     model.reset()
     got = model.prefill(ids[:690])
     assert_logits_close(got, ref[0])
