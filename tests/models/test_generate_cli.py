@@ -18,6 +18,8 @@ import pytest
 
 from fuel.cli import main
 from fuel.io.gguf import GGUFFile
+from fuel.models import generate as gen
+from fuel.models.generate_cli import warm_up
 from fuel.models.llama import LlamaModel
 from fuel.testing.llama_files import tiny_llama_gguf
 
@@ -127,6 +129,19 @@ def test_ctrl_c_is_status_130_without_a_traceback(tmp_path: Path, capsys: pytest
     monkeypatch.setattr(GGUFFile, "__init__", interrupted)
     code, out, err = run(["generate", "ab", "--model", str(path)], capsys)
     assert (code, out, err) == (130, "", "")
+
+
+def test_warm_up_captures_every_step_a_timed_run_uses(smollm2: gen.LLM) -> None:
+    """The reported speeds are those of replayed steps: the warm-up captures, on the sequence the run
+    uses, the prompt's prefill chunk (which gives the logits itself) and the decode step, and leaves the
+    cache empty."""
+    seq = smollm2.model.sequence()
+    warm_up(seq, 37, io.StringIO())
+    assert seq.pos == 0
+    assert seq.prefill_last_step.captures == 1 and seq.decode_step.captures == 1
+    seq.prefill(list(range(100, 137)))
+    seq.decode(5)
+    assert seq.prefill_last_step.captures == 1 and seq.decode_step.captures == 1  # nothing captured anew
 
 
 def test_demo_streams_an_answer(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,6 @@ the tokenizer has its own tests. Measured: first-step logits differ by at most 7
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -101,21 +100,6 @@ def test_decode_runs_natively_with_the_python_replays_logits(smollm2: gen.LLM, m
         want_logits = python.decode(want[-1])
     assert next(iter(python.default.decode_step._captures.values())).native is None
     assert got == want and got_logits.tobytes() == want_logits.tobytes()
-
-
-def test_warm_up_captures_every_step_a_timed_run_uses(smollm2: gen.LLM) -> None:
-    """The reported speeds are those of replayed steps: the warm-up captures, on the sequence the run
-    uses, the prompt's prefill chunk (which gives the logits itself) and the decode step, and leaves the
-    cache empty."""
-    from fuel.models.generate_cli import warm_up
-
-    seq = smollm2.model.sequence()
-    warm_up(seq, 37, io.StringIO())
-    assert seq.pos == 0
-    assert seq.prefill_last_step.captures == 1 and seq.decode_step.captures == 1
-    seq.prefill(list(range(100, 137)))
-    seq.decode(5)
-    assert seq.prefill_last_step.captures == 1 and seq.decode_step.captures == 1  # nothing captured anew
 
 
 def test_gemma3_greedy_matches_transformers(gemma3: gen.LLM, gemma3_hf: Any) -> None:
