@@ -202,3 +202,16 @@ def test_logits_no_draw_can_come_from_are_refused(logits: Any, match: str, tempe
     with pytest.raises(FuelError, match=match):
         Sampler(temperature, seed=0)(np.asarray(logits))
     assert Sampler(temperature, seed=0)(np.zeros((1, 1, 3))) in (0, 1, 2)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"seed": -1}, r"sampler: seed must be None or an int >= 0, got -1"),
+    ({"temperature": -0.5}, r"sampler: temperature must be finite and >= 0"),
+    ({"temperature": float("nan")}, r"sampler: temperature must be finite and >= 0"),
+    ({"top_k": -1}, r"sampler: top_k must be >= 0"),
+    ({"top_p": 0.0}, r"sampler: top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"sampler: top_p must be in \(0, 1\]"),
+])
+def test_parameters_out_of_their_domain_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(FuelError, match=match):
+        Sampler(**kwargs)

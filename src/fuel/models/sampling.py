@@ -29,6 +29,8 @@ class Sampler:
             raise ParamError(f"sampler: top_k must be >= 0 (0 keeps every token), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ParamError(f"sampler: top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and self.seed < 0:
+            raise ParamError(f"sampler: seed must be None or an int >= 0, got {self.seed}")
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
 
     def __call__(self, logits: np.ndarray) -> int:
