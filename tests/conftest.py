@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +17,21 @@ settings.register_profile("ci", derandomize=True, max_examples=200, deadline=Non
 settings.register_profile("explore", derandomize=False, max_examples=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def one_thread_before() -> Iterator[None]:
+    """Fuel and torch on one thread before a benchmark runs (it must set its own counts), restored after."""
+    import torch
+
+    import fuel as fl
+
+    fuel_n, torch_n = fl.get_num_threads(), torch.get_num_threads()
+    fl.set_num_threads(1)
+    torch.set_num_threads(1)
+    yield
+    fl.set_num_threads(fuel_n)
+    torch.set_num_threads(torch_n)
 
 
 @pytest.fixture

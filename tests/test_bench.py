@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +18,6 @@ from fuel.dtype import DType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_ops, timing
-
-
-@pytest.fixture
-def one_thread_before() -> Iterator[None]:
-    """Both engines on one thread before the benchmark runs (it must set its own count), restored after."""
-    fuel_n, torch_n = fl.get_num_threads(), torch.get_num_threads()
-    fl.set_num_threads(1)
-    torch.set_num_threads(1)
-    yield
-    fl.set_num_threads(fuel_n)
-    torch.set_num_threads(torch_n)
 
 
 def test_bench_harness_reports_ratio_and_roofline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

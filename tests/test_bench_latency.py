@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import matplotlib  # noqa: F401  (the harness draws its PNG with it: a broken install fails here)
 import numpy as np
 import pytest
-import torch  # (the reference every way is checked against)
-
-import fuel as fl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_latency
@@ -22,16 +18,6 @@ from benchmarks import latency_model as lm
 TINY = lm.ModelConfig(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=96, cache=16, prefill=8)
 LIMITS = {"bandwidth_gbs": 30.0, "gemm_gflops": 200.0}  # skip measuring the machine: no timing is asserted
 
-
-@pytest.fixture
-def one_thread_before() -> Iterator[None]:
-    """Both engines on one thread before the benchmark runs (it must set its own count), restored after."""
-    fuel_n, torch_n = fl.get_num_threads(), torch.get_num_threads()
-    fl.set_num_threads(1)
-    torch.set_num_threads(1)
-    yield
-    fl.set_num_threads(fuel_n)
-    torch.set_num_threads(torch_n)
 
 
 @pytest.mark.parametrize("make_inputs", [lm.decode_inputs, lm.prefill_inputs], ids=["decode", "prefill"])

@@ -8,33 +8,19 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import matplotlib  # noqa: F401  (the harness draws its PNG with it)
 import pytest
 import sentence_transformers  # noqa: F401  (MiniLM's peer)
-import torch
 import transformers
-
-import fuel as fl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import bench_models as bm
 
 TINY = bm.Sizes.tiny()
 
-
-@pytest.fixture
-def one_thread_before() -> Iterator[None]:
-    """Both engines on one thread before a worker runs (it must set its own count), restored after."""
-    fuel_n, torch_n = fl.get_num_threads(), torch.get_num_threads()
-    fl.set_num_threads(1)
-    torch.set_num_threads(1)
-    yield
-    fl.set_num_threads(fuel_n)
-    torch.set_num_threads(torch_n)
 
 
 def _canned(engine: str, model: str) -> dict[str, Any]:
