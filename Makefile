@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml constraints.txt test-models.txt
 demo: $(STAMP)
 	$(BIN)/fuel demo
 
+# `fuel compile` first: Numba compiles one kernel at a time per process, so the kernels compile on every core
+# at once before the (serial) suite loads them from the cache.
 test: $(STAMP)
+	$(BIN)/fuel compile
 	$(BIN)/python -m pytest --durations=25
 
 verify: $(STAMP)

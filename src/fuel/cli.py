@@ -55,6 +55,15 @@ def _entry_names(names: list[str]) -> list[str] | None:
     return [known[n] for n in names]
 
 
+def _compile(args: argparse.Namespace) -> int:
+    from fuel.testing.precompile import precompile
+
+    failures = precompile(args.jobs)
+    for line in failures:
+        print(f"fuel compile: {line}", file=sys.stderr)
+    return 1 if failures else 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     from fuel.testing.contract import verify
 
@@ -171,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("verify", help="every impl against the float64 reference and bit-stability")
     p.add_argument("names", nargs="*", help="entry names (default: all)")
     p.set_defaults(run=_verify)
+    p = sub.add_parser("compile", help="fill Numba's on-disk cache with every kernel ahead of first use")
+    p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
+                   help="worker processes compiling at once (default: the CPU count)")
+    p.set_defaults(run=_compile)
     p = sub.add_parser("bench", help="kernels against PyTorch eager and torch.compile")
     p.add_argument("names", nargs="*", help="case names (default: all)")
     p.add_argument("--dtype", type=_dtype_list, default=["f32", "bf16"],

@@ -1,0 +1,96 @@
+"""Filling Numba's on-disk cache ahead of first use (`fuel compile`).
+
+Every kernel compiles on its first call, one function at a time per process. Here every registered impl
+runs once on its verification cases, so later processes load the compiled code from the cache instead.
+The cases are cut into units of at most `CASES_PER_UNIT` consecutive cases of one impl (consecutive cases
+share their kernels: QMatMul's are grouped by quant type), and the units are handed to `jobs` worker
+processes as they free up, the impls with the most cases first. A unit that raises is reported, never
+hidden: the kernel it names would fail its tests too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fuel.errors import ParamError
+
+CASES_PER_UNIT = 8
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Cases [start, stop) of the impl at `index` in the kernel registry's order."""
+
+    index: int
+    name: str
+    start: int
+    stop: int
+
+
+def _impl_cases(index: int) -> tuple[str, list[Any], Callable[[Any], object]]:
+    """The impl at `index`: its name, its verification cases (the same in every process) and a runner."""
+    from fuel.dispatch.fused import default_kernel_registry
+    from fuel.graph.registry import default_registry
+    from fuel.testing.contract import output_for
+    from fuel.testing.reference import cases
+
+    impl = list(default_kernel_registry())[index]
+    entry = default_registry().entry(impl.op_id)
+    found = cases(entry.name, impl.dtypes, np.random.default_rng(index))
+    return impl.name, list(found), lambda case: output_for(entry, impl, case.inputs, case.params)
+
+
+def units() -> list[Unit]:
+    """Every impl's cases as units, the impls with the most cases first (their units take longest)."""
+    from fuel.dispatch.fused import default_kernel_registry
+
+    found = []
+    for index in range(len(list(default_kernel_registry()))):
+        name, cases, _ = _impl_cases(index)
+        found += [Unit(index, name, s, min(s + CASES_PER_UNIT, len(cases)))
+                  for s in range(0, len(cases), CASES_PER_UNIT)]
+    counts = {u.index: 0 for u in found}
+    for u in found:
+        counts[u.index] += u.stop - u.start
+    return sorted(found, key=lambda u: -counts[u.index])
+
+
+def run_unit(unit: Unit) -> str:
+    """Run one unit's cases (compiling what they call); its error as a line, or "" when it ran."""
+    _, cases, run = _impl_cases(unit.index)
+    try:
+        for case in cases[unit.start:unit.stop]:
+            run(case)
+    except Exception as e:  # reported by the caller with the impl's name
+        return f"{unit.name}, cases {unit.start}-{unit.stop - 1}: {type(e).__name__}: {e}"
+    return ""
+
+
+def precompile(jobs: int, progress: bool = True) -> list[str]:
+    """Compile every registered kernel into Numba's cache with `jobs` processes; the failures, one line each."""
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ParamError(f"compile: jobs must be an int >= 1, got {jobs!r}")
+    todo = units()
+    failures: list[str] = []
+    start = time.perf_counter()
+    context = multiprocessing.get_context("spawn")  # no fork of a process whose thread pools are running
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        pending: set[Future[str]] = {pool.submit(run_unit, u) for u in todo}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            failures += [line for f in done if (line := f.result())]
+            if progress:
+                finished = len(todo) - len(pending)
+                print(f"\rcompile: {finished}/{len(todo)} units, {time.perf_counter() - start:.0f} s",
+                      end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return failures
