@@ -5,7 +5,8 @@ runs once on its verification cases, so later processes load the compiled code f
 The cases are cut into units of at most `CASES_PER_UNIT` consecutive cases of one impl (consecutive cases
 share their kernels: QMatMul's are grouped by quant type), and the units are handed to `jobs` worker
 processes as they free up, the impls with the most cases first. A unit that raises is reported, never
-hidden: the kernel it names would fail its tests too.
+hidden: the kernel it names would fail its tests too. The cases' inputs are writable: a kernel taking
+read-only arrays (memory-mapped GGUF weights) is another Numba specialisation, compiled on first use.
 """
 
 from __future__ import annotations
@@ -81,16 +82,17 @@ def precompile(jobs: int, progress: bool = True) -> list[str]:
     todo = units()
     failures: list[str] = []
     start = time.perf_counter()
+    tty = sys.stderr.isatty()  # a line rewritten in place on a terminal, a line per tenth of the units elsewhere
     context = multiprocessing.get_context("spawn")  # no fork of a process whose thread pools are running
     with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
         pending: set[Future[str]] = {pool.submit(run_unit, u) for u in todo}
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             failures += [line for f in done if (line := f.result())]
-            if progress:
-                finished = len(todo) - len(pending)
-                print(f"\rcompile: {finished}/{len(todo)} units, {time.perf_counter() - start:.0f} s",
-                      end="", file=sys.stderr, flush=True)
-    if progress:
+            finished = len(todo) - len(pending)
+            if progress and (tty or finished * 10 // len(todo) != (finished - len(done)) * 10 // len(todo)):
+                line = f"compile: {finished}/{len(todo)} units, {time.perf_counter() - start:.0f} s"
+                print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
+    if progress and tty:
         print(file=sys.stderr)
     return failures
