@@ -4,7 +4,8 @@ Every kernel compiles on its first call, one function at a time per process. Her
 runs once on its verification cases, so later processes load the compiled code from the cache instead.
 The cases are cut into units of at most `CASES_PER_UNIT` consecutive cases of one impl (consecutive cases
 share their kernels: QMatMul's are grouped by quant type), and the units are handed to `jobs` worker
-processes as they free up, the impls with the most cases first. A unit that raises is reported, never
+processes as they free up, the impls with the most cases first; an impl's first case also realises its
+gradients, for the backward kernels that only gradient graphs call. A unit that raises is reported, never
 hidden: the kernel it names would fail its tests too. The cases' inputs are writable: a kernel taking
 read-only arrays (memory-mapped GGUF weights) is another Numba specialisation, compiled on first use.
 """
@@ -46,7 +47,37 @@ def _impl_cases(index: int) -> tuple[str, list[Any], Callable[[Any], object]]:
     impl = list(default_kernel_registry())[index]
     entry = default_registry().entry(impl.op_id)
     found = cases(entry.name, impl.dtypes, np.random.default_rng(index))
-    return impl.name, list(found), lambda case: output_for(entry, impl, case.inputs, case.params)
+
+    def run(case: Any) -> None:
+        output_for(entry, impl, case.inputs, case.params)
+        if entry.vjp is not None and case is found[0]:
+            _gradients(entry, case)
+
+    return impl.name, list(found), run
+
+
+def _gradients(entry: Any, case: Any) -> None:
+    """Realise the gradient of the sum of the op's outputs for each float input: some backward kernels
+    (the scans', cross-entropy's) are called only from gradient graphs."""
+    import fuel as fl
+    from fuel.dtype import from_numpy
+    from fuel.graph.prims import views
+    from fuel.graph.registry import fused_node
+
+    if not all(a.size for a in case.inputs):
+        return
+    leaves = [fl.tensor(a) for a in case.inputs]
+    node = fused_node(entry.id, [t.node for t in leaves], case.params)
+    outs = [fl.Tensor(v) for v in views(node)] if entry.output_views else [fl.Tensor(node)]
+    loss = outs[0].sum()
+    for o in outs[1:]:
+        loss = loss + o.sum()
+    for k, a in enumerate(case.inputs):
+        if from_numpy(a.dtype).is_float:
+            try:
+                fl.realize(*fl.grad(loss, [leaves[k]]))
+            except fl.NotDifferentiable:  # no gradient for this input (e.g. ALiBi slopes)
+                continue
 
 
 def units() -> list[Unit]:
