@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from fuel.arg_types import number
+
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
 
@@ -137,14 +139,7 @@ def _dtype_list(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {n}")
-    return n
+_positive_int = number(int, 1, what="a positive integer")
 
 
 def _generate(args: argparse.Namespace) -> int:

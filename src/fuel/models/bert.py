@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 import fuel as fl
+from fuel.arg_types import number
 from fuel.errors import FuelError, ParamError
 from fuel.models.tokenizer import lone_surrogate
 
@@ -295,14 +296,7 @@ def embed(sentences: Sequence[str], *, normalize: bool = True, batch_size: int =
 # ---- the `fuel embed` command ------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {n}")
-    return n
+_positive_int = number(int, 1, what="an integer >= 1")
 
 
 def add_embed_arguments(p: argparse.ArgumentParser) -> None:

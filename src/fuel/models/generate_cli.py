@@ -19,13 +19,12 @@ closed stdout).
 from __future__ import annotations
 
 import argparse
-import math
 import resource
 import sys
 import time
-from collections.abc import Callable
 from typing import TextIO
 
+from fuel.arg_types import number
 from fuel.errors import FuelError, ParamError
 from fuel.models.generate import LLM, MODELS, Generation, Stats, describe, load, model_path
 from fuel.models.generate_args import encode_prompt, sampler_of, stops_of
@@ -37,40 +36,25 @@ DEFAULT_PROMPT = "What is the capital of France, and what is it famous for? Answ
 CHAT_WARM_UP = 64  # the prompt length the chat loop's warm-up captures (a first turn's size)
 
 
-def _number(kind: Callable[[str], float], low: float, high: float = math.inf, low_open: bool = False,
-            what: str = "") -> Callable[[str], float]:
-    """An argparse type: `kind(text)` within [low, high] ((low, high] if `low_open`), finite."""
-
-    def parse(text: str) -> float:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not math.isfinite(v) or v > high or v < low or (low_open and v == low):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
-        return v
-    return parse
-
-
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=None,
                    help="the prompt (default: a short question in chat mode; with --chat and no prompt, "
                         "read turns from stdin)")
     p.add_argument("--model", default="smollm2", help=f"{' or '.join(MODELS)} (bundled), or a .gguf path")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=_number(int, 0, what="an integer >= 0"), default=128,
+    p.add_argument("--max-tokens", type=number(int, 0, what="an integer >= 0"), default=128,
                    help="the most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=_number(float, 0.0, what="a finite number >= 0"), default=0.0,
+    p.add_argument("--temperature", type=number(float, 0.0, what="a finite number >= 0"), default=0.0,
                    help="0 (the default) decodes greedily")
-    p.add_argument("--top-k", type=_number(int, 0, what="an integer >= 0"), default=0,
+    p.add_argument("--top-k", type=number(int, 0, what="an integer >= 0"), default=0,
                    help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=_number(float, 0.0, 1.0, low_open=True, what="a number in (0, 1]"), default=1.0,
+    p.add_argument("--top-p", type=number(float, 0.0, 1.0, low_open=True, what="a number in (0, 1]"), default=1.0,
                    help="sample from the smallest set reaching p")
-    p.add_argument("--seed", type=_number(int, 0, what="an integer >= 0"), default=None,
+    p.add_argument("--seed", type=number(int, 0, what="an integer >= 0"), default=None,
                    help="seed of the sampler, for repeatable runs")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the text before this stop sequence (repeatable)")
-    p.add_argument("--context", type=_number(int, 1, what="an integer >= 1"), default=2048,
+    p.add_argument("--context", type=number(int, 1, what="an integer >= 1"), default=2048,
                    help="the KV cache's capacity in tokens (default 2048)")
 
 
