@@ -99,7 +99,7 @@ def _fuel_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
         tokens.append(int(np.argmax(logits)))
         logits = m.decode(tokens[-1])
     decode_s = time.perf_counter() - start
-    # The replayed decode step runs natively (`fuel.dispatch.native`): its task-backed steps posted from
+    # The replayed decode step runs natively (`fuel.runtime.replay`): its task-backed steps posted from
     # jitted code, the rest in Python. A traced call runs every step in Python and times each; wall time
     # minus the kernels' time is the Python executor's own cost, which the native steps do not pay.
     capture = next(iter(m._decode._captures.values()))

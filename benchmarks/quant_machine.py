@@ -19,8 +19,8 @@ from numba.extending import intrinsic
 
 from benchmarks import timing
 from benchmarks.bench_ops import machine_limits
-from fuel.dispatch import spin
-from fuel.dispatch.cpu.simd16 import hsum, vadd, vload, vzero
+from fuel.cpu.simd.simd16 import hsum, vadd, vload, vzero
+from fuel.runtime import pool as spin
 
 FLUSH_BYTES = 64 << 20  # twice this machine's L3
 

@@ -10,7 +10,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 import fuel as fl
-from fuel.dispatch.fused import BackendImpl
+from fuel.dispatch.impls import BackendImpl
 from fuel.dtype import DType, from_numpy
 from fuel.graph.node import Op
 from fuel.graph.passes.fuse import fuse

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import fuel as fl
-from fuel.dispatch.cpu.half import narrow_bf16_row, widen_bf16_row
+from fuel.cpu.simd.half import narrow_bf16_row, widen_bf16_row
 from fuel.dtype import DType, as_dtype, from_numpy
 
 
@@ -46,7 +46,7 @@ def test_bf16_narrowing_is_round_to_nearest_even_like_ml_dtypes(rng: np.random.G
 def test_vectorisable_intrinsics_are_exact(rng: np.random.Generator) -> None:
     from numba import njit
 
-    from fuel.dispatch.cpu.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16
+    from fuel.cpu.simd.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16
 
     @njit
     def run(x: np.ndarray, h: np.ndarray, wide: np.ndarray, e: np.ndarray) -> None:

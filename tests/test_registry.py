@@ -64,7 +64,7 @@ def test_kernel_registry_lookup_by_dtype_tuple() -> None:
     impl = kernels.lookup(1, "cpu", (fl.f32, fl.f32))
     assert impl is not None and impl.op_id == 1 and impl.precision.bit_stable_on_same_hardware
     assert kernels.lookup(1, "cpu", (fl.f32, fl.f64)) is None
-    assert len(impl.revision) == 16 and impl.source.startswith("fuel/dispatch/cpu/")
+    assert len(impl.revision) == 16 and impl.source.startswith("fuel/cpu/")
     for impl in kernels:
         assert impl.op_id in default_registry()
         entry = default_registry().entry(impl.op_id)

@@ -5,9 +5,7 @@ from fuel.dispatch import cache_stamps  # noqa: F401  (first: cached kernels are
 # isort: split
 from fuel import ops
 from fuel.dispatch.executor import realize, trace
-from fuel.dispatch.fused import default_kernel_registry as kernels
-from fuel.dispatch.jit import jit
-from fuel.dispatch.threads import get_num_threads, set_num_threads
+from fuel.dispatch.impls import default_kernel_registry as kernels
 from fuel.dtype import DEFAULT_FLOAT, DType, bf16, f16, f32, f64, i64, u8, u32, u64
 from fuel.errors import (
     AxisIndexError,
@@ -28,6 +26,8 @@ from fuel.graph.functions import cache_write, concat, pad, where
 from fuel.graph.node import DynScalar, dyn
 from fuel.graph.registry import default_registry
 from fuel.graph.tensor import Tensor, full, matmul, ones, tensor, zeros
+from fuel.runtime.jit import jit
+from fuel.runtime.threads import get_num_threads, set_num_threads
 
 __all__ = [
     "DEFAULT_FLOAT",

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fuel.dispatch.fused import default_kernel_registry
+from fuel.dispatch.impls import default_kernel_registry
 from fuel.dtype import DType
 from fuel.errors import FuelError
 from fuel.graph.node import Node, topo_order

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from numba import njit
 
+from fuel.cpu.quant import tile_gemm
 from fuel.dispatch import cache_stamps
-from fuel.dispatch.cpu import tile_gemm
 
 
 def _package(root: Path) -> Path:
@@ -46,9 +46,9 @@ def test_stamp_changes_with_a_compiled_import_only(tmp_path: Path, monkeypatch: 
 
 
 def test_fuel_kernels_use_the_locator_and_others_do_not() -> None:
-    closure = cache_stamps.closure(cache_stamps.ROOT / "dispatch" / "cpu" / "nf4.py")
+    closure = cache_stamps.closure(cache_stamps.ROOT / "cpu" / "quant" / "nf4_matmul.py")
     names = {str(p.relative_to(cache_stamps.ROOT)) for p in closure}
-    assert {"dispatch/cpu/tile_gemm.py", "dispatch/cpu/weight_tiles.py", "dispatch/cpu/simd16.py"} <= names
+    assert {"cpu/quant/tile_gemm.py", "cpu/quant/weight_tiles.py", "cpu/simd/simd16.py"} <= names
     assert "errors.py" not in names and not any(n.startswith("graph/") for n in names)
 
     locator = tile_gemm._narrow_times_at._cache._impl.locator

@@ -9,10 +9,10 @@ import pytest
 
 import fuel as fl
 from fuel.dispatch import executor
-from fuel.dispatch.buffers import POOL, BufferPool
 from fuel.graph.node import DynScalar, Node, Op
 from fuel.graph.passes.order import schedule
 from fuel.graph.prims import make
+from fuel.runtime.buffers import POOL, BufferPool
 
 
 def _softmax64(x: np.ndarray) -> np.ndarray:
@@ -121,7 +121,7 @@ def test_trace_reports_impl_time_and_copies(rng: np.random.Generator) -> None:
 
 
 def test_fused_node_without_kernel_is_lowered(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fuel.dispatch.fused import FusedKernelRegistry
+    from fuel.dispatch.impls import FusedKernelRegistry
 
     empty = FusedKernelRegistry()
     monkeypatch.setattr(executor, "default_kernel_registry", lambda: empty)
@@ -195,7 +195,7 @@ def test_realising_under_other_bindings_recomputes() -> None:
 
 def test_a_plan_built_before_a_kernel_is_registered_is_not_reused(
         rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fuel.dispatch.fused import FusedKernelRegistry, default_kernel_registry
+    from fuel.dispatch.impls import FusedKernelRegistry, default_kernel_registry
 
     kernels = FusedKernelRegistry()
     monkeypatch.setattr(executor, "default_kernel_registry", lambda: kernels)
@@ -250,7 +250,7 @@ def test_small_work_runs_serially_and_large_work_in_parallel() -> None:
 def test_a_step_with_a_dyn_k_len_is_sized_with_the_bound_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """Decode attention over a big cache: serial while few rows are live, parallel once many are, same
     bytes either way (the serial path is the parallel kernel on one thread)."""
-    from fuel.dispatch import threads
+    from fuel.runtime import threads
 
     rng = np.random.default_rng(0)
     cap = 8192
@@ -274,7 +274,7 @@ def _softmax_plan() -> tuple[executor.Plan, list[np.ndarray]]:
     """A plan of one f32 SoftmaxLastDim step whose kernel only records that it ran."""
     from dataclasses import replace
 
-    from fuel.dispatch.fused import default_kernel_registry
+    from fuel.dispatch.impls import default_kernel_registry
     from fuel.graph.registry import default_registry
 
     x = fl.tensor(np.ones((4, 8), np.float32))

@@ -7,16 +7,16 @@ from types import ModuleType
 
 import pytest
 
-import fuel.dispatch.cpu.softmax as softmax
-import fuel.dispatch.fused as fused
-from fuel.dispatch.fused import kernel_imports, revision_of
+import fuel.cpu.norms.softmax_last_dim as softmax
+import fuel.dispatch.impls as fused
+from fuel.dispatch.impls import kernel_imports, revision_of
 
 
 def test_softmax_imports_vecmath_and_half() -> None:
-    assert {"fuel.dispatch.cpu.vecmath", "fuel.dispatch.cpu.half"} <= kernel_imports(softmax)
+    assert {"fuel.cpu.simd.vecmath", "fuel.cpu.simd.half"} <= kernel_imports(softmax)
 
 
-@pytest.mark.parametrize("changed", ["fuel.dispatch.cpu.vecmath", "fuel.dispatch.cpu.half"])
+@pytest.mark.parametrize("changed", ["fuel.cpu.simd.vecmath", "fuel.cpu.simd.half"])
 def test_a_change_to_an_imported_kernel_module_changes_the_revision(changed: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     before = revision_of(softmax.register)

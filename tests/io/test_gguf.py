@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as GT
 from gguf import GGUFValueType as VT
 
 import fuel as fl
-from fuel.dispatch.cpu import gguf_blocks
+from fuel.cpu.quant import gguf_blocks
 from fuel.io import (
     GGUFError,
     GGUFFile,

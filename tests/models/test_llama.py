@@ -17,11 +17,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fuel.dispatch import native
 from fuel.errors import FuelError
 from fuel.io.gguf import bundled_gguf
 from fuel.models import generate as gen
 from fuel.models.llama import LlamaModel, ModelError
+from fuel.runtime import replay as native
 from fuel.testing.llama_files import tiny_llama_gguf
 from tests.models.oracles import hf_greedy, hf_logits
 
@@ -83,7 +83,7 @@ def test_prefill_logits_are_those_of_one_token_at_a_time(smollm2: gen.LLM, runs:
 
 
 def test_decode_runs_natively_with_the_python_replays_logits(smollm2: gen.LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decode step replays natively (`fuel.dispatch.native`), every step of it, the logits written
+    """The decode step replays natively (`fuel.runtime.replay`), every step of it, the logits written
     into a buffer of the capture's and copied out, and gives the bytes a model whose captures stay in
     Python gives."""
     model = smollm2.model

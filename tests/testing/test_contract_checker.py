@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fuel as fl
-from fuel.dispatch.fused import BackendImpl
+from fuel.dispatch.impls import BackendImpl
 from fuel.dtype import DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.fused_linear import FusedLinearParams

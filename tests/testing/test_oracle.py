@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fuel.dispatch.cpu.softmax import SOFTMAX_PRECISION
+from fuel.cpu.norms.softmax_last_dim import SOFTMAX_PRECISION
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.testing.check import nonfinite_mismatch, row_max_scale
 from fuel.testing.contract import precision_excess

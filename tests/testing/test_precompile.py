@@ -7,7 +7,7 @@ from collections import defaultdict
 
 import pytest
 
-from fuel.dispatch.fused import default_kernel_registry
+from fuel.dispatch.impls import default_kernel_registry
 from fuel.errors import ParamError
 from fuel.testing import precompile
 from fuel.testing.precompile import CASES_PER_UNIT, Unit, run_unit, units

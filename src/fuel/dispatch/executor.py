@@ -18,9 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fuel.dispatch import threads
-from fuel.dispatch.buffers import POOL
-from fuel.dispatch.fused import FusedKernelRegistry, default_kernel_registry
+from fuel.dispatch.impls import FusedKernelRegistry, default_kernel_registry
 from fuel.dispatch.plan import Plan, Step, build, dyn_names
 from fuel.dispatch.plan import destructive_of as _destructive
 from fuel.dtype import DType
@@ -30,6 +28,8 @@ from fuel.graph.passes import arg_key
 from fuel.graph.passes.order import alias_root
 from fuel.graph.registry import FusedOpRegistry, default_registry
 from fuel.graph.traced import check_realize
+from fuel.runtime import threads
+from fuel.runtime.buffers import POOL
 
 if TYPE_CHECKING:
     from fuel.graph.tensor import Tensor

@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from fuel.dispatch import threads
-from fuel.dispatch.cpu.prims import PRIM_KERNELS, PrimKernel
-from fuel.dispatch.fused import BackendImpl, FusedKernelRegistry, JointKernel
+from fuel.cpu.prims.prims import PRIM_KERNELS, PrimKernel
+from fuel.dispatch.impls import BackendImpl, FusedKernelRegistry, JointKernel
 from fuel.graph.node import DynScalar, Node, Op, OpSpec
 from fuel.graph.passes import arg_key
 from fuel.graph.passes.cse import cse
@@ -25,6 +24,7 @@ from fuel.graph.passes.order import schedule
 from fuel.graph.prims import DESTRUCTIVE_PRIMS
 from fuel.graph.registry import FusedOpRegistry
 from fuel.graph.slots import slots_of
+from fuel.runtime import threads
 
 BACKEND = "cpu"
 

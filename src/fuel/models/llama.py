@@ -54,8 +54,7 @@ from typing import Any
 import numpy as np
 
 import fuel as fl
-from fuel.dispatch.cpu.gguf_blocks import dequantize_rows_into, weight_rows
-from fuel.dispatch.threads import serial
+from fuel.cpu.quant.gguf_blocks import dequantize_rows_into, weight_rows
 from fuel.errors import ParamError
 from fuel.graph.tensor import Tensor
 from fuel.io.gguf import GGUFFile, open_gguf
@@ -69,6 +68,7 @@ from fuel.models.llama_weights import (
     check_ids,
     rope_tables,
 )
+from fuel.runtime.threads import serial
 
 __all__ = ["ARCHITECTURES", "KVSequence", "LlamaConfig", "LlamaModel", "ModelError", "load", "rope_tables"]
 

@@ -10,10 +10,10 @@ from typing import Any
 import numba
 import numpy as np
 
-from fuel.dispatch.fused import BackendImpl, PrecisionGuarantee, default_kernel_registry
-from fuel.dispatch.threads import serial
+from fuel.dispatch.impls import BackendImpl, PrecisionGuarantee, default_kernel_registry
 from fuel.errors import ParamError
 from fuel.graph.registry import FusedOpEntry, default_registry
+from fuel.runtime.threads import serial
 from fuel.testing.check import excess, floor_of, nonfinite_mismatch, row_max_scale
 from fuel.testing.reference import cases, has_reference, reference, scale
 

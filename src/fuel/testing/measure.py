@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from fuel.dispatch.fused import BackendImpl, default_kernel_registry
+from fuel.dispatch.impls import BackendImpl, default_kernel_registry
 from fuel.graph.registry import FusedOpEntry, default_registry
 from fuel.testing.check import as64, floor_of
 from fuel.testing.contract import output_for

@@ -1,10 +1,10 @@
-"""Helpers for tests of the spinning pool (`fuel.dispatch.spin`): waiting for its workers' state."""
+"""Helpers for tests of the spinning pool (`fuel.runtime.pool`): waiting for its workers' state."""
 
 from __future__ import annotations
 
 import time
 
-from fuel.dispatch import spin
+from fuel.runtime import pool as spin
 
 
 def awake_when(pool: spin.SpinPool, awake: int, seconds: float = 2.0, worker: int = 0) -> int:

@@ -39,7 +39,7 @@ class Unit:
 
 def _impl_cases(index: int) -> tuple[str, list[Any], Callable[[Any], object]]:
     """The impl at `index`: its name, its verification cases (the same in every process) and a runner."""
-    from fuel.dispatch.fused import default_kernel_registry
+    from fuel.dispatch.impls import default_kernel_registry
     from fuel.graph.registry import default_registry
     from fuel.testing.contract import output_for
     from fuel.testing.reference import cases
@@ -82,7 +82,7 @@ def _gradients(entry: Any, case: Any) -> None:
 
 def units() -> list[Unit]:
     """Every impl's cases as units, the impls with the most cases first (their units take longest)."""
-    from fuel.dispatch.fused import default_kernel_registry
+    from fuel.dispatch.impls import default_kernel_registry
 
     found = []
     for index in range(len(list(default_kernel_registry()))):

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
-from fuel.dispatch.cpu import conv
+from fuel.cpu.conv import conv2d as conv
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.conv2d import Conv2DParams, decompose

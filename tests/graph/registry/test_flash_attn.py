@@ -350,7 +350,7 @@ def test_same_bytes_at_any_fuel_thread_count(hkv: int) -> None:
 def test_one_group_is_cut_into_query_blocks_by_its_length_only() -> None:
     """A call with one (batch, kv head) group splits its queries into at least QUERY_TASKS blocks of a
     multiple of 16 rows (a 128-token prefill with one kv head was one block: one thread ran it)."""
-    from fuel.dispatch.cpu.attention import BQ, QUERY_TASKS, query_rows
+    from fuel.cpu.attention.flash_attn import BQ, QUERY_TASKS, query_rows
 
     for sq in (5, 16, 64, 100, 128, 300, 512, 4096):
         rows = query_rows(sq)
@@ -366,7 +366,7 @@ def test_f32_pool_tasks_and_numpy_steps_both_match(opts: dict[str, Any], hkv: in
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """f32 runs as spinning-pool tasks calling OpenBLAS's sgemm from jitted code; where NumPy's BLAS has no
     such sgemm, as NumPy steps on Python threads. Both against the float64 reference."""
-    from fuel.dispatch import threads
+    from fuel.runtime import threads
 
     opts = dict(opts)
     x = make_inputs(12, DType.F32, 1, 3 * hkv, hkv, 200, 600, 64, alibi=opts.pop("alibi", False))
@@ -383,7 +383,7 @@ def test_f32_pool_tasks_and_numpy_steps_both_match(opts: dict[str, Any], hkv: in
 def test_pool_items_are_fixed_by_the_shape() -> None:
     """At least ITEMS (group, query block) items where the groups are fewer, a multiple of 16 queries each;
     whole groups (up to 128 queries) where there are enough of them."""
-    from fuel.dispatch.cpu.attention_tasks import ITEMS, item_rows
+    from fuel.cpu.attention.flash_attn_tasks import ITEMS, item_rows
 
     for n in (1, 3, 7):
         for sq in (5, 16, 128, 300, 4096):

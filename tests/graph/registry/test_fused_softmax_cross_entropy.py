@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fuel as fl
-from fuel.dispatch.cpu.cross_entropy import cross_entropy, cross_entropy_grad
+from fuel.cpu.fused_softmax_cross_entropy import cross_entropy, cross_entropy_grad
 from fuel.dtype import DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.fused_softmax_cross_entropy import FusedSoftmaxCrossEntropyParams

@@ -12,8 +12,8 @@ import torch
 from threadpoolctl import threadpool_limits
 
 import fuel as fl
-from fuel.dispatch.cpu import nf4 as nf4_kernels
-from fuel.dispatch.cpu.nibble_tables import LUT32
+from fuel.cpu.quant import nf4_matmul as nf4_kernels
+from fuel.cpu.quant.nibble_tables import LUT32
 from fuel.dtype import DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.nf4_matmul import Nf4MatmulParams, decompose, dequantize

@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
-from fuel.dispatch.cpu import paged_attention as kernel_module
-from fuel.dispatch.threads import runs_serially, serial
+from fuel.cpu.attention import paged_attn as kernel_module
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, default_registry
 from fuel.graph.registry.paged_attn import PagedAttnParams, decompose, paged_attn
+from fuel.runtime.threads import runs_serially, serial
 from fuel.testing.contract import numba_threads, output_for, verify
 from fuel.testing.oracle import ROWWISE, assert_close_rowwise
 from fuel.testing.reference.paged_attention import DEAD_BLOCK, paged_inputs

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fuel as fl
-from fuel.dispatch.cpu import gguf as kernel_module
-from fuel.dispatch.cpu import gguf_decode, weight_tiles
+from fuel.cpu.quant import gguf_decode, weight_tiles
+from fuel.cpu.quant import qmatmul as kernel_module
 from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
-from fuel.dispatch.cpu.selective_scan import selective_scan as scan_kernel
-from fuel.dispatch.cpu.selective_scan import selective_scan_grad
+from fuel.cpu.scans.selective_scan import selective_scan as scan_kernel
+from fuel.cpu.scans.selective_scan import selective_scan_grad
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.selective_scan import SelectiveScanParams, decompose

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fuel as fl
-from fuel.dispatch.cpu.ssd_chunk_scan import ssd_chunk_scan_f16, ssd_chunk_scan_f32, ssd_chunk_scan_grad
+from fuel.cpu.scans.ssd_chunk_scan import ssd_chunk_scan_f16, ssd_chunk_scan_f32, ssd_chunk_scan_grad
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry.ssd_chunk_scan import SsdChunkScanParams, decompose
 from fuel.testing.check import as64, excess, floor_of, nonfinite_mismatch, row_max_scale

@@ -174,7 +174,7 @@ class FusedOpRegistry:
 
 
 # The one hand-kept list of a new fused op: its kernel and reference modules are discovered
-# (fuel.dispatch.dispatch, fuel.testing.reference), and tests/test_registry.py fails on an entry
+# (fuel.dispatch.discovery, fuel.testing.reference), and tests/test_registry.py fails on an entry
 # module missing here.
 ENTRY_MODULES: tuple[str, ...] = (
     "softmax_last_dim",

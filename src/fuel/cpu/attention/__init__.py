@@ -1,0 +1,1 @@
+"""FlashAttn (forward, decode path, backward) and PagedAttn."""

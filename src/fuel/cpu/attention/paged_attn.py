@@ -1,0 +1,276 @@
+"""PagedAttn (entry 13): causal attention over a block-paged KV cache in one Numba kernel.
+
+One task per (sequence b, chunk of kv heads, chunk of query positions): the task holds every query
+head that reads its kv heads (the G = Hq/Hkv heads of each GQA group) for its query positions, so each
+cached K and V row is fetched once per task through the block table, and a token's rows of all the
+chunk's heads are one contiguous read (`head_chunk`: all heads unless the threads need more tasks).
+For each key it computes the scores of every row into a key-major buffer (-inf where the row may not
+see the key), then the softmax of all rows at once (exact max, then exp and sum), and the
+probability-weighted sum of V rows in key order (`paged_tiles`). Both sweeps walk the table block by
+block and prefetch a couple of blocks ahead through it, with no array view and no division per key.
+Every output row is computed by one thread in an order fixed by its own position, so results are
+bit-stable at any thread count and any task split. Nothing of size [Sq, L] for all heads is ever built; the buffer per
+task is bounded by `SCORE_BUFFER`.
+
+Compute is f32 (f64 for f64). bf16 is read as uint16 bits and f16 as int16 bits, widened exactly in
+the kernel (so only the live cache rows are ever converted); bf16 is rounded once on store, f16 is
+stored through an f32 scratch and NumPy's exact rounding. Block ids and lengths are checked in NumPy
+before the kernel runs, so it never reads outside the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import overload
+
+from fuel.cpu.attention.paged_attn_tiles import accumulate, dots, prefetch, vector_path
+from fuel.cpu.simd.driver import row_kernel
+from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive, f32_to_bf16, neg_inf_like, widen
+from fuel.dispatch.impls import (
+    CONTIGUOUS_ONLY,
+    BackendImpl,
+    CostEstimate,
+    FusedKernelRegistry,
+    PrecisionGuarantee,
+    revision_of,
+)
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.errors import IndexOutOfRange
+from fuel.graph.node import Shape
+from fuel.graph.registry import FusedOps
+from fuel.graph.registry.paged_attn import PagedAttnParams
+from fuel.runtime.buffers import POOL
+from fuel.runtime.threads import get_num_threads
+
+# Reassociation lets the dot products, maxima and sums vectorise (one fixed order per build, so still
+# bit-stable); no nnan/ninf, so NaN and inf keep IEEE behaviour.
+FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
+
+# Scores a task may buffer (rows × live length). Long prompts are split into query chunks under it;
+# a chunk re-reads K and V, so it is large enough to amortise that (64 Ki f32 = 256 KiB, L2-sized).
+SCORE_BUFFER = 1 << 16
+
+# How many tokens ahead the K and V passes prefetch (through the block table, so across blocks the
+# hardware prefetchers cannot guess). 32 tokens (two blocks of 16, 64 KiB of 8 heads of 64 f32) measured
+# faster than 8 or 16 on a cold cache; more gained nothing.
+PREFETCH_TOKENS = 32
+
+
+# Per-storage-type scalar helper: one kernel body, specialised by Numba for each dtype. Numba wants an
+# overload's implementation to have the stand-in's exact parameters, annotations included.
+def _narrow(out: Any, x: Any) -> Any:
+    """A computed value in the output array's storage type (bf16 rounded once, nearest-even)."""
+    raise NotImplementedError
+
+
+@overload(_narrow, inline="always")
+def _narrow_impl(out: Any, x: Any) -> Any:
+    def bf16(out: Any, x: Any) -> Any:
+        return f32_to_bf16(x)
+
+    def same(out: Any, x: Any) -> Any:
+        return x
+
+    return bf16 if out.dtype == types.uint16 else same
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _softmax_in_place(buf: Any, n: Any, rows: Any, total: Any) -> None:
+    """exp(s - row max) over the first n keys of every row at once, vectorised across rows (a key's
+    scores are contiguous); total[row] += each row's sum. Masked keys hold -inf, which leaves the max and (adding
+    exact zeros) the sum as they are; a row without keys is never read."""
+    mx = np.full(rows, neg_inf_like(buf[0, 0]))
+    for t in range(n):
+        for rr in range(rows):
+            x = buf[t, rr]
+            mx[rr] = x if x > mx[rr] else mx[rr]
+    for t in range(n):
+        for rr in range(rows):
+            e = exp_nonpositive(buf[t, rr] - mx[rr])
+            buf[t, rr] = e
+            total[rr] += e
+
+
+@row_kernel(fastmath=FASTMATH)
+def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, scale: Any, softcap: Any,
+           qc: int, hc: int) -> None:
+    """q [B,Hq,Sq,D]; kc, vc [NB,bs,Hkv,D]; bt [B,M] u32; cl [B] u32 (checked); slopes [Hq] or [0] in the
+    compute type; out [B,Hq,Sq,D]; scale, softcap (0: none) in the compute type; qc queries and hc kv
+    heads per task."""
+    nb, hq, sq, dh = q.shape
+    bs, hkv = kc.shape[1], kc.shape[2]
+    g = hq // hkv
+    nqc = (sq + qc - 1) // qc
+    nhc = (hkv + hc - 1) // hc
+    per_b = nhc * nqc
+    has_alibi = slopes.shape[0] > 0
+    capped = softcap > 0
+    simd = vector_path(kc, dh)
+    tok = hkv * dh  # elements from one token of a block to the next
+    line = 64 // kc.itemsize  # elements per cache line
+    for task in prange(nb * per_b):
+        tk = np.int64(task)
+        b = tk // per_b
+        h0 = (tk % per_b) // nqc * hc
+        nh = min(hkv, h0 + hc) - h0
+        i0 = (tk % nqc) * qc
+        i1 = min(sq, i0 + qc)
+        ln = np.int64(cl[b])
+        shift = ln - sq  # query i sits at absolute position i + shift
+        rh = (i1 - i0) * g  # rows per kv head: row r of head h is query i0 + r // g, q head h·g + r % g
+        rows = nh * rh  # row R = hl·rh + r for kv head h0 + hl
+        nmax = max(0, min(ln, i1 + shift))  # keys the last query of the chunk may read
+        qw = np.empty((rows, dh), slopes.dtype)
+        buf = np.empty((max(nmax, 1), rows), slopes.dtype)  # key-major: a key's scores are one write
+        acc = np.zeros((rows, dh), slopes.dtype)
+        total = np.zeros(rows, slopes.dtype)
+        # The scale is folded into the queries, so the common score (no softcap, no ALiBi) is final as
+        # the dot product leaves it: no pass over the scores to scale them.
+        for rr in range(rows):
+            hl, r = rr // rh, rr % rh
+            qh, qi = (h0 + hl) * g + r % g, i0 + r // g
+            for d in range(dh):
+                qw[rr, d] = widen(q[b, qh, qi, d]) * scale
+        for sweep in range(2):  # the scores of every key (K), then the weighted sum of V rows
+            cache = kc if sweep == 0 else vc
+            if sweep == 1:
+                _softmax_in_place(buf, nmax, rows, total)
+            # Prefetch cursor: token pt, at offset po of the table's block pb (no division per key).
+            pt, pb, po = np.int64(PREFETCH_TOKENS), PREFETCH_TOKENS // bs, PREFETCH_TOKENS % bs
+            for t0 in range(0, nmax, bs):  # block by block: one table lookup per block
+                row0 = np.int64(bt[b, t0 // bs]) * bs * tok + h0 * dh
+                for t in range(t0, min(nmax, t0 + bs)):
+                    if pt < nmax:
+                        ahead = (np.int64(bt[b, pb]) * bs + po) * tok + h0 * dh
+                        for j in range(0, nh * dh, line):
+                            prefetch(cache, ahead + j)
+                        pt, po = pt + 1, po + 1
+                        if po == bs:
+                            pb, po = pb + 1, 0
+                    off = row0 + (t - t0) * tok
+                    first = max(0, t - shift - i0) * g  # queries before i = t − shift may not see key t
+                    for hl in range(nh):
+                        lo, hi = hl * rh + first, (hl + 1) * rh
+                        if sweep == 1:
+                            accumulate(acc, lo, hi - lo, buf, t, vc, off + hl * dh, simd)
+                            continue
+                        for r in range(hl * rh, lo):  # -inf: exp gives an exact 0, the max ignores it
+                            buf[t, r] = neg_inf_like(scale)
+                        dots(qw, lo, hi - lo, kc, off + hl * dh, buf, t, simd)
+                        if capped or has_alibi:
+                            for r in range(first, rh):
+                                s = buf[t, hl * rh + r]
+                                if capped:
+                                    s = softcap * math.tanh(s / softcap)
+                                if has_alibi:
+                                    s -= slopes[(h0 + hl) * g + r % g] * cast_like(abs(i0 + r // g + shift - t), scale)
+                                buf[t, hl * rh + r] = s
+        for rr in range(rows):
+            hl, r = rr // rh, rr % rh
+            qi = i0 + r // g
+            inv = cast_like(1, scale) / total[rr] if min(ln, qi + shift + 1) > 0 else cast_like(0, scale)
+            for d in range(dh):
+                out[b, (h0 + hl) * g + r % g, qi, d] = _narrow(out, acc[rr, d] * inv)
+
+
+def check_indices(bt: np.ndarray, cl: np.ndarray, num_blocks: int, block_size: int) -> int:
+    """Raise IndexOutOfRange for a length past the table's capacity or a live block id outside the cache
+    (entries past a sequence's live length are not read, so not checked). Returns the longest length."""
+    m = bt.shape[1]
+    lens = cl.astype(np.int64)
+    over = np.flatnonzero(lens > m * block_size)
+    if over.size:
+        b = int(over[0])
+        raise IndexOutOfRange(f"paged_attn: context_lens[{b}] = {lens[b]} exceeds the block table's capacity "
+                              f"of {m} blocks × block_size {block_size} = {m * block_size} tokens")
+    used = (lens + block_size - 1) // block_size
+    bad = np.argwhere((np.arange(m)[None, :] < used[:, None]) & (bt >= num_blocks))
+    if bad.size:
+        b, j = (int(x) for x in bad[0])
+        raise IndexOutOfRange(f"paged_attn: block_table[{b}, {j}] = {int(bt[b, j])} is not a block of the "
+                              f"cache (num_blocks = {num_blocks}); sequence {b} has context length {lens[b]}, "
+                              f"so its first {used[b]} blocks are read")
+    return int(lens.max()) if lens.size else 0
+
+
+def query_chunk(sq: int, g: int, longest: int) -> int:
+    """Query positions per task: all of them unless their score rows would pass SCORE_BUFFER. Each row
+    is computed on its own, so the split (which follows the longest live length) changes no output byte."""
+    return max(1, min(sq, SCORE_BUFFER // max(1, g * longest)))
+
+
+def head_chunk(hkv: int, rows: int, longest: int, tasks: int) -> int:
+    """KV heads per task: all of them (each token's rows of every head are one contiguous read) unless
+    the tasks would not feed every thread twice, or the score rows would pass SCORE_BUFFER. Each row is
+    computed on its own, so the split changes no output byte."""
+    want = -(-2 * get_num_threads() // max(1, tasks))  # chunks of heads per (sequence, query chunk)
+    hc = -(-hkv // max(1, min(hkv, want)))
+    return max(1, min(hc, SCORE_BUFFER // max(1, rows * longest)))
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """What the kernel reads: bf16 as uint16 bits, f16 as int16 bits (so Numba tells them apart)."""
+    if a.dtype == DType.BF16.np:
+        return a.view(np.uint16)
+    if a.dtype == DType.F16.np:
+        return a.view(np.int16)
+    return a
+
+
+def paged_attention(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams) -> None:
+    q, kc, vc, bt, cl = inputs[:5]
+    longest = check_indices(bt, cl, kc.shape[0], params.block_size)
+    if out.size == 0:
+        return
+    acc = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
+    slopes = inputs[5] if len(inputs) == 6 else np.empty(0, acc)
+    g = q.shape[1] // kc.shape[2]
+    half16 = out.dtype == DType.F16.np
+    dst = POOL.empty(out.shape, acc) if half16 else _bits(out)
+    softcap = acc.type(0 if params.softcap is None else params.softcap)
+    qc = query_chunk(q.shape[2], g, longest)
+    _paged(_bits(q), _bits(kc), _bits(vc), bt, cl, slopes, dst, acc.type(params.softmax_scale), softcap, qc,
+           head_chunk(kc.shape[2], g * qc, longest, q.shape[0] * -(-q.shape[2] // qc)))
+    if half16:
+        np.copyto(out, dst, casting="unsafe")
+
+
+def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: PagedAttnParams) -> CostEstimate:
+    """Work for the table's full capacity (the live lengths are only known at run time): a dot and an
+    axpy of length D per (query row, key); K and V read once per kv head, q read and out written."""
+    q, kc, bt = shapes[0], shapes[1], shapes[3]
+    b, hq, sq, d = q
+    capacity = bt[1] * kc[1]
+    qbytes = b * hq * sq * d * dtypes[0].itemsize
+    return CostEstimate(flops=4 * b * hq * sq * capacity * d,
+                        bytes_moved=2 * b * kc[2] * capacity * d * dtypes[1].itemsize + 2 * qbytes)
+
+
+# |out - ref| <= max_relative·|ref| + max_absolute·S against float64, S = Σ_t p_t·|v_t| per element (what
+# the output averages). Twice the worst error `python -m fuel.testing.measure PagedAttn` found over seeds
+# 0-59 (both arities), rounded up. The f32 relative part (~25 ulp) is the score's own rounding, about
+# ε·scale·Σ|q·k|, carried through exp: it grows with |s|, as in any f32 attention. The half types compute
+# in f32 and round once, so their relative part is the output's rounding and their absolute part the
+# f32 impl's.
+PAGED_PRECISION = {
+    DType.F32: PrecisionGuarantee(True, None, 3.3e-6, 1.1e-6, "f32 dots, Cephes-style expf, f32 accumulation"),
+    DType.F64: PrecisionGuarantee(True, None, 9.3e-15, 5.4e-15, "f64 dots, libm exp, f64 accumulation"),
+    DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, 1.1e-6, "f32 compute, one RNE rounding on store"),
+    DType.F16: PrecisionGuarantee(True, None, 9.8e-4, 1.1e-6, "f32 compute, one rounding on store"),
+}
+
+
+def register(registry: FusedKernelRegistry) -> None:
+    rev = revision_of(_paged)
+    u32 = DType.U32
+    for dt in FLOAT_DTYPES:
+        plain = (dt, dt, dt, u32, u32)
+        slopes = DType.F64 if dt is DType.F64 else DType.F32
+        for dtypes in ((*plain, dt), (*plain, slopes, dt)):
+            registry.register(BackendImpl(FusedOps.PAGED_ATTN, "cpu", paged_attention, dtypes, cost,
+                                          PAGED_PRECISION[dt], CONTIGUOUS_ONLY, rev))

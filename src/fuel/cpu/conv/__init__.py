@@ -1,0 +1,1 @@
+"""Conv2D, ConvTranspose2D and CausalConv1d."""

@@ -1,0 +1,173 @@
+"""ConvTranspose2D (entry 11) on the CPU: the flipped-kernel gather at stride 1, col2im otherwise.
+
+Stride 1: the transposed convolution is the Conv2D of x with each group's kernel turned by 180 degrees
+(channels swapped) and top/left padding `d·(K − 1) − p` (negative: a crop), so it runs conv.py's
+gather blocks on BLAS at Conv2D's speed. Other strides: `cols = wᵀ · x` per (image, group) on BLAS,
+blocks of input positions read straight from x, scattered (col2im) into the output by a Numba pass,
+instead of gathering over an input with inserted zeros (most taps would multiply a zero). The
+col2im tasks are (image, group, chunk of output channels), so no two tasks write the same element,
+and each task scatters its blocks in order.
+
+Every block size is a function of the shapes only, and OpenBLAS splits products over M and N, never
+K, so results are the same bytes at any thread count. bf16/f16 are widened exactly to f32 once,
+computed in f32 and rounded once on store; f64 runs in f64. NaN or ±inf weights reach the output
+through zero inputs (IEEE products, as torch; upstream's scatter skips zero inputs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from numba import njit
+
+from fuel.cpu.conv.conv2d import acc_dtype, block_columns, conv2d_into, run_tasks, working
+from fuel.cpu.simd.half import narrow_into
+from fuel.dispatch.impls import (
+    CONTIGUOUS_ONLY,
+    BackendImpl,
+    CostEstimate,
+    FusedKernelRegistry,
+    PrecisionGuarantee,
+    revision_of,
+)
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.graph.node import Shape
+from fuel.graph.registry import FusedOps
+from fuel.runtime.buffers import POOL
+
+CT_ROWS = 256  # rows of wᵀ (output channels · taps) per col2im task
+
+
+@njit(cache=True, nogil=True)
+def _col2im(res: Any, out: Any, n: int, c0: int, kh: int, kw: int, sh: int, sw: int, dh: int, dw: int,
+            pt: int, pl: int, w_in: int, p0: int, p1: int) -> None:
+    """out[n, c0 + co, ih·sh + a·dh − pt, iw·sw + b·dw − pl] += res[(co, a, b), p − p0] for the input
+    positions p = (ih, iw) in [p0, p1); positions outside out are dropped. The block is cut into runs
+    along input rows first (no division per element), as in _im2col."""
+    ho, wo = out.shape[2], out.shape[3]
+    taps = kh * kw
+    nr = (p1 - p0) // w_in + 2
+    runs = np.empty((nr, 4), np.int64)  # ih, first iw, length, first column
+    p, k = p0, 0
+    ih = p // w_in
+    iw = p - ih * w_in
+    while p < p1:
+        length = min(w_in - iw, p1 - p)
+        runs[k, 0], runs[k, 1], runs[k, 2], runs[k, 3] = ih, iw, length, p - p0
+        k += 1
+        p += length
+        iw = 0
+        ih += 1
+    for r in range(res.shape[0]):
+        co = r // taps
+        a = (r - co * taps) // kw
+        b = r - co * taps - a * kw
+        src = res[r]
+        plane = out[n, c0 + co]
+        for i in range(k):
+            oh = runs[i, 0] * sh + a * dh - pt
+            if oh < 0 or oh >= ho:
+                continue
+            length = runs[i, 2]
+            seg = src[runs[i, 3]:runs[i, 3] + length]
+            orow = plane[oh]
+            base = runs[i, 1] * sw + b * dw - pl
+            lo = 0 if base >= 0 else min(length, (sw - 1 - base) // sw)
+            hi = max(lo, 0 if base >= wo else min(length, (wo - 1 - base) // sw + 1))
+            for t in range(lo, hi):
+                orow[base + t * sw] += seg[t]
+
+
+def _flipped(w: np.ndarray, g: int) -> np.ndarray:
+    """ConvTranspose2D's w [Cin, Cout/g, Kh, Kw] as the Conv2D weight [Cout, Cin/g, Kh, Kw] of its
+    stride-1 form: per group, channels swapped and the kernel turned by 180 degrees."""
+    cin, m, kh, kw = w.shape
+    wg = w.reshape(g, cin // g, m, kh, kw).transpose(0, 2, 1, 3, 4)[:, :, :, ::-1, ::-1]
+    return np.ascontiguousarray(wg).reshape(g * m, cin // g, kh, kw)
+
+
+def _conv_transpose2d(x: np.ndarray, w: np.ndarray, out: np.ndarray, params: Any) -> None:
+    """out (f32/f64, contiguous) <- conv_transpose2d of x and w in out's type.
+
+    Stride 1: the Conv2D of x with the flipped kernel and padding d·(K − 1) − p (the gather form, no
+    zero taps). Otherwise `wᵀ·x` products scattered by col2im (the strided gather would multiply by
+    the inserted zeros)."""
+    nb, cin, h, wd = x.shape
+    m, kh, kw = w.shape[1], w.shape[2], w.shape[3]
+    g = params.groups
+    cg = cin // g
+    (sh, sw), (dh, dw) = params.stride, params.dilation
+    (pt, _), (pl, _) = params.padding
+    if (sh, sw) == (1, 1):
+        conv2d_into(x, _flipped(w, g), None, out, g, (1, 1), (dh, dw), dh * (kh - 1) - pt, dw * (kw - 1) - pl)
+        return
+    taps = kh * kw
+    chunks = max(1, min(m, -(-m * taps // CT_ROWS)))
+    per = -(-m // chunks)
+    chunks = -(-m // per)
+    # wᵀ per group: [m·taps, cg], a transposed view BLAS reads with its trans flag
+    wt = w.reshape(g, cg, m * taps).transpose(0, 2, 1)
+    xs = x.reshape(nb, g, cg, h * wd)
+    pb = block_columns(per * taps + cg, out.itemsize, h * wd)
+
+    def tasks(items: Iterable[int]) -> None:
+        res = POOL.empty((per * taps, pb), out.dtype)  # scratch per thread, reused
+        for t in items:
+            n, rest = divmod(t, g * chunks)
+            gi, ch = divmod(rest, chunks)
+            co0, co1 = ch * per, min(m, (ch + 1) * per)
+            c0 = gi * m + co0
+            out[n, c0:gi * m + co1] = 0
+            if cg == 0:
+                continue
+            rows = (co1 - co0) * taps
+            for p0 in range(0, h * wd, pb):
+                p1 = min(h * wd, p0 + pb)
+                dst = res[:rows, :p1 - p0]
+                np.matmul(wt[gi, co0 * taps:co1 * taps], xs[n, gi, :, p0:p1], out=dst)
+                _col2im(dst, out, n, c0, kh, kw, sh, sw, dh, dw, pt, pl, wd, p0, p1)
+
+    run_tasks(tasks, nb * g * chunks)
+
+
+def conv_transpose2d_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+    if out.size == 0:
+        return
+    acc = acc_dtype(out)
+    x, w = working(inputs[0], acc), working(inputs[1], acc)
+    if out.dtype == acc:
+        _conv_transpose2d(x, w, out, params)
+        return
+    tmp = POOL.empty(out.shape, acc)
+    _conv_transpose2d(x, w, tmp, params)
+    narrow_into(tmp, out)
+
+
+def conv_transpose2d_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:
+    """2·Cout/groups·Kh·Kw flops per input element; every operand moves once."""
+    x, w = shapes[0], shapes[1]
+    flops = 2 * math.prod(x) * w[1] * w[2] * w[3]
+    moved = sum(math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+    return CostEstimate(flops=flops, bytes_moved=moved)
+
+
+# |out - ref| <= max_relative·|ref| + max_absolute·S with S the same transposed convolution of |x| and
+# |w| per output element. Twice the worst error `python -m fuel.testing.measure ConvTranspose2D` found
+# over seeds 0-59 of fuel.testing.reference.conv; the relative part is at least the output's unit
+# roundoff, and the half types' absolute part is the f32 impl's.
+CONV_TRANSPOSE2D_PRECISION = {
+    DType.F32: PrecisionGuarantee(True, None, 1.2e-6, 2.9e-7, "stride 1: flipped-kernel gather, else col2im; f32"),
+    DType.F64: PrecisionGuarantee(True, None, 2.2e-15, 5.0e-16, "stride 1: flipped-kernel gather, else col2im; f64"),
+    DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, 2.9e-7, "exact widening, f32 as for f32, one RNE store"),
+    DType.F16: PrecisionGuarantee(True, None, 9.8e-4, 2.9e-7, "exact widening, f32 as for f32, one RNE store"),
+}
+
+
+def register(registry: FusedKernelRegistry) -> None:
+    rev = revision_of(conv_transpose2d_kernel)
+    for dt in FLOAT_DTYPES:
+        registry.register(BackendImpl(FusedOps.CONV_TRANSPOSE2D, "cpu", conv_transpose2d_kernel, (dt, dt, dt),
+                                      conv_transpose2d_cost, CONV_TRANSPOSE2D_PRECISION[dt], CONTIGUOUS_ONLY, rev))

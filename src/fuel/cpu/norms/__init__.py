@@ -1,0 +1,1 @@
+"""RmsNorm, LayerNorm and Softmax over the last axis, and their backwards."""

@@ -1,0 +1,373 @@
+"""QMatMul's decode path (activation rows R <= DECODE_ROWS): one pass over the weight bytes, no BLAS.
+
+Each output is one W row's dot product with one activation row, by 32-weight units (a 32-element block,
+or 32 elements of a K-quant super-block; the decoders are in `gguf_units`): a unit gives its codes as two
+16-lane vectors of exact small-integer floats straight from the packed bytes (`simd16.codes`: shifts and
+masks in 8-bit lanes, one widening convert), with its scale s and offset b (gguf-py's value: code·s + b).
+Nothing dequantised is stored; the accumulators are vector values in registers.
+
+- R = 1 (a decode token): where a unit shares one scale (32-element blocks, Q4_K/Q5_K sub-blocks) it is
+  factored out, acc = fma(s, Σ code·x, acc) in 16 lanes, and the offset term b·Σx (Q4_1, Q5_1, Q4_K,
+  Q5_K) goes to a separate accumulator, with the 32-element sums of x computed once per call for all W
+  rows: 3 vector operations per 32 weights besides the conversion, where the values cost 6. Its rounding
+  is ~u·(|s·code| + |b|)·|x| rather than ~u·|s·code + b|·|x|: larger only where code·s + b cancels (the
+  impl's PrecisionGuarantee). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the values: the same cost
+  there. W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
+  prefetching its share of a later pair's bytes into L1 (the next pair, or the first at least 4 KiB on:
+  `driver.ahead_of`), so that pair is in L1 when it starts (`rows_one`). Adjacent rows with no software
+  prefetch ran at half the memory speed; rows j and j + h of a chunk, each stream prefetched 4 KiB ahead
+  into L2, took 1.08-1.13x the time for Q4_0, 1.05x for Q4_K, 1.02x for Q6_K and 0.99-1.02x for Q8_0
+  (4096², two threads, weight evicted, interleaved in one process on an AVX-512 Xeon; not measured on
+  AVX2 hosts). K-quants go super-block by super-block
+  (`_super`), the units written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time
+  of a loop over units), the offsets as one vector FMA per super-block (mins times the units' sums of
+  x). On AVX-512 hosts Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit
+  pairs in `kpair_q4k_table`), the activations permuted to the lanes' order (`gguf_decode`); on AVX2
+  hosts Q4_0 looks a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and Q6_K take
+  their codes from 32-bit words in place (`gguf_words`).
+- 1 < R <= DECODE_ROWS: each unit's values code·s + b are formed once (gguf-py's operations) and FMA'd
+  into up to four activation rows' accumulators at a time.
+
+A row's output is its lanes summed in a fixed tree, plus (32-element blocks) the scalar offset accumulator
+or less (K-quants) the offset vector's lanes summed the same way: one fixed sequence of f32 operations
+whichever chunk, pair or thread computes it, so the bytes never depend on the thread count. K-quant
+super-block scales are unpacked once per super-block into a 32-float stack scratch (ggml's 32-bit mask
+tricks for the 6-bit fields), not once per unit; it stays in memory, so each scale is a broadcast load.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import carray, njit
+
+from fuel.cpu.quant.nibble_tables import nibble_codes, pair_scales
+from fuel.cpu.simd.driver import ahead_of, pair_bounds, pair_chunk_count
+from fuel.cpu.simd.simd16 import (
+    adds,
+    fma,
+    fmas,
+    hi8,
+    hsum,
+    muls,
+    prefetch,
+    stack_f32,
+    vadd,
+    vload,
+    vmul,
+    vzero,
+)
+from fuel.runtime.atomics import pointer
+
+DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
+CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
+Z = np.float32(0)
+
+
+# ---- the driver -------------------------------------------------------------------------------------
+
+SHARED, BIAS, FACTOR_BIAS, SUPER = 1, 2, 4, 8  # kind bits: one scale per unit, offsets, offsets factored, K-quant
+
+
+@njit(inline="always", cache=True)
+def _value(q: Any, s: Any, b: Any, kind: int) -> Any:
+    """gguf-py's values: q * s, then + b where the type has offsets (two roundings, as gguf-py)."""
+    v = muls(q, s)
+    return adds(v, b) if kind & BIAS else v
+
+
+@njit(inline="always", cache=True)
+def _factored(kind: int) -> bool:
+    return bool(kind & SHARED) and (not kind & BIAS or bool(kind & FACTOR_BIAS))
+
+
+@njit(inline="always", cache=True)
+def _dot(kind: int, q0: Any, q1: Any, s0: Any, b0: Any, w0: Any, w1: Any, x: Any, xo: int, acc: Any, macc: Any,
+         sx: Any, su: int) -> Any:
+    """(acc, macc) after one unit dotted with x[xo:xo + 32]: factored (codes q, scale s0, offset b0 times
+    the activations' sum sx[su]) or by the values w0, w1."""
+    if _factored(kind):
+        acc = fmas(s0, fma(q1, vload(x, xo + 16), vmul(q0, vload(x, xo))), acc)
+        if kind & BIAS:
+            macc += b0 * sx[su]
+        return acc, macc
+    return fma(w1, vload(x, xo + 16), fma(w0, vload(x, xo), acc)), macc
+
+
+@njit(inline="always", cache=True)
+def _unit(vals: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) -> Any:
+    """Unit u of the row at byte rb: its codes, scale and offset, and its values where not factored."""
+    if kind & SUPER:
+        q0, q1, s0, s1, b0, b1 = vals(row, rb + bpb * (u >> 3), u & 7, sc)
+    else:
+        q0, q1, s0, s1, b0, b1 = vals(row, rb + bpb * u, 0, sc)
+    if _factored(kind):
+        return q0, q1, s0, b0, q0, q1
+    return q0, q1, s0, b0, _value(q0, s0, b0, kind), _value(q1, s1, b1, kind)
+
+
+@njit(inline="always", cache=True)
+def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, i: int, k: int, sx: Any,
+          sc: Any) -> Any:
+    """One W row (at byte rb) dotted with activation row i."""
+    acc = vzero()
+    macc = Z
+    units = k // 32
+    for u in range(units):
+        if kind & SUPER and u & 7 == 0:
+            prep(row, rb + bpb * (u >> 3), sc)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
+        acc, macc = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, acc, macc, sx, i * units + u)
+    return hsum(acc) + macc
+
+
+@njit(inline="always", cache=True)
+def _next_pair(row: Any, rb: int, rb1: int, ahead: int, bpb: int, u: int) -> None:
+    """At unit u of the adjacent rows rb, rb1, prefetch the unit-u bytes of the pair `ahead` on: one line a unit
+    where the pair's 2·bpb bytes fit one, else a line in each row (Q8_0 and Q8_1; one line at every 2·bpb
+    skips lines, and two took 1.05x the time: 4096², two threads, weight evicted, on a Xeon)."""
+    if 2 * bpb <= 64:
+        prefetch(row, rb + ahead + 2 * bpb * u)
+    else:
+        prefetch(row, rb + ahead + bpb * u)
+        prefetch(row, rb1 + ahead + bpb * u)
+
+
+@njit(inline="always", cache=True)
+def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, i: int, i1: int,
+          k: int, sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
+    """W row rb with activation row i and W row rb1 with activation row i1, interleaved: independent FMA
+    chains (each pair element is computed exactly as `_row1` computes it). Where ahead > 0 the rows are
+    adjacent (`rows_one`) and each unit prefetches its share of the next pair, `ahead` bytes on."""
+    a0 = vzero()
+    a1 = vzero()
+    m0 = m1 = Z
+    units = k // 32
+    for u in range(units):
+        if kind & SUPER and u & 7 == 0:
+            prep(row, rb + bpb * (u >> 3), sc)
+            prep(row, rb1 + bpb * (u >> 3), sc1)
+        if ahead:
+            _next_pair(row, rb, rb1, ahead, bpb, u)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
+        a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb1, u, sc1)
+        a1, m1 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
+    return hsum(a0) + m0, hsum(a1) + m1
+
+
+@njit(inline="always", cache=True)
+def _kunit(vals: Any, kind: int, row: Any, o: int, j: int, sc: Any, x: Any, xo: int, acc: Any) -> Any:
+    """acc after unit j (a constant) of the super-block at byte o dotted with x[xo + 32j:]; a factored
+    offset is left to the super-block's vector term (`_super`)."""
+    q0, q1, s0, s1, b0, b1 = vals(row, o, j, sc)
+    xo += 32 * j
+    if _factored(kind):
+        return fmas(s0, fma(q1, vload(x, xo + 16), vmul(q0, vload(x, xo))), acc)
+    return fma(_value(q1, s1, b1, kind), vload(x, xo + 16), fma(_value(q0, s0, b0, kind), vload(x, xo), acc))
+
+
+@njit(inline="always", cache=True)
+def _super(vals: Any, prep: Any, bpb: int, kind: int, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any,
+           sx: Any, so: int) -> Any:
+    """(acc, mv) after the super-block at byte o dotted with x[xo:xo + 256], R = 1: its units four at a
+    time, written out, so that every shift is a constant (LLVM did not unroll a loop of Q6_K's units, and a
+    variable byte shift costs x86 a widening to 16-bit lanes and back); Q4_K/Q5_K's factored offsets as one
+    vector FMA, their mins (sc[8:16]) times the units' sums of x (sx[so + 8:so + 16], lanes 0-7 zero)."""
+    prep(row, o, sc)
+    for h in range(2):  # units 4h + c: every type's shifts depend on c only (Q3_K's high bits aside)
+        acc = _kunit(vals, kind, row, o, 4 * h + 0, sc, x, xo, acc)
+        acc = _kunit(vals, kind, row, o, 4 * h + 1, sc, x, xo, acc)
+        acc = _kunit(vals, kind, row, o, 4 * h + 2, sc, x, xo, acc)
+        acc = _kunit(vals, kind, row, o, 4 * h + 3, sc, x, xo, acc)
+    if kind & FACTOR_BIAS:
+        mv = fma(hi8(vload(sc, 0)), vload(sx, so), mv)
+    return acc, mv
+
+
+@njit(inline="always", cache=True)
+def prefetch_pair(row: Any, rb: int, ahead: int, bpb: int, b: int) -> None:
+    """Prefetch the 2·bpb bytes at rb + ahead + 2·bpb·b: at a pair's super-block b, the pair's `ahead` on
+    (two adjacent rows of super-blocks of bpb bytes, `rows_one`)."""
+    for t in range(0, 2 * bpb, 64):
+        prefetch(row, rb + ahead + 2 * bpb * b + t)
+
+
+@njit(inline="always", cache=True)
+def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
+           sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
+    """K-quant W rows rb and rb1 dotted with x (R = 1), super-block by super-block: Σ lanes of the
+    products, less Σ lanes of the offset terms (one fixed sequence per row, whichever its partner)."""
+    a0 = vzero()
+    a1 = vzero()
+    m0 = vzero()
+    m1 = vzero()
+    for b in range(k // 256):
+        prefetch_pair(row, rb, ahead, bpb, b)
+        a0, m0 = _super(vals, prep, bpb, kind, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
+        a1, m1 = _super(vals, prep, bpb, kind, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+    return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
+
+
+@njit(inline="always", cache=True)
+def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any,
+                     so: int) -> Any:
+    """`_super` for Q4_K by table (`nibble_tables.nibble_codes`): its unit pairs 2p, 2p + 1 (the low and high
+    nibbles of the same 32 bytes) as four 16-lane vectors, each lane scaled by its unit's scale; x holds
+    each 64 activations in `gguf_units.UNIT_ORDER_Q4K` order."""
+    prep(row, o, sc)
+    for p in range(4):
+        src, xp = o + 16 + 32 * p, xo + 64 * p
+        inner = vmul(nibble_codes(row, src, 0), vload(x, xp))
+        inner = fma(nibble_codes(row, src + 8, 0), vload(x, xp + 16), inner)
+        inner = fma(nibble_codes(row, src + 16, 0), vload(x, xp + 32), inner)
+        inner = fma(nibble_codes(row, src + 24, 0), vload(x, xp + 48), inner)
+        acc = fma(pair_scales(sc, 2 * p), inner, acc)
+    return acc, fma(hi8(vload(sc, 0)), vload(sx, so), mv)
+
+
+@njit(inline="always", cache=True)
+def pair_supers(sup: Any, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any, sc: Any,
+                sc1: Any, ahead: int) -> tuple[Any, Any, Any, Any]:
+    """The (products, offsets) accumulators of K-quant W rows rb and rb1 over their super-blocks, each
+    taken by `sup(prep, row, o, sc, x, xo, acc, mv, sx, so)` (a table or word decoder's super-block), the
+    next pair's bytes prefetched as in `kpair`."""
+    a0 = vzero()
+    a1 = vzero()
+    m0 = vzero()
+    m1 = vzero()
+    for b in range(k // 256):
+        prefetch_pair(row, rb, ahead, bpb, b)
+        a0, m0 = sup(prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
+        a1, m1 = sup(prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+    return a0, m0, a1, m1
+
+
+@njit(inline="always", cache=True)
+def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
+                    sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
+    """`kpair` for Q4_K by table (vals and kind unused: the decoding is `_super_q4k_table`'s)."""
+    a0, m0, a1, m1 = pair_supers(_super_q4k_table, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
+    return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
+
+
+@njit(inline="always", cache=True)
+def bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
+           sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
+    """32-element block W rows rb and rb1 dotted with x (R = 1), the next pair's bytes (`ahead` on)
+    prefetched as they go."""
+    return _row2(vals, prep, bpb, kind, row, rb, rb1, x, 0, 0, k, sx, sc, sc1, ahead)
+
+
+@njit(inline="always", cache=True)
+def _rows4(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, i: int, m: int, k: int,
+           sx: Any, sc: Any, out: Any, j: int) -> None:
+    """out[i:i + 4, j]: one W row with four activation rows (of m: the last repeated where m < 4), each
+    unit decoded once for the four, and each element computed exactly as `_row1` computes it."""
+    i1, i2, i3 = min(i + 1, m - 1), min(i + 2, m - 1), min(i + 3, m - 1)
+    a0 = vzero()
+    a1 = vzero()
+    a2 = vzero()
+    a3 = vzero()
+    m0 = m1 = m2 = m3 = Z
+    units = k // 32
+    for u in range(units):
+        if kind & SUPER and u & 7 == 0:
+            prep(row, rb + bpb * (u >> 3), sc)
+        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
+        a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
+        a1, m1 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
+        a2, m2 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i2 * k + 32 * u, a2, m2, sx, i2 * units + u)
+        a3, m3 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i3 * k + 32 * u, a3, m3, sx, i3 * units + u)
+    out[i, j] = hsum(a0) + m0
+    out[i1, j] = hsum(a1) + m1
+    out[i2, j] = hsum(a2) + m2
+    out[i3, j] = hsum(a3) + m3
+
+
+@njit(inline="always", cache=True)
+def rows_one(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
+              row: Any, pair: Any) -> None:
+    """Chunk c of out <- a @ dequant(w)ᵀ for one activation row (x and row: a and w flat; pair: the two-row
+    dot, `bpair` or `kpair`): W rows j and j + 1 together, one sequential stream, while the pair's dot
+    prefetches a pair ahead's bytes (`ahead_of`) into L1 as it goes."""
+    k = a.shape[1]
+    lo, hi = pair_bounds(c, w.shape[0])
+    rl = w.shape[1]
+    sc0 = carray(stack_f32(32), (32,))
+    sc1 = carray(stack_f32(32), (32,))
+    ahead = ahead_of(2 * rl)
+    for j in range(lo, hi, 2):
+        j1 = min(j + 1, hi - 1)  # an odd last row as a pair with itself: the same operations
+        out[0, j], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j, rl * j1, x, k, sx, sc0, sc1, ahead)
+
+
+@njit(inline="always", cache=True)
+def rows_many(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
+               row: Any) -> None:
+    """Chunk c of out <- a @ dequant(w)ᵀ for 2 <= m <= DECODE_ROWS activation rows: each unit's values are
+    formed once and FMA'd into four rows at a time. For a given m every element is the same operations
+    whichever way it is reached."""
+    m, k = a.shape
+    lo, hi = pair_bounds(c, w.shape[0])
+    rl = w.shape[1]
+    sc0 = carray(stack_f32(32), (32,))
+    sc1 = carray(stack_f32(32), (32,))
+    kind &= ~FACTOR_BIAS  # the values, formed once for all the activation rows, cost less than the offsets
+    for j in range(lo, hi):
+        g = 0
+        while m - g >= 3:  # fours, and a last three as a four repeating its last row (same value twice)
+            _rows4(vals, prep, bpb, kind, row, rl * j, x, g, m, k, sx, sc0, out, j)
+            g += 4
+        if m - g == 2:
+            out[g, j], out[g + 1, j] = _row2(vals, prep, bpb, kind, row, rl * j, rl * j, x, g, g + 1, k, sx, sc0,
+                                             sc1, 0)
+        elif m - g == 1:
+            out[g, j] = _row1(vals, prep, bpb, kind, row, rl * j, x, g, k, sx, sc0)
+
+
+@njit(inline="always", cache=True)
+def part_chunks(part: int, parts: int, n: int) -> tuple[int, int]:
+    """Chunks [c0, c1) of part `part` of `parts` (of n W rows): whole chunks, so a row's bytes never depend
+    on the part count."""
+    chunks = pair_chunk_count(n)
+    return part * chunks // parts, (part + 1) * chunks // parts
+
+
+@njit(cache=True)
+def fill_gemv_args(a: Any, w: Any, out: Any, argv: Any) -> None:
+    """argv <- the addresses and sizes `gemv_args` reads: a [1, k] f32, w [n, row bytes] u8, out [1, n] f32."""
+    argv[0], argv[1], argv[2] = a.ctypes.data, a.shape[1], w.ctypes.data
+    argv[3], argv[4], argv[5] = w.shape[0], w.shape[1], out.ctypes.data
+
+
+@njit(inline="always", cache=True)
+def activations_as_given(a: Any) -> Any:
+    """The row after a [1, k] in memory: the table kernels' activations in their own order, as given."""
+    return carray(pointer(a.ctypes.data + 4 * a.shape[1], np.float32), a.shape)
+
+
+@njit(inline="always", cache=True)
+def gemv_args(argv: int) -> tuple[Any, Any, Any]:
+    """A one-row decode task's (a, w, out) from its argv (`fill_gemv_args`)."""
+    v = carray(pointer(argv, np.int64), (6,))
+    a = carray(pointer(v[0], np.float32), (1, v[1]))
+    w = carray(pointer(v[2], np.uint8), (v[3], v[4]))
+    return a, w, carray(pointer(v[5], np.float32), (1, v[3]))
+
+
+@njit(inline="always", cache=True)
+def block_sums(a: Any, kind: int) -> Any:
+    """Σ of each 32 activations (fixed order) for the factored offset term: only R = 1 factors offsets.
+    K-quants lay them out 16 a super-block, its eight sums in lanes 8-15 (`_super`)."""
+    m, k = a.shape
+    factored = kind & FACTOR_BIAS and m == 1
+    per = 16 if kind & SUPER else 1  # slots per 8 units
+    sx = np.zeros(k // 32 * per // (8 if kind & SUPER else 1) if factored else 1, np.float32)
+    if factored:
+        x = a.reshape(k)
+        for u in range(k // 32):
+            at = 16 * (u >> 3) + 8 + (u & 7) if kind & SUPER else u
+            sx[at] = hsum(vadd(vload(x, 32 * u), vload(x, 32 * u + 16)))
+    return sx

@@ -1,0 +1,1 @@
+"""The Mamba scans: SelectiveScan (Mamba-1) and SsdChunkScan (Mamba-2)."""

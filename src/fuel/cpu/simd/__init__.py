@@ -1,0 +1,2 @@
+"""Low-level building blocks for jitted kernels: 16-lane f32 vectors, scalar math LLVM vectorises,
+bf16/f16 plumbing, AMX tiles and BLAS called from jitted code."""

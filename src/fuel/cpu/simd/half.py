@@ -1,0 +1,106 @@
+"""Half-precision plumbing for Numba kernels: bf16 as uint16 bits, widened and rounded by hand.
+
+Numba has no half arithmetic. bf16 widens exactly with a 16-bit shift and narrows with
+round-to-nearest-even on the f32 bits (NaN stays NaN); f16 goes through NumPy's exact casts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from fuel.cpu.simd.driver import chunk_bounds, chunk_count, row_kernel
+from fuel.cpu.simd.vecmath import bf16_to_f32, f32_to_bf16
+from fuel.dtype import DType
+from fuel.runtime.buffers import POOL
+
+
+@njit(inline="always", cache=True)
+def widen_bf16_row(src: Any, dst_bits: Any) -> None:
+    """dst_bits (uint32) <- src (uint16 bf16 bits) << 16; view dst_bits as float32 to read it."""
+    wide = dst_bits.view(np.float32)
+    for j in range(src.shape[0]):
+        wide[j] = bf16_to_f32(src[j])
+
+
+@njit(inline="always", cache=True)
+def narrow_bf16_row(src_bits: Any, dst: Any) -> None:
+    """dst (uint16) <- round-to-nearest-even of src_bits (float32 bits as uint32); NaN stays a quiet NaN."""
+    src = src_bits.view(np.float32)
+    for j in range(src.shape[0]):
+        dst[j] = f32_to_bf16(src[j])
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The uint16 bits of a bf16 array (no copy)."""
+    return a.view(np.uint16)
+
+
+def rows2d(a: np.ndarray) -> np.ndarray:
+    """A contiguous array seen as [outer, last] (rank 0 and 1 included)."""
+    if a.ndim == 2 and a.shape[1]:
+        return a
+    last = a.shape[-1] if a.ndim else 1
+    return a.reshape(-1, last) if last else a.reshape(0, 0)
+
+
+def via_f32(kernel: Callable[[list[np.ndarray], np.ndarray, Any], None]) -> Callable[..., None]:
+    """Run an f32 kernel for f16 data: widen inputs exactly, compute in f32, round once into out."""
+
+    def run(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
+        wide = [a.astype(np.float32) if a.dtype == DType.F16.np else a for a in inputs]
+        tmp = POOL.empty(out.shape, np.dtype(np.float32))
+        kernel(wide, tmp, params)
+        np.copyto(out, tmp, casting="unsafe")
+
+    run.__wrapped__ = kernel  # type: ignore[attr-defined]
+    return run
+
+
+@row_kernel()
+def _widen_bf16(src: Any, dst_bits: Any) -> None:
+    """dst_bits (uint32, flat) <- bf16 bits (uint16, flat) << 16: exact, at memory speed."""
+    n = src.shape[0]
+    chunks = chunk_count(n)
+    for c in prange(chunks):
+        lo, hi = chunk_bounds(c, n, chunks)
+        widen_bf16_row(src[lo:hi], dst_bits[lo:hi])
+
+
+@row_kernel()
+def _narrow_bf16(src_bits: Any, dst: Any) -> None:
+    """dst (bf16 bits, flat) <- nearest-even rounding of src_bits (float32 bits as uint32, flat)."""
+    n = src_bits.shape[0]
+    chunks = chunk_count(n)
+    for c in prange(chunks):
+        lo, hi = chunk_bounds(c, n, chunks)
+        narrow_bf16_row(src_bits[lo:hi], dst[lo:hi])
+
+
+def widened(x: np.ndarray) -> np.ndarray:
+    """An exact f32 copy of a bf16/f16 array, in a pooled buffer, in x's own matrix order.
+
+    A column-major x (a transposed weight) is widened as its contiguous transpose and handed back
+    transposed, so BLAS reads it with its trans flag instead of us gathering it element by element.
+    """
+    if not x.flags.c_contiguous and x.ndim >= 2 and x.swapaxes(-1, -2).flags.c_contiguous:
+        return widened(x.swapaxes(-1, -2)).swapaxes(-1, -2)
+    wide = POOL.empty(x.shape, np.dtype(np.float32))
+    if x.dtype == DType.BF16.np:
+        if x.size:  # reshape(-1) gathers any other strided x in C order, matching wide's layout
+            _widen_bf16(bits(x).reshape(-1), wide.reshape(-1).view(np.uint32))
+    else:
+        np.copyto(wide, x, casting="safe")
+    return wide
+
+
+def narrow_into(src: np.ndarray, out: np.ndarray) -> None:
+    """out (bf16 or f16, contiguous) <- src (f32, contiguous, same shape) rounded once to nearest-even."""
+    if out.dtype == DType.BF16.np:
+        if out.size:
+            _narrow_bf16(src.reshape(-1).view(np.uint32), bits(out).reshape(-1))
+    else:
+        np.copyto(out, src, casting="unsafe")

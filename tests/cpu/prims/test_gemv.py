@@ -1,0 +1,107 @@
+"""Decode-sized matmul (a few rows times a weight) runs a serial Numba pass: checked against torch. It has
+kernels for f32 and f64 only, and refuses anything else instead of reading it as the wrong type."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+import fuel as fl
+from fuel.cpu.prims import prims
+from fuel.cpu.prims.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, f32_jobs, gemv
+from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.errors import KernelError
+from fuel.testing.oracle import assert_close_contraction
+
+
+def _check(a: np.ndarray, b: np.ndarray, got: np.ndarray, dtype: DType) -> None:
+    a64, b64 = torch.from_numpy(a.astype(np.float64)), torch.from_numpy(b.astype(np.float64))
+    want = (a64 @ b64).numpy()
+    assert_close_contraction(got, want, (a64.abs() @ b64.abs()).numpy(), dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: d.value)
+@pytest.mark.parametrize("lead", [(1,), (3,), (4,), (2, 2), (1, 1)], ids=str)
+def test_small_row_counts_match_torch(dtype: DType, lead: tuple[int, ...], rng: np.random.Generator) -> None:
+    a = rng.standard_normal((*lead, 96)).astype(dtype.np)
+    b = (rng.standard_normal((96, 40)) * 0.1).astype(dtype.np)
+    got = (fl.tensor(a) @ fl.tensor(b)).numpy()
+    assert got.dtype == dtype.np and got.shape == (*lead, 40)
+    _check(a, b, got, dtype)
+
+
+def test_strided_rows_broadcast_weights_and_nonfinite_values(rng: np.random.Generator) -> None:
+    a = rng.standard_normal((2, 64)).astype(np.float32)[:, ::2]  # strided rows
+    b = rng.standard_normal((32, 16)).astype(np.float32)
+    b[3, 5] = np.inf
+    got = (fl.tensor(a) @ fl.tensor(b)).numpy()
+    want = torch.from_numpy(a.astype(np.float64)) @ torch.from_numpy(b.astype(np.float64))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want.numpy()))
+    b[3, 5] = 0
+    batched = (fl.tensor(a[None]) @ fl.tensor(b).broadcast_to(1, 32, 16)).numpy()
+    _check(a, b, batched[0], fl.f32)
+
+
+def test_decode_path_is_taken_and_bit_stable_across_thread_counts(
+        rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = rng.standard_normal((1, 576)).astype(np.float32)
+    b = rng.standard_normal((576, 192)).astype(np.float32)
+    assert a.shape[0] <= GEMV_MAX_ROWS and b.nbytes <= GEMV_MAX_BYTES
+    calls: list[int] = []
+    real = prims.gemv
+    monkeypatch.setattr(prims, "gemv", lambda *args: (calls.append(1), real(*args)))
+    first = (fl.tensor(a) @ fl.tensor(b)).numpy()
+    assert calls == [1]
+    before = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            fl.set_num_threads(n)
+            assert (fl.tensor(a) @ fl.tensor(b)).numpy().tobytes() == first.tobytes()
+    finally:
+        fl.set_num_threads(before)
+    _check(a, b, first, fl.f32)
+
+
+def test_large_weights_and_many_rows_stay_on_blas(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prims, "gemv", lambda *args: pytest.fail("gemv used outside its sizes"))
+    a = rng.standard_normal((GEMV_MAX_ROWS + 1, 32)).astype(np.float32)
+    b = rng.standard_normal((32, 8)).astype(np.float32)
+    _check(a, b, (fl.tensor(a) @ fl.tensor(b)).numpy(), fl.f32)
+    row = rng.standard_normal((1, 512)).astype(np.float32)
+    big = rng.standard_normal((512, GEMV_MAX_BYTES // 2048 + 1)).astype(np.float32)  # just over the size
+    _check(row, big, (fl.tensor(row) @ fl.tensor(big)).numpy(), fl.f32)
+
+
+@pytest.mark.parametrize(("da", "db", "dout"), [
+    *((d, d, d) for d in (fl.u8, fl.u32, fl.u64, fl.i64, fl.f16, fl.bf16)),
+    (fl.f32, fl.f64, fl.f64), (fl.f64, fl.f32, fl.f64), (fl.f64, fl.f64, fl.f32), (fl.f32, fl.f32, fl.u8),
+], ids=str)
+def test_gemv_refuses_dtypes_it_has_no_kernel_for(da: DType, db: DType, dout: DType) -> None:
+    a, b = np.ones((2, 256), da.np), np.ones((256, 256), db.np)
+    out = np.full((2, 256), 7, dout.np)
+    with pytest.raises(KernelError, match=rf"gemv: has a kernel for a, b and out all float32, float64, got "
+                                          rf"{da.np}, {db.np} and {dout.np}"):
+        gemv(a, b, out)
+    assert (out == 7).all() and (a == 1).all() and (b == 1).all()
+
+
+def test_gemv_refuses_shapes_and_layouts_it_would_read_out_of_bounds() -> None:
+    a, out = np.ones((2, 64), np.float32), np.zeros((2, 32), np.float32)
+    with pytest.raises(KernelError, match=r"gemv: needs a \[M, K\] and b \[K, N\] C-contiguous and out \[M, N\], "
+                                          r"got \[2, 64\], \[32, 32\] and \[2, 32\]"):
+        gemv(a, np.ones((32, 32), np.float32), out)
+    with pytest.raises(KernelError, match="C-contiguous"):
+        gemv(a, np.ones((32, 64), np.float32).T, out)
+    with pytest.raises(KernelError, match=r"got \[2, 64\], \[64, 32\] and \[2, 16\]"):
+        gemv(a, np.ones((64, 32), np.float32), np.zeros((2, 16), np.float32))
+    assert not out.any()
+
+
+def test_the_native_replays_jobs_take_f32_only() -> None:
+    a, b, out = np.ones((1, 64)), np.ones((64, 32)), np.zeros((1, 32))
+    with pytest.raises(KernelError, match=r"gemv\.f32_jobs: has a kernel for a, b and out all float32, got float64"):
+        f32_jobs(a, b, out)
+    with pytest.raises(KernelError, match=r"gemv\.f32_jobs: .* out \[M, N\] C-contiguous"):
+        f32_jobs(a.astype(np.float32), b.astype(np.float32), np.zeros((1, 64), np.float32)[:, ::2])
