@@ -20,7 +20,7 @@ from numba.extending import intrinsic
 from benchmarks import timing
 from benchmarks.bench_ops import machine_limits
 from fuel.cpu.simd.simd16 import hsum, vadd, vload, vzero
-from fuel.runtime import pool as spin
+from fuel.runtime import pool as spinning_pool
 
 FLUSH_BYTES = 64 << 20  # twice this machine's L3
 
@@ -167,7 +167,7 @@ def weight_cold(weight_arrays: tuple[np.ndarray, ...], x: np.ndarray) -> None:
     """EVICT_WAY's preparation: the weight and x evicted, then the pool's workers woken (see the module
     docstring)."""
     evict(*weight_arrays, x)
-    spin.wake()
+    spinning_pool.wake()
 
 
 def timed_ms(fns: dict[str, Callable[[], Any]], repeat: int, budget_s: float = 60.0,

@@ -21,7 +21,7 @@ from fuel.errors import FuelError
 from fuel.io.gguf import bundled_gguf
 from fuel.models import generate as gen
 from fuel.models.llama import LlamaModel, ModelError
-from fuel.runtime import replay as native
+from fuel.runtime import replay
 from fuel.testing.llama_files import tiny_llama_gguf
 from tests.models.oracles import hf_greedy, hf_logits
 
@@ -94,7 +94,7 @@ def test_decode_runs_natively_with_the_python_replays_logits(smollm2: gen.LLM, m
     assert capture.native is not None
     assert not [item for item in capture.native.items if len(item) != 2] and capture.native.copied
     with monkeypatch.context() as m:
-        m.setattr(native, "prepare", lambda *a, **kw: None)
+        m.setattr(replay, "prepare", lambda *a, **kw: None)
         python = LlamaModel.load(bundled_gguf("smollm2"), capacity=64)
         want, _ = fuel_greedy(python, ids, 6)
         want_logits = python.decode(want[-1])

@@ -21,7 +21,7 @@ from fuel.dtype import DType
 from fuel.graph.registry.flash_attn import FlashAttnParams
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
-from fuel.runtime import jobs as launches
+from fuel.runtime import jobs
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
 
@@ -99,10 +99,10 @@ def test_other_arrays_params_or_shapes_are_not_matched(call: Call) -> None:
 
 
 def test_an_entry_dies_with_its_arrays() -> None:
-    table = launches.Launches()
+    table = jobs.JobCache()
     a, b = np.zeros(3), np.zeros(4)
     argv = np.zeros(2, np.int64)
-    table.remember((a, b), None, launches.Launch(0, argv, 0, 0.0, 1))
+    table.remember((a, b), None, jobs.Job(0, argv, 0, 0.0, 1))
     assert len(table) == 1 and table.find((a, b), None) is not None
     del a
     gc.collect()

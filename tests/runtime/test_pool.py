@@ -17,14 +17,13 @@ import fuel as fl
 from fuel.cpu.prims import gemv as gemv_module
 from fuel.cpu.quant import gguf_decode
 from fuel.quant import QuantType
-from fuel.runtime import pool as spin
-from fuel.runtime import threads
+from fuel.runtime import pool, threads
 from fuel.runtime.atomics import cycles, fetch_add, load_acquire, pointer, store
 from fuel.testing.pool import awake_when
 from fuel.testing.reference.qmatmul import random_weight
 
 
-@spin.task()
+@pool.task()
 def _count_parts(part: int, parts: int, argv: int) -> None:
     """argv: [counts address, size]; counts[part] += 1."""
     v = carray(pointer(argv, np.int64), (2,))
@@ -32,7 +31,7 @@ def _count_parts(part: int, parts: int, argv: int) -> None:
     fetch_add(counts, part, 1)
 
 
-@spin.task()
+@pool.task()
 def _rendezvous(part: int, parts: int, argv: int) -> None:
     """Two parts that each wait (up to v[2] cycles) for the other to arrive: both arrive only if two
     threads run them at once. flags[part] is set on arrival, flags[2 + part] if the other was seen."""
@@ -59,7 +58,7 @@ def two_threads() -> Any:
 def _counts_after(parts: int) -> np.ndarray:
     counts = np.zeros(max(parts, 1), np.int64)
     argv = np.array([counts.ctypes.data, counts.size], np.int64)
-    spin.run(_count_parts, argv, parts)
+    pool.run(_count_parts, argv, parts)
     return counts
 
 
@@ -70,7 +69,7 @@ def test_every_part_runs_exactly_once(two_threads: None, parts: int) -> None:
 
 
 def test_parts_run_once_when_the_workers_sleep_and_wake(two_threads: None) -> None:
-    for pause in (0.0, 2 * spin.SPIN_SECONDS, 0.01):
+    for pause in (0.0, 2 * pool.SPIN_SECONDS, 0.01):
         time.sleep(pause)
         assert (_counts_after(16) == 1).all()
 
@@ -78,8 +77,8 @@ def test_parts_run_once_when_the_workers_sleep_and_wake(two_threads: None) -> No
 def test_two_threads_run_parts_at_once(two_threads: None) -> None:
     flags = np.zeros(4, np.int64)
     argv = np.array([flags.ctypes.data, 0, 0], np.int64)
-    argv[2] = int(2.0 * spin._cycles_per_second())  # two seconds: far past a sleeping worker's wake-up
-    spin.run(_rendezvous, argv, 2)
+    argv[2] = int(2.0 * pool._cycles_per_second())  # two seconds: far past a sleeping worker's wake-up
+    pool.run(_rendezvous, argv, 2)
     assert flags.tolist() == [1, 1, 1, 1]
 
 
@@ -101,22 +100,22 @@ def test_a_busy_pool_runs_a_second_threads_job_in_that_thread(two_threads: None)
 
 
 def test_small_work_serial_blocks_and_one_thread_use_one_part(two_threads: None) -> None:
-    assert spin.parts_for(1e-3, 1000) == spin.PARTS_PER_THREAD * 2
-    assert spin.parts_for(1e-3, 3) == 3
-    assert spin.parts_for(spin.SPIN_MIN_SECONDS / 2, 1000) == 1
+    assert pool.parts_for(1e-3, 1000) == pool.PARTS_PER_THREAD * 2
+    assert pool.parts_for(1e-3, 3) == 3
+    assert pool.parts_for(pool.SPIN_MIN_SECONDS / 2, 1000) == 1
     with threads.serial():
-        assert spin.parts_for(1e-3, 1000) == 1
+        assert pool.parts_for(1e-3, 1000) == 1
     fl.set_num_threads(1)
-    assert spin.parts_for(1e-3, 1000) == 1
+    assert pool.parts_for(1e-3, 1000) == 1
 
 
-def _parked_pool() -> spin.SpinPool:
+def _parked_pool() -> pool.SpinPool:
     """The two-thread pool after a job, its worker parked and asleep."""
     _counts_after(8)
-    pool = spin._pool(1)
-    pool.park()
-    assert awake_when(pool, 0) == 0
-    return pool
+    workers = pool._pool(1)
+    workers.park()
+    assert awake_when(workers, 0) == 0
+    return workers
 
 
 def test_parked_workers_go_to_sleep(two_threads: None) -> None:
@@ -125,45 +124,45 @@ def test_parked_workers_go_to_sleep(two_threads: None) -> None:
 
 
 def test_wake_brings_sleeping_workers_up(two_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`spin.wake()` wakes sleeping workers (for a caller about to time a job after an idle gap), parked
+    """`pool.wake()` wakes sleeping workers (for a caller about to time a job after an idle gap), parked
     ones too; they spin and take parts as usual."""
-    pool = _parked_pool()
-    monkeypatch.setattr(pool, "limit", 1000 * pool.limit)  # spinning long enough to be seen on a busy host
-    spin.wake()
+    workers = _parked_pool()
+    monkeypatch.setattr(workers, "limit", 1000 * workers.limit)  # spinning long enough to be seen on a busy host
+    pool.wake()
     try:
-        assert awake_when(pool, 1) == 1
+        assert awake_when(workers, 1) == 1
         assert (_counts_after(8) == 1).all()
     finally:
-        pool.park()
+        workers.park()
 
 
 def test_workers_are_pinned_each_to_a_core_the_poster_keeps_free(two_threads: None) -> None:
     allowed = sorted(os.sched_getaffinity(0))
-    assert spin.worker_cores(1) == allowed[1:2]
-    assert spin.worker_cores(len(allowed)) == []  # more threads than cores: nothing pinned
+    assert pool.worker_cores(1) == allowed[1:2]
+    assert pool.worker_cores(len(allowed)) == []  # more threads than cores: nothing pinned
     _counts_after(8)
-    pool = spin._pool(1)
+    workers = pool._pool(1)
     assert len(allowed) >= 2, "the pinning is only exercised with two cores or more"
-    for core, t in zip(pool.cores, pool.threads, strict=True):
+    for core, t in zip(workers.cores, workers.threads, strict=True):
         assert os.sched_getaffinity(t.native_id) == {core}
     # A poster that sits on a worker's core is moved off it for the job, its affinity unchanged.
-    os.sched_setaffinity(0, {pool.cores[0]})
+    os.sched_setaffinity(0, {workers.cores[0]})
     os.sched_setaffinity(0, set(allowed))
     assert (_counts_after(8) == 1).all()
     assert os.sched_getaffinity(0) == set(allowed)
-    assert spin._cpu_reader()() not in pool.cores  # type: ignore[misc]
+    assert pool._cpu_reader()() not in workers.cores  # type: ignore[misc]
 
 
 def test_pinning_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FUEL_SPIN_PIN", "0")
-    assert spin.worker_cores(1) == []
+    assert pool.worker_cores(1) == []
 
 
 @pytest.fixture
 def forced_parts(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Run a kernel with a given part count, whatever its size."""
     def run(parts: int, fn: Any) -> Any:
-        monkeypatch.setattr(spin, "parts_for", lambda seconds, most: min(parts, most))
+        monkeypatch.setattr(pool, "parts_for", lambda seconds, most: min(parts, most))
         return fn()
     return run
 
@@ -242,10 +241,10 @@ def test_a_replaced_pool_ends_its_workers(two_threads: None) -> None:
         return sum(t.name.startswith("fuel-spin-") and t.is_alive() for t in threading.enumerate())
 
     _counts_after(8)
-    old = spin._pool(1)
+    old = pool._pool(1)
     replaced = [old]
     for workers in (2, 1, 2, 1):
-        replaced.append(spin._pool(workers))
+        replaced.append(pool._pool(workers))
         assert (_counts_after(16) == 1).all()
     deadline = time.monotonic() + 2.0
     ended = [t for p in replaced[:-1] for t in p.threads]

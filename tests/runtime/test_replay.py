@@ -23,8 +23,7 @@ from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType, nf4_quantize
-from fuel.runtime import pool as spin
-from fuel.runtime import replay as native
+from fuel.runtime import pool, replay
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.pool import awake_when
 from fuel.testing.reference.nf4_matmul import dequant64
@@ -38,7 +37,7 @@ EPS = 1e-5
 @pytest.fixture
 def python_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Captures made inside keep every step in Python."""
-    monkeypatch.setattr(native, "prepare", lambda *a, **k: None)
+    monkeypatch.setattr(replay, "prepare", lambda *a, **k: None)
     yield
 
 
@@ -112,7 +111,7 @@ def _steps(rng: np.random.Generator, n: int) -> list[np.ndarray]:
 
 def _python_bytes(rng_seed: int, xs: list[np.ndarray], monkeypatch: pytest.MonkeyPatch) -> list[np.ndarray]:
     with monkeypatch.context() as m:
-        m.setattr(native, "prepare", lambda *a, **k: None)
+        m.setattr(replay, "prepare", lambda *a, **k: None)
         block = Block(np.random.default_rng(rng_seed))
         f = fl.jit(block.graph)
         outs = block.run(f, xs)
@@ -132,7 +131,7 @@ def test_a_decode_block_runs_natively_with_the_python_replays_bytes(monkeypatch:
     assert cap is not None and cap.native is not None
     python_steps = [item for item in cap.native.items if len(item) != 2]
     # every step is native, the last writing the fresh output into a buffer of the capture's, copied out
-    assert len(cap.native.program.forms) == cap.n_steps and not python_steps and cap.native.copied
+    assert len(cap.native.program.jobs) == cap.n_steps and not python_steps and cap.native.copied
     assert set(cap.native.program.names) == {"pos", "k_len"}
 
 
@@ -175,7 +174,7 @@ def test_arguments_are_read_afresh_each_call_even_non_contiguous() -> None:
         (want,) = fl.realize(f.__wrapped__(fl.tensor(np.ascontiguousarray(x))))
         assert got.tobytes() == want.numpy().tobytes()
     cap = f.capture_for(x)
-    assert cap is not None and cap.native is not None and len(cap.native.program.forms) >= 2
+    assert cap is not None and cap.native is not None and len(cap.native.program.jobs) >= 2
 
 
 def test_a_cache_passed_as_argument_is_written_in_place() -> None:
@@ -199,7 +198,7 @@ def test_reused_outputs_come_from_native_steps() -> None:
         want = fl.realize(f.__wrapped__(fl.tensor(a), fl.tensor(b)))[0].numpy()
         assert got.tobytes() == want.tobytes()
     cap = f.capture_for(a, b)
-    assert cap is not None and cap.native is not None and len(cap.native.program.forms) == cap.n_steps - 1
+    assert cap is not None and cap.native is not None and len(cap.native.program.jobs) == cap.n_steps - 1
     assert not [item for item in cap.native.items if len(item) != 2]  # b broadcast once, from its staged copy
 
 
@@ -215,7 +214,7 @@ def test_small_fresh_outputs_are_written_natively_and_handed_out_as_copies(monke
         return (x * 2.0 + 1.0).reshape(24), (x - 1.0).silu()
 
     with monkeypatch.context() as m:
-        m.setattr(native, "prepare", lambda *a, **kw: None)
+        m.setattr(replay, "prepare", lambda *a, **kw: None)
         python = fl.jit(fn)
         want = [[t.numpy().copy() for t in python(x)] for x in xs]
     f = fl.jit(fn)
@@ -236,13 +235,13 @@ def test_small_fresh_outputs_are_written_natively_and_handed_out_as_copies(monke
 def test_a_fresh_output_over_the_staging_size_stays_in_python() -> None:
     """An output larger than `OUT_STAGE_MAX_BYTES` is allocated by its step each call, in Python: a copy
     of it would cost more than the Python step."""
-    rows = native.OUT_STAGE_MAX_BYTES // (4 * 64) + 1
+    rows = replay.OUT_STAGE_MAX_BYTES // (4 * 64) + 1
     x = np.random.default_rng(13).standard_normal((rows, 64)).astype(np.float32)
     f = fl.jit(lambda t: (t * 2.0) + 1.0)
     first, second = f(x).numpy(), f(x).numpy()
     cap = f.capture_for(x)
     assert cap is not None and cap.native is not None and not cap.native.copied
-    assert len(cap.native.program.forms) == 1 and len([item for item in cap.native.items if len(item) != 2]) == 1
+    assert len(cap.native.program.jobs) == 1 and len([item for item in cap.native.items if len(item) != 2]) == 1
     assert not np.shares_memory(first, second)
     assert second.tobytes() == ((x * np.float32(2)) + np.float32(1)).tobytes()
 
@@ -292,7 +291,7 @@ def _native_against_python(fn: Callable[[fl.Tensor], fl.Tensor], xs: list[np.nda
     """fn jitted over the calls xs natively, checked byte for byte against a jit of it whose captures keep
     every step in Python: (the native jit, its outputs)."""
     with monkeypatch.context() as m:
-        m.setattr(native, "prepare", lambda *a, **kw: None)
+        m.setattr(replay, "prepare", lambda *a, **kw: None)
         python = fl.jit(fn)
         want = [python(x).numpy() for x in xs]
     f = fl.jit(fn)
@@ -326,7 +325,7 @@ def test_one_row_qmatmul_runs_natively_every_way(qt: QuantType, way: str, monkey
     f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
     assert cap is not None and cap.native is not None
-    assert len(cap.native.program.forms) == (2 if way == "tables" else 1)  # the output copied out of its buffer
+    assert len(cap.native.program.jobs) == (2 if way == "tables" else 1)  # the output copied out of its buffer
     assert cap.native.step_count == 1  # one step however many jobs it posts
     for x, g in zip(xs, got, strict=True):
         ref = qmatmul64([x.astype(np.float64), words], params)
@@ -351,7 +350,7 @@ def test_one_row_nf4_matmul_runs_natively(bs: int, shape: tuple[int, ...], monke
     cap = f.capture_for(xs[0])
     assert cap is not None
     served = nf4_kernels.USE_TABLE and bs % 32 == 0
-    assert (cap.native is not None and len(cap.native.program.forms) == 2) == served
+    assert (cap.native is not None and len(cap.native.program.jobs) == 2) == served
     deq = dequant64(packed, absmax, bs)
     for x, g in zip(xs, got, strict=True):
         x64 = x.astype(np.float64)
@@ -373,7 +372,7 @@ def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.Monkey
     f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
     assert cap is not None
-    assert (cap.native is not None and len(cap.native.program.forms) == 2) == (rows <= 4)
+    assert (cap.native is not None and len(cap.native.program.jobs) == 2) == (rows <= 4)
     for x, g in zip(xs, got, strict=True):
         ref = (torch.from_numpy(x.astype(np.float64)) @ torch.from_numpy(w.astype(np.float64))).numpy()
         assert_close_contraction(g, ref, np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)), DType.F32)
@@ -389,26 +388,26 @@ def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.Monkey
     x = rng.standard_normal((64, 1024)).astype(np.float32)
     f = fl.jit(lambda t: ((t + 1.0) * 2.0 - t) / 3.0 * 1.0)
     f(x)
-    pool = spin._pool(1)
+    workers = pool._pool(1)
     woken: list[int] = []
     taken: list[int] = []  # the parts of the posted job claimed when Python wakes the workers
 
     def wake(w: int, e: threading.Event) -> None:
         woken.append(w)
-        taken.append(int(pool.ctl[spin.CLAIM]) & spin.UNCLAIMABLE)
+        taken.append(int(workers.ctl[pool.CLAIM]) & pool.UNCLAIMABLE)
         threading.Event.set(e)
 
-    for w, event in enumerate(pool.events):
+    for w, event in enumerate(workers.events):
         monkeypatch.setattr(event, "set", lambda w=w, e=event: wake(w, e))
     try:
         for _ in range(3):
-            pool.park()
-            assert all(awake_when(pool, 0, worker=w) == 0 for w in range(pool.workers))  # the workers sleep
+            workers.park()
+            assert all(awake_when(workers, 0, worker=w) == 0 for w in range(workers.workers))  # the workers sleep
             got = f(x).numpy()
             want = ((x + np.float32(1)) * np.float32(2) - x) / np.float32(3) * np.float32(1)
             assert got.tobytes() == want.tobytes()
     finally:
         fl.set_num_threads(saved)
     cap = f.capture_for(x)
-    assert cap is not None and cap.native is not None and len(cap.native.program.forms) == 5  # 256 KiB out: staged
+    assert cap is not None and cap.native is not None and len(cap.native.program.jobs) == 5  # 256 KiB out: staged
     assert woken and not any(taken)  # a stretch found them asleep and Python woke them before joining

@@ -114,14 +114,15 @@ def _call_task(typingctx: Any, address: Any, part: Any, parts: Any, argv: Any) -
 
 @intrinsic
 def _pointer(typingctx: Any, address: Any, dtype: Any) -> Any:
-    """The address as a typed pointer (`dtype`: a Numba number type, e.g. `float32`) for `carray`."""
+    """The address as a typed pointer (`dtype`: a Numba number type, e.g. `float32`, or a record dtype)
+    for `carray`."""
     ty = dtype.dtype if isinstance(dtype, types.DType) else getattr(dtype, "instance_type", None)
     if ty is None:
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         value = context.cast(builder, args[0], signature.args[0], types.int64)
-        return builder.inttoptr(value, context.get_value_type(ty).as_pointer())
+        return builder.inttoptr(value, context.get_data_type(ty).as_pointer())
 
     return types.CPointer(ty)(address, dtype), codegen
 

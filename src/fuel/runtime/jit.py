@@ -18,7 +18,7 @@ The contract:
   argument or captured array returned as is or viewed, a destructive op's result, a tensor returned
   twice) is copied out (`arena.shared_outputs`). A small output
   whose step runs natively is written into a buffer of the capture's own and copied out
-  (`native.OUT_STAGE_MAX_BYTES`).
+  (`replay.OUT_STAGE_MAX_BYTES`).
 - Each signature keeps its capture (and arena) for the life of `f`; `fl.jit(fn, max_arena_bytes=n)`
   drops the least recently used ones once the bytes they hold (arenas, and the native replay's staged
   buffers) pass n, for callers that see many shapes.
@@ -51,8 +51,7 @@ from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, dyn_value, is_constant, topo_order
 from fuel.graph.registry import default_registry
 from fuel.graph.traced import tracing
-from fuel.runtime import replay as native
-from fuel.runtime import threads
+from fuel.runtime import replay, threads
 from fuel.runtime.arena import arena, fold, shared_outputs
 
 _QUIET = contextlib.nullcontext()
@@ -95,7 +94,7 @@ class Capture:
         self.dyn = tuple(sorted({getattr(r.step.params, f).name for r in self.runs for f in r.step.dyn_fields}))
         self._checked = False
         self._lock = threading.Lock()  # one capture's arena serves one call at a time
-        self.native: native.Native | None = None  # prepared after the first call (`fuel.runtime.replay`)
+        self.native: replay.Native | None = None  # prepared after the first call (`fuel.runtime.replay`)
 
     def _layout(self, plan: Plan, leaves: list[Node], position: dict[int, int], nodes: list[Node],
                 roots: list[Node], reuse_outputs: bool) -> None:
@@ -179,7 +178,7 @@ class Capture:
         finally:
             threads.use_serial(False)
         if first:
-            self.native = native.prepare([r.step for r in self.runs], self.fast, self.template, args, self.arg_slots,
+            self.native = replay.prepare([r.step for r in self.runs], self.fast, self.template, args, self.arg_slots,
                                          self.fresh, self.output_slots)
         self._checked = True
         return self._outputs(slots, args)

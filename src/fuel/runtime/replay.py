@@ -1,31 +1,28 @@
-"""Native replay: a captured plan's steps run as one compiled loop over prepared task calls.
+"""Native replay: a captured plan's steps run as one compiled loop over their prepared jobs.
 
 A replayed decode step is hundreds of kernels of 1-100 µs, and Python around each one (the replay loop,
-the kernel's entry, its argument checks) cost ~2-10 µs a step: 3.5 ms of a 13 ms SmolLM2 token. Most of
-those kernels are already tasks of the spinning pool (`fuel.runtime.pool`) that read their arrays from an
-int64 argv, and a replayed step reads and writes the same arrays every call. So a capture prepares each
-such step once as a `Form` (task, argv, time estimate) and runs a whole stretch of them with one call into
-jitted code (`spin.run_steps`), which stores the call's DynScalar values into the argvs, picks each job's
-part count and posts it.
+the kernel's entry, its argument checks) costs microseconds a step. A kernel's work is a job of the pool
+(`fuel.runtime.jobs`): a task reading its arguments from a record, and a replayed step reads and writes the
+same arrays every call. So a capture prepares each such step's job once and runs a whole stretch of them
+with one call into jitted code (`pool.run_steps`), which stores the call's DynScalar values into the
+records, picks each job's part count and posts it.
 
 What makes a step native:
-- its kernel has a form builder (`fused_form` for a fused op's kernel, `prim_form` for a primitive), and
-  the builder accepts these arrays and params (it returns None otherwise: another dtype, a layout it does
-  not read, a size its task does not cover);
+- its kernel has a job builder (`jobs.kernel` or `jobs.replays` for a fused op's kernel, `prim_job` for a
+  primitive), and the builder accepts these arrays and params (it returns None otherwise: another dtype, a
+  layout it does not read, a size its task does not cover);
 - every array it reads or writes is the same at every call: a captured value, an arena buffer, a fold or
   view of them, or an argument, copied into a buffer of the capture's own first ("staged"). A Python
   step's result that does not come back in its arena buffer is copied there. A small fresh output (a
   `jit` without `reuse_outputs`) is written into a buffer of the capture's own and copied out at the end
-  of the call, where its step has a form; a larger one, or what a step allocates outside the arena,
+  of the call, where its step has a job; a larger one, or what a step allocates outside the arena,
   keeps the steps that touch it in Python.
-A form's task must compute the same bytes as the step's Python kernel: the norms and rope run the same
-task both ways, the elementwise primitives are single IEEE operations, and QMatMul, Nf4Matmul and FlashAttn
-post the jobs their kernels prepare.
+A replayed job is the one the eager kernel runs (same task, same record), so the bytes are the same.
 
-DynScalars: a form names the argv entries that take a DynScalar's value (`Form.dyn`) with the range the
+DynScalars: a job names the argv words that take a DynScalar's value (`Job.dyn`) with the range the
 value must lie in; a call whose values fall outside any range runs in Python, whose kernels raise the
-precise error. A form's time estimate may scale with one argv entry (`Form.unit`: FlashAttn's live keys),
-so the part count follows the value as `spin.parts_for` would.
+precise error. A job's time estimate may scale with one argv word (`Job.unit`: FlashAttn's live keys),
+so the part count follows the value as `pool.parts_for` would.
 """
 
 from __future__ import annotations
@@ -34,59 +31,23 @@ import importlib
 import math
 from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from fuel.dispatch.plan import Step
 from fuel.graph.node import DynScalar, Op, OpSpec
 from fuel.graph.prims import MAY_ALIAS
-from fuel.runtime import jobs as launches
-from fuel.runtime import pool as spin
+from fuel.runtime import pool
+from fuel.runtime.jobs import Job, Jobs, builder_of
 
-
-class Form(NamedTuple):
-    """One step as a task call: the task's address, its argv (int64; the form keeps it alive), one core's time
-    estimate (per unit of `argv[unit]` when unit >= 0) and the most parts it can be cut into, and
-    `dyn`: (argv index, DynScalar name, lowest, highest value) per entry bound at each call."""
-
-    task: int
-    argv: np.ndarray
-    seconds: float
-    most: int
-    unit: int = -1
-    dyn: tuple[tuple[int, str, int, int], ...] = ()
-    keep: tuple[np.ndarray, ...] = ()  # scratch the argv points at, which only the form holds
-
-
-def form(job: launches.Launch, unit: int = -1, dyn: tuple[tuple[int, str, int, int], ...] = (),
-         keep: tuple[np.ndarray, ...] = ()) -> Form:
-    """A job a kernel prepares (`fuel.runtime.jobs`) as a form."""
-    return Form(job.task, job.argv, job.seconds, job.most, unit, dyn, keep)
-
-
-Forms = Form | tuple[Form, ...]  # a step's jobs, run in order
-FusedBuilder = Callable[[list[np.ndarray], np.ndarray, Any], Forms | None]
-PrimBuilder = Callable[[list[np.ndarray], OpSpec, np.ndarray, Any], Forms | None]
-_FUSED: dict[Any, FusedBuilder] = {}
+PrimBuilder = Callable[[list[np.ndarray], OpSpec, np.ndarray, Any], Jobs | None]
 _PRIMS: dict[Op, PrimBuilder] = {}
 PRIM_MODULE = "fuel.cpu.prims.prim_tasks"  # registers the primitives' builders when imported
 
 
-def fused_form(*kernels: Any) -> Callable[[FusedBuilder], FusedBuilder]:
-    """Register `builder(inputs, out, params) -> Form, tuple of them, or None` for steps these fused
-    kernels run (params as built: DynScalar fields unresolved)."""
-
-    def register(builder: FusedBuilder) -> FusedBuilder:
-        for k in kernels:
-            _FUSED[k] = builder
-        return builder
-
-    return register
-
-
-def prim_form(*ops: Op) -> Callable[[PrimBuilder], PrimBuilder]:
-    """Register `builder(inputs, spec, out, arg) -> Form | None` for these primitives (arg as built)."""
+def prim_job(*ops: Op) -> Callable[[PrimBuilder], PrimBuilder]:
+    """Register `builder(inputs, spec, out, arg) -> Job | None` for these primitives (arg as built)."""
 
     def register(builder: PrimBuilder) -> PrimBuilder:
         for op in ops:
@@ -96,15 +57,15 @@ def prim_form(*ops: Op) -> Callable[[PrimBuilder], PrimBuilder]:
     return register
 
 
-def form_of(step: Step, xs: list[np.ndarray], out: np.ndarray) -> Forms | None:
-    """The step's form (or forms, its jobs in order) over these arrays, or None where it has none."""
+def jobs_of(step: Step, xs: list[np.ndarray], out: np.ndarray) -> Jobs | None:
+    """The step's job (or jobs, in order) over these arrays, or None where it has none."""
     if step.prim is not None:
         importlib.import_module(PRIM_MODULE)
         prim = _PRIMS.get(step.spec.op)
         return None if prim is None else prim(xs, step.spec, out, step.params)
     if step.impl is None or step.joint is not None or step.slots is not None or step.destructive is not None:
         return None
-    fused = _FUSED.get(step.impl.kernel)
+    fused = builder_of(step.impl.kernel)
     return None if fused is None else fused(xs, out, step.params)
 
 
@@ -126,7 +87,7 @@ class Program:
     names: tuple[str, ...]
     low: tuple[int, ...]
     high: tuple[int, ...]
-    forms: list[Form]  # kept alive: the argvs the steps point at
+    jobs: list[Job]  # kept alive: the argvs the steps point at
 
     def bind(self, env: dict[str, int]) -> bool:
         """Store the call's DynScalar values; False where one is missing or out of its range."""
@@ -138,17 +99,17 @@ class Program:
         return True
 
     def run(self, start: int, stop: int) -> None:
-        spin.run_steps(self.steps, self.seconds, self.patches, self.env, start, stop)
+        pool.run_steps(self.steps, self.seconds, self.patches, self.env, start, stop)
 
 
-def program(forms: Sequence[Form]) -> Program:
-    """The forms, in order, as one program."""
+def program(jobs: Sequence[Job]) -> Program:
+    """The jobs, in order, as one program."""
     names: list[str] = []
     low: list[int] = []
     high: list[int] = []
     patches: list[tuple[int, int, int]] = []
-    steps = np.zeros((len(forms), 6), np.int64)
-    for k, f in enumerate(forms):
+    steps = np.zeros((len(jobs), 6), np.int64)
+    for k, f in enumerate(jobs):
         addr = int(f.argv.ctypes.data)
         steps[k, :4] = f.task, addr, f.most, f.unit
         steps[k, 4] = len(patches)
@@ -161,9 +122,9 @@ def program(forms: Sequence[Form]) -> Program:
             low[slot], high[slot] = max(low[slot], lo), min(high[slot], hi)
             patches.append((addr, index, slot))
         steps[k, 5] = len(patches)
-    return Program(steps, np.array([f.seconds for f in forms], np.float64),
+    return Program(steps, np.array([f.seconds for f in jobs], np.float64),
                    np.array(patches, np.int64).reshape(-1, 3), np.zeros(max(len(names), 1), np.int64),
-                   tuple(names), tuple(low), tuple(high), list(forms))
+                   tuple(names), tuple(low), tuple(high), list(jobs))
 
 
 STAGE_MAX_BYTES = 4 << 20  # arguments up to this size are copied into the capture's own buffers
@@ -185,7 +146,7 @@ class Native:
     watch: dict[int, np.ndarray]  # a Python step's output slot -> the array native steps read it from
     step_count: int  # the replayed steps that run as native jobs (a step may post two: `program` has its jobs)
     copied: frozenset[int]  # output slots whose arrays are the capture's own: the call hands out copies
-    # The bytes it allocated beside the capture's arena (staged arguments and outputs, the scratch its forms
+    # The bytes it allocated beside the capture's arena (staged arguments and outputs, the scratch its jobs
     # keep), counted against `fl.jit`'s `max_arena_bytes` with the arena.
     own_bytes: int = 0
 
@@ -202,20 +163,20 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
             outputs: Sequence[int] = ()) -> Native | None:
     """The native replay of a capture's replayed `steps` (`fast`: their entries in the replay loop, whose
     4th field is the arena buffer a step writes), given its `template` and the arguments of a call; None
-    where no step has a form. `fresh`: the output slots each call allocates, `outputs` all output slots.
+    where no step has a job. `fresh`: the output slots each call allocates, `outputs` all output slots.
 
-    The arrays a step may be given a form over: the template's (captured values, arena buffers, folds of
+    The arrays a step may be given a job over: the template's (captured values, arena buffers, folds of
     them), staged arguments, the buffers native steps write, a Python step's arena buffer or the input it
     destroys (its result is copied there, should it ever come back elsewhere: `Native.watch`), and views
     of all these, taken here once, as the capture folds those of its own values. A fresh output's step
-    with a form writes a buffer of its own here (`OUT_STAGE_MAX_BYTES`), which outputs are copied from."""
+    with a job writes a buffer of its own here (`OUT_STAGE_MAX_BYTES`), which outputs are copied from."""
     destroyed = {st.inputs[st.destructive] for st in steps if st.destructive is not None}
     stage = {s: np.empty(args[i].shape, args[i].dtype) for s, i in arg_slots
              if s not in destroyed and isinstance(args[i], np.ndarray) and args[i].nbytes <= STAGE_MAX_BYTES}
     own: dict[int, np.ndarray] = {s: v for s, v in enumerate(template) if isinstance(v, np.ndarray)}
     own.update(stage)
     own_bytes = sum(b.nbytes for b in stage.values())
-    forms: list[Form] = []
+    posted: list[Job] = []
     items: list[tuple[Any, ...]] = []
     fixed: list[tuple[int, np.ndarray]] = []
     watch: dict[int, np.ndarray] = {}
@@ -238,35 +199,35 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
             out, jobs = stage_output(step, xs)
             own_bytes += out.nbytes if out is not None else 0
         elif known and out is not None:
-            jobs = form_of(step, xs, out)
+            jobs = jobs_of(step, xs, out)
         if out is not None:
             own[step.output] = out
         if jobs is None:
-            if len(forms) > start:
-                items.append((start, len(forms)))
-                start = len(forms)
+            if len(posted) > start:
+                items.append((start, len(posted)))
+                start = len(posted)
             items.append(entry)
             if out is not None:
                 watch[step.output] = out
             continue
-        assert out is not None  # a form writes it
-        forms.extend((jobs,) if isinstance(jobs, Form) else jobs)  # a Form is a tuple too
+        assert out is not None  # a job writes it
+        posted.extend((jobs,) if isinstance(jobs, Job) else jobs)  # a Job is a tuple too
         fixed.append((step.output, out))
         step_count += 1
-    if not forms:
+    if not posted:
         return None
-    if len(forms) > start:
-        items.append((start, len(forms)))
+    if len(posted) > start:
+        items.append((start, len(posted)))
     staged = [a for s, a in fixed if s in fresh]
     copied = frozenset(s for s in outputs if isinstance(own.get(s), np.ndarray)
                        and any(np.may_share_memory(own[s], a) for a in staged))
-    own_bytes += sum(k.nbytes for f in forms for k in f.keep)
-    return Native(program(forms), items, list(stage.items()), fixed, watch, step_count, copied, own_bytes)
+    own_bytes += sum(k.nbytes for f in posted for k in f.keep)
+    return Native(program(posted), items, list(stage.items()), fixed, watch, step_count, copied, own_bytes)
 
 
-def stage_output(step: Step, xs: list[np.ndarray]) -> tuple[np.ndarray | None, Forms | None]:
-    """(a buffer for a fresh output's step, its form writing it), or (None, None) where the output is over
-    `OUT_STAGE_MAX_BYTES` or the step has no form. The copy out is a memcpy; the Python step it spares
+def stage_output(step: Step, xs: list[np.ndarray]) -> tuple[np.ndarray | None, Jobs | None]:
+    """(a buffer for a fresh output's step, its job writing it), or (None, None) where the output is over
+    `OUT_STAGE_MAX_BYTES` or the step has no job. The copy out is a memcpy; the Python step it spares
     costs the replay's loop, the kernel's entry and its checks (a jitted one-row QMatMul [64, 4096]: 62 µs
     a call with its step in Python, 46 staged, interleaved on a 2-core Xeon). A fresh output's step is
     never a view, a destructive step nor a multi-output one: those own no buffer (`jit._arena`)."""
@@ -274,5 +235,5 @@ def stage_output(step: Step, xs: list[np.ndarray]) -> tuple[np.ndarray | None, F
     if nbytes > OUT_STAGE_MAX_BYTES:
         return None, None
     out = np.empty(step.spec.shape, step.spec.dtype.np)
-    jobs = form_of(step, xs, out)
+    jobs = jobs_of(step, xs, out)
     return (None, None) if jobs is None else (out, jobs)

@@ -45,8 +45,7 @@ from fuel.dispatch.impls import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
-from fuel.runtime import jobs as launches
-from fuel.runtime import replay as native
+from fuel.runtime import jobs, replay
 from fuel.runtime.buffers import POOL
 from fuel.runtime.threads import split_work
 
@@ -220,7 +219,7 @@ def flash_attn_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) ->
 
 
 _ZERO_SLOPES: dict[tuple[int, int, np.dtype[Any]], np.ndarray] = {}
-_LAUNCHES = launches.Launches()  # decode calls of replayed steps: q, k, v and out (`fuel.runtime.jobs`)
+_LAUNCHES = jobs.JobCache()  # decode calls of replayed steps: q, k, v and out (`fuel.runtime.jobs`)
 
 
 def _decode_direct(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> bool:
@@ -241,7 +240,7 @@ def _decode_direct(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> bo
     return True
 
 
-def _decode_job(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) -> launches.Launch | None:
+def _decode_job(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) -> jobs.Job | None:
     """The decode task's job for these arrays (C-contiguous: the executor hands them so), its mask and scales
     still to set; None where the decode path does not serve the call."""
     if (not 0 < q.shape[2] <= DECODE_MAX_QUERIES or out.size == 0
@@ -257,8 +256,8 @@ def _decode_job(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray) ->
                                     grouped(out, hkv), slopes)
 
 
-@native.fused_form(flash_attn_kernel)
-def flash_attn_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Form | None:
+@jobs.replays(flash_attn_kernel)
+def flash_attn_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Job | None:
     """A decode call (`_decode_direct`'s) as its job with the mask and scales set, the live keys (argv
     entry `KEYS`) bound per call where k_len is a DynScalar."""
     if len(inputs) != 3 or not all(x.flags.c_contiguous for x in (*inputs, out)):
@@ -268,11 +267,11 @@ def flash_attn_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> n
     if job is None:
         return None
     sk = k.shape[2]
-    name = native.dyn_name(params.k_len)
+    name = replay.dyn_name(params.k_len)
     win = window_of(replace(params, k_len=sk) if name else params, q.shape[2], sk)
     attention_decode.set_mask(job.argv, win, params.softmax_scale, params.softcap or 0.0)
     dyn = ((attention_decode.KEYS, name, 0, sk),) if name else ()
-    return native.form(job, attention_decode.KEYS, dyn)
+    return job._replace(unit=attention_decode.KEYS, dyn=dyn)
 
 
 def attention_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:

@@ -19,10 +19,9 @@ from numba.extending import overload
 from fuel.cpu.attention.flash_attn_rows import FASTMATH, Window, exp_shifted, row_window, transform_row
 from fuel.cpu.simd.simd16 import fma, fmas, hsum, vload, vmul, vstore, vzero
 from fuel.errors import KernelError
-from fuel.runtime import jobs as launches
-from fuel.runtime import pool as spin
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
-from fuel.runtime.jobs import Launch
+from fuel.runtime.jobs import Job
 
 DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
 FLOPS_PER_SECOND = 30e9  # one core, this path's vectorised dot products (measured 30-37 G)
@@ -190,18 +189,18 @@ def _run_part(part: int, parts: int, argv: int, like: Any) -> None:
               slopes)
 
 
-@spin.task(fastmath=FASTMATH, error_model="numpy")
+@pool.task(fastmath=FASTMATH, error_model="numpy")
 def _decode_f32(part: int, parts: int, argv: int) -> None:
     _run_part(part, parts, argv, np.float32)
 
 
-@spin.task(fastmath=FASTMATH, error_model="numpy")
+@pool.task(fastmath=FASTMATH, error_model="numpy")
 def _decode_f64(part: int, parts: int, argv: int) -> None:
     _run_part(part, parts, argv, np.float64)
 
 
 # The decode tasks by dtype: each reads its arrays' raw addresses as that type, so no other dtype may reach one.
-TASKS: dict[np.dtype[Any], spin.Task] = {np.dtype(np.float32): _decode_f32, np.dtype(np.float64): _decode_f64}
+TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _decode_f32, np.dtype(np.float64): _decode_f64}
 
 
 @njit(cache=True)
@@ -217,7 +216,7 @@ def _fill(q: Any, k: Any, v: Any, out: Any, slopes: Any, argv: Any) -> int:
     return n * nq * hs
 
 
-def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, slopes: np.ndarray) -> Launch:
+def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, slopes: np.ndarray) -> Job:
     """The job of out [n, G, nq, D] <- attention of q [n, G, nq, D] over k, v [n, Sk, D] (f32 or f64,
     C-contiguous, one dtype; slopes [n, G]), its mask and scales still to set (`run`). Its `seconds` is
     the estimate per live key."""
@@ -229,7 +228,7 @@ def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, slopes
     argv = np.zeros(ARGS, np.int64)
     items = _fill(q, k, v, out, slopes, argv)
     n, g, nq, d = q.shape
-    return launches.prepare(task, argv,
+    return jobs.job(task, argv,
                             4 * n * nq * g * d / FLOPS_PER_SECOND, items)
 
 
@@ -240,10 +239,10 @@ def set_mask(argv: np.ndarray, win: Window, scale: float, softcap: float) -> Non
     f[14], f[15] = scale, softcap
 
 
-def run(launch: Launch, win: Window, scale: float, softcap: float) -> None:
+def run(launch: Job, win: Window, scale: float, softcap: float) -> None:
     """Post a prepared job under the mask `win` with these scales, and wait for it."""
     set_mask(launch.argv, win, scale, softcap)
-    spin.run_address(launch.task, launch.args, spin.parts_for(launch.seconds * win.kl, launch.most))
+    pool.run_address(launch.task, launch.args, pool.parts_for(launch.seconds * win.kl, launch.most))
 
 
 def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, win: Window, scale: Any, softcap: Any,

@@ -28,8 +28,7 @@ from numba import carray, njit
 
 from fuel.cpu.attention.flash_attn_rows import FASTMATH, online_row, store_row, window_keys
 from fuel.cpu.simd.sgemm import sgemm
-from fuel.runtime import pool as spin
-from fuel.runtime import threads
+from fuel.runtime import pool, threads
 from fuel.runtime.atomics import claim_slot, pointer, release_slot
 from fuel.runtime.buffers import POOL
 
@@ -64,7 +63,7 @@ def attend(p: Problem, out: np.ndarray, bq_most: int, bk: int) -> bool:
     qblocks = -(-sq // bq)
     lo, hi = p.win.keys(0, sq)
     work = 4.0 * n * g * sq * max(1, hi - lo) * d
-    parts = 1 if threads.MODE.inline else spin.parts_for(work / FLOPS_PER_SECOND, n * qblocks)
+    parts = 1 if threads.MODE.inline else pool.parts_for(work / FLOPS_PER_SECOND, n * qblocks)
     slots = min(parts, threads.get_num_threads())
     rows = g * bq
     slot_floats = 2 * rows * d + 2 * rows + rows * min(bk, max(1, hi - lo))
@@ -77,7 +76,7 @@ def attend(p: Problem, out: np.ndarray, bq_most: int, bk: int) -> bool:
     halves = argv.view(np.float32)  # the two float fields in their slots' first 4 bytes (little-endian)
     halves[2 * SCALE], halves[2 * SOFTCAP] = p.scale, p.softcap
     with threads.one_blas_thread():
-        spin.run(_attend, argv, parts)
+        pool.run(_attend, argv, parts)
     return True
 
 
@@ -115,7 +114,7 @@ def _item(v: Any, scale: Any, softcap: Any, base: int, grp: int, i0: int) -> Non
         store_row(acc, l, out, i0, t)
 
 
-@spin.task(fastmath=FASTMATH)
+@pool.task(fastmath=FASTMATH)
 def _attend(part: int, parts: int, argv: int) -> None:
     """Part `part` of the call: its share of the (group, query block) items, in one scratch slot."""
     v = carray(pointer(argv, np.int64), (FIELDS,))

@@ -40,9 +40,7 @@ from fuel.dispatch.impls import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
-from fuel.runtime import jobs as launches
-from fuel.runtime import pool as spin
-from fuel.runtime import replay as native
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 
 Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
@@ -236,7 +234,7 @@ RMS_SECONDS_PER_VALUE = 0.5e-9  # one core
 _RMS_ARGS = 6  # x, out, rows, cols, eps and 1/cols (f32, in the low half of their entries)
 
 
-@spin.task()
+@pool.task()
 def _rms_f32_part(part: int, parts: int, argv: int) -> None:
     v = carray(pointer(argv, np.int64), (_RMS_ARGS,))
     rows, cols = v[2], v[3]
@@ -257,25 +255,25 @@ def _fill_rms(x: Any, out: Any, eps: Any, inv_n: Any, argv: Any) -> None:
     f[8], f[10] = eps, inv_n
 
 
-def _rms_job(x: np.ndarray, out: np.ndarray, eps: float) -> launches.Launch:
+def _rms_job(x: np.ndarray, out: np.ndarray, eps: float) -> jobs.Job:
     """The task's job for x and out (f32, C-contiguous, one shape)."""
     argv = np.zeros(_RMS_ARGS, np.int64)
     e, inv_n, _ = _scalars_for(False, eps, out.shape[-1])
     _fill_rms(x, out, e, inv_n, argv)
-    return launches.prepare(_rms_f32_part, argv, out.size * RMS_SECONDS_PER_VALUE, int(argv[2]))
+    return jobs.job(_rms_f32_part, argv, out.size * RMS_SECONDS_PER_VALUE, int(argv[2]))
 
 
 def rms_norm_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     if out.size:
-        launches.run(_rms_job(inputs[0], out, params.eps))
+        jobs.run(_rms_job(inputs[0], out, params.eps))
 
 
-@native.fused_form(rms_norm_f32)
-def rms_norm_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Form | None:
+@jobs.replays(rms_norm_f32)
+def rms_norm_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Job | None:
     x = inputs[0]
     if not (out.size and x.dtype == out.dtype == np.float32 and x.flags.c_contiguous and out.flags.c_contiguous):
         return None
-    return native.form(_rms_job(x, out, params.eps))
+    return _rms_job(x, out, params.eps)
 
 
 rms_norm_kernels = {**_kernels(_rms, _rms_bf16), DType.F32: rms_norm_f32, DType.F16: via_f32(rms_norm_f32)}

@@ -25,7 +25,7 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.errors import KernelError
-from fuel.runtime import pool as spin
+from fuel.runtime import pool
 from fuel.runtime.atomics import pointer
 
 P0 = 2 / math.sqrt(math.pi)  # erf'(0), fixed in the fit: small arguments get it exactly
@@ -60,7 +60,7 @@ def _erf_f64(x: Any, out: Any) -> None:
 X, OUT, SIZE, F64 = range(4)
 
 
-@spin.task()
+@pool.task()
 def _erf_task(part: int, parts: int, argv: int) -> None:
     v = carray(pointer(argv, np.int64), (4,))
     size = v[SIZE]
@@ -87,9 +87,9 @@ def erf_into(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     kernel, f64 = found
     flat = np.ascontiguousarray(x).reshape(-1)
     seconds = flat.size * SECONDS_PER_VALUE[f64]
-    parts = spin.parts_for(seconds, max(1, flat.size // PIECE))
+    parts = pool.parts_for(seconds, max(1, flat.size // PIECE))
     if parts <= 1:
         kernel(flat, out.reshape(-1))
         return out
-    spin.run(_erf_task, np.array([flat.ctypes.data, out.ctypes.data, flat.size, f64], np.int64), parts)
+    pool.run(_erf_task, np.array([flat.ctypes.data, out.ctypes.data, flat.size, f64], np.int64), parts)
     return out

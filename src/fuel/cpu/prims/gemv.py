@@ -24,8 +24,7 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.errors import KernelError
-from fuel.runtime import jobs as launches
-from fuel.runtime import pool as spin
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.threads import SERIAL_BYTES_PER_SECOND
 
@@ -61,20 +60,20 @@ def _part(argv: int, part: int, parts: int, dtype: Any) -> None:
         _rows(a, b, partial[s], s * k // K_SPLIT, (s + 1) * k // K_SPLIT)
 
 
-@spin.task(fastmath={"contract"})
+@pool.task(fastmath={"contract"})
 def _gemv_f32(part: int, parts: int, argv: int) -> None:
     _part(argv, part, parts, np.float32)
 
 
-@spin.task(fastmath={"contract"})
+@pool.task(fastmath={"contract"})
 def _gemv_f64(part: int, parts: int, argv: int) -> None:
     _part(argv, part, parts, np.float64)
 
 
 # The dtypes gemv has a kernel for (a, b and out all of one of them), and those of `f32_jobs`, whose sum
 # task adds f32 partial sums.
-TASKS: dict[np.dtype[Any], spin.Task] = {np.dtype(np.float32): _gemv_f32, np.dtype(np.float64): _gemv_f64}
-F32_TASKS: dict[np.dtype[Any], spin.Task] = {np.dtype(np.float32): _gemv_f32}
+TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _gemv_f32, np.dtype(np.float64): _gemv_f64}
+F32_TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _gemv_f32}
 
 
 @njit(cache=True)
@@ -91,15 +90,15 @@ def _sum_partials(partial: Any, out: Any) -> None:
         out += partial[s]
 
 
-@spin.task()
+@pool.task()
 def _sum_task(part: int, parts: int, argv: int) -> None:
     """`_sum_partials` of f32 as a job (argv: partial, out, M·N; one part), for the native replay."""
     v = carray(pointer(argv, np.int64), (3,))
     _sum_partials(carray(pointer(v[0], np.float32), (K_SPLIT, v[2])), carray(pointer(v[1], np.float32), (v[2],)))
 
 
-def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dict[np.dtype[Any], spin.Task],
-              out_raw: bool) -> spin.Task:
+def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dict[np.dtype[Any], pool.Task],
+              out_raw: bool) -> pool.Task:
     """The task of `tasks` for a [M, K] @ b [K, N] -> out [M, N], or a KernelError naming `op`, the dtypes
     it has a kernel for and those it was given. The task reads a and b (and out where `out_raw`) by raw
     address as its dtype: another dtype, shape or layout would be read and written out of bounds."""
@@ -118,21 +117,21 @@ def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dic
 
 
 def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv",
-                  tasks: dict[np.dtype[Any], spin.Task] = TASKS) -> tuple[launches.Launch, np.ndarray]:
+                  tasks: dict[np.dtype[Any], pool.Task] = TASKS) -> tuple[jobs.Job, np.ndarray]:
     """`gemv`'s first job, the K_SPLIT partial sums of a @ b into a scratch, and that scratch."""
     task = _task_for(op, a, b, out, tasks, tasks is F32_TASKS)
     partial = np.empty((K_SPLIT, *out.shape), out.dtype)
     argv = np.empty(6, np.int64)
     _fill(a, b, partial, argv)
-    return launches.prepare(task, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT), partial
+    return jobs.job(task, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT), partial
 
 
-def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[launches.Launch, launches.Launch, np.ndarray]:
+def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[jobs.Job, jobs.Job, np.ndarray]:
     """`gemv` of f32 a (C-contiguous), b and out as two jobs, the partial sums into a scratch and their sum
     into out, and that scratch. Only f32: `_sum_task` adds f32 partial sums."""
     partials, partial = _partials_job(a, b, out, "gemv.f32_jobs", F32_TASKS)
     total = np.array([partial.ctypes.data, out.ctypes.data, out.size], np.int64)
-    return partials, launches.prepare(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial
+    return partials, jobs.job(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial
 
 
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
@@ -141,5 +140,5 @@ def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     alone (on the spinning pool past a few microseconds of weight), and the partial sums are added in
     order, so the bytes never depend on who computed which range."""
     partials, partial = _partials_job(np.ascontiguousarray(a), b, out)
-    launches.run(partials)
+    jobs.run(partials)
     _sum_partials(partial, out)

@@ -29,7 +29,7 @@ from numba import carray, njit
 
 from fuel.cpu.simd.vecmath import EXP_LOW, expf_parts, pow2_f32
 from fuel.errors import KernelError
-from fuel.runtime import pool as spin
+from fuel.runtime import pool
 from fuel.runtime.atomics import pointer
 
 EXP_DEEP = np.float32(-103.9)  # e^t below this rounds to 0 in f32, and so do sigmoid and silu
@@ -126,7 +126,7 @@ def _part(kernel: Any, part: int, parts: int, argv: int) -> None:
         kernel(x[c0:c1], 1, c1 - c0, c1 - c0, out[c0:c1])
 
 
-@spin.task()
+@pool.task()
 def _silu_part(part: int, parts: int, argv: int) -> None:
     _part(_silu_f32, part, parts, argv)
 
@@ -137,12 +137,12 @@ SILU_TASK = _silu_part  # the native replay's form of a SILU step posts it too
 _F32 = np.dtype(np.float32)  # the one dtype these kernels read and write
 
 
-@spin.task()
+@pool.task()
 def _sigmoid_part(part: int, parts: int, argv: int) -> None:
     _part(_sigmoid_f32, part, parts, argv)
 
 
-def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: spin.Task, op: str) -> np.ndarray:
+def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: pool.Task, op: str) -> np.ndarray:
     """The kernels and tasks read x and out by address as f32: any other dtype is a KernelError."""
     if out is None:
         out = np.empty(np.shape(x), np.float32)
@@ -150,11 +150,11 @@ def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: spin.Task, 
         raise KernelError(f"{op}: has a kernel for x and out both float32 (out of x's shape, C-contiguous), got "
                           f"x {x.dtype} {list(x.shape)} and out {out.dtype} {list(out.shape)}")
     flat, rows, cols, stride = rows_of(x)
-    parts = spin.parts_for(rows * cols * SECONDS_PER_VALUE, rows if rows > 1 else cols // 4096)
+    parts = pool.parts_for(rows * cols * SECONDS_PER_VALUE, rows if rows > 1 else cols // 4096)
     if parts <= 1:
         kernel(flat, rows, cols, stride, out.reshape(-1))
         return out
-    spin.run(task, np.array([flat.ctypes.data, rows, cols, stride, out.ctypes.data], np.int64), parts)
+    pool.run(task, np.array([flat.ctypes.data, rows, cols, stride, out.ctypes.data], np.int64), parts)
     return out
 
 

@@ -1,6 +1,6 @@
 """Primitive steps as tasks of the spinning pool, for the native replay (`fuel.runtime.replay`).
 
-Each builder returns the step's `Form` where its task computes the bytes the primitive's NumPy kernel
+Each builder returns the step's `Job` where its task computes the bytes the primitive's NumPy kernel
 does, else None (the step stays in Python):
 - ADD, SUB, MUL, DIV of f32 operands, and ADD_SCALAR and MUL_SCALAR (the scalar rounded to f32, as NumPy
   takes it): one IEEE operation per element. Each operand is read as `[rows, cols]` with a row stride of
@@ -22,9 +22,10 @@ from numba import carray, njit
 
 from fuel.cpu.prims import gemv, logistic
 from fuel.graph.node import Op, OpSpec
-from fuel.runtime import pool as spin
+from fuel.runtime import pool
 from fuel.runtime.atomics import pointer
-from fuel.runtime.replay import Form, dyn_name, form, prim_form
+from fuel.runtime.jobs import Job, job
+from fuel.runtime.replay import dyn_name, prim_job
 
 SECONDS_PER_VALUE = 0.4e-9  # one core, an f32 operation streamed from cache
 ADD, SUB, MUL, DIV = range(4)
@@ -72,22 +73,22 @@ def _binary_part(code: int, part: int, parts: int, argv: int) -> None:
             orow[:] = _op(code, a[r * ars], b[r * brs])
 
 
-@spin.task(error_model="numpy")
+@pool.task(error_model="numpy")
 def _add(part: int, parts: int, argv: int) -> None:
     _binary_part(ADD, part, parts, argv)
 
 
-@spin.task(error_model="numpy")
+@pool.task(error_model="numpy")
 def _sub(part: int, parts: int, argv: int) -> None:
     _binary_part(SUB, part, parts, argv)
 
 
-@spin.task(error_model="numpy")
+@pool.task(error_model="numpy")
 def _mul(part: int, parts: int, argv: int) -> None:
     _binary_part(MUL, part, parts, argv)
 
 
-@spin.task(error_model="numpy")
+@pool.task(error_model="numpy")
 def _div(part: int, parts: int, argv: int) -> None:
     _binary_part(DIV, part, parts, argv)
 
@@ -120,7 +121,7 @@ def _strides(x: np.ndarray, shape: tuple[int, ...], t: int) -> tuple[int, int] |
     return span, cs
 
 
-def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, code: int, scalar: float | None) -> Form | None:
+def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, code: int, scalar: float | None) -> Job | None:
     shape = out.shape
     if a.dtype != F32 or b.dtype != F32 or out.dtype != F32 or not out.flags.c_contiguous or out.size == 0:
         return None
@@ -140,16 +141,16 @@ def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, code: int, scalar: fl
     if scalar is not None:
         argv[_SCALAR:_SCALAR + 1].view(np.float32)[0] = scalar
         argv[3] = argv.ctypes.data + 8 * _SCALAR
-    return Form(_TASKS[code].address, argv, out.size * SECONDS_PER_VALUE, rows)
+    return job(_TASKS[code], argv, out.size * SECONDS_PER_VALUE, rows)
 
 
-@prim_form(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
-def binary_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Form | None:
+@prim_job(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
+def binary_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
     return _binary(xs[0], xs[1], out, _CODES[spec.op], None)
 
 
-@prim_form(Op.ADD_SCALAR, Op.MUL_SCALAR)
-def scalar_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Form | None:
+@prim_job(Op.ADD_SCALAR, Op.MUL_SCALAR)
+def scalar_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
     x = xs[0]
     if x.dtype != F32:
         return None
@@ -158,8 +159,8 @@ def scalar_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -
     return form
 
 
-@prim_form(Op.SILU)
-def silu_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Form | None:
+@prim_job(Op.SILU)
+def silu_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
     x = xs[0]
     if x.dtype != F32 or out.dtype != F32 or not out.flags.c_contiguous or np.may_share_memory(x, out):
         return None
@@ -167,12 +168,12 @@ def silu_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> 
     if flat.ctypes.data != x.ctypes.data or x.size == 0:  # a contiguous copy: not x's own memory
         return None
     argv = np.array([flat.ctypes.data, rows, cols, stride, out.ctypes.data], np.int64)
-    return Form(logistic.SILU_TASK.address, argv, rows * cols * logistic.SECONDS_PER_VALUE,
+    return job(logistic.SILU_TASK, argv, rows * cols * logistic.SECONDS_PER_VALUE,
                 max(1, rows if rows > 1 else cols // 4096))
 
 
-@prim_form(Op.MATMUL)
-def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> tuple[Form, Form] | None:
+@prim_job(Op.MATMUL)
+def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> tuple[Job, Job] | None:
     """An f32 product of a few rows with a 2-D weight, which the MATMUL kernel runs as `gemv`: its two jobs."""
     a, b = xs
     if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
@@ -184,7 +185,7 @@ def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -
     if rows > gemv.GEMV_MAX_ROWS or b.nbytes > gemv.GEMV_MAX_BYTES:
         return None
     partials, total, scratch = gemv.f32_jobs(a.reshape(rows, a.shape[-1]), b, out.reshape(rows, b.shape[1]))
-    return form(partials, keep=(scratch,)), form(total)
+    return partials._replace(keep=(scratch,)), total
 
 
 # ---- CACHE_WRITE ------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ _CW_ARGS = 7  # cache, rows, outer count, cache block bytes, rows block bytes, b
 _CW_OFFSET = 6
 
 
-@spin.task()
+@pool.task()
 def _cache_write(part: int, parts: int, argv: int) -> None:
     v = carray(pointer(argv, np.int64), (_CW_ARGS,))
     outer, cb, rb, pb, off = v[2], v[3], v[4], v[5], v[6]
@@ -202,8 +203,8 @@ def _cache_write(part: int, parts: int, argv: int) -> None:
         cache[o * cb + off * pb:o * cb + off * pb + rb] = rows[o * rb:(o + 1) * rb]
 
 
-@prim_form(Op.CACHE_WRITE)
-def cache_write_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Form | None:
+@prim_job(Op.CACHE_WRITE)
+def cache_write_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
     cache, rows = xs
     if (out is not cache or not cache.flags.c_contiguous or not rows.flags.c_contiguous
             or np.may_share_memory(cache, rows) or rows.size == 0):
@@ -216,5 +217,5 @@ def cache_write_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: A
     name = dyn_name(arg.offset)
     if name is None:
         argv[_CW_OFFSET] = int(arg.offset)
-    return Form(_cache_write.address, argv, rows.nbytes * SECONDS_PER_VALUE / 4, int(argv[2]),
+    return job(_cache_write, argv, rows.nbytes * SECONDS_PER_VALUE / 4, int(argv[2]),
                 dyn=((_CW_OFFSET, name, 0, cap - count),) if name else ())

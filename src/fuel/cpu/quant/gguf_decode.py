@@ -57,7 +57,7 @@ from fuel.cpu.quant.gguf_words import Q4K_LAYOUT, Q6K_LAYOUT, kpair_q4k, kpair_q
 from fuel.cpu.quant.nibble_tables import BYTE_LUT, LUT16, permute_job, permuted
 from fuel.cpu.simd.driver import pair_chunk_count, row_kernel
 from fuel.quant import QuantType
-from fuel.runtime import jobs as launches
+from fuel.runtime import jobs
 from fuel.runtime.pool import task
 
 
@@ -323,7 +323,7 @@ USE_WORDS = True  # tests turn it off to run the portable kernels on the same ho
 WEIGHTS_PER_SECOND = 12e9
 
 
-def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:
+def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job | None:
     """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes). One
     row (a decode token) runs on the spinning pool: its cores join within microseconds, so even a
     [576, 576] weight is split. Returns the one-row job where it reads a, w and out themselves, so that it
@@ -336,14 +336,14 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launch
     if launch is None:  # a table kernel
         one, order = TABLE_KERNELS[qt]
         xp = permuted(a, order)  # alive until the job ends: the job holds only its address
-        launches.run(_one_row_launch(one, xp[:1], w, out))  # x as given is read from the row after
+        jobs.run(_one_row_launch(one, xp[:1], w, out))  # x as given is read from the row after
         return None
-    launches.run(launch)
+    jobs.run(launch)
     return launch
 
 
 def table_jobs(qt: QuantType, a: np.ndarray, w: np.ndarray,
-               out: np.ndarray) -> tuple[launches.Launch, launches.Launch, tuple[np.ndarray, ...]]:
+               out: np.ndarray) -> tuple[jobs.Job, jobs.Job, tuple[np.ndarray, ...]]:
     """The one-row call of a type `one_row_job` leaves to a table kernel as two jobs, the activations
     permuted into a scratch of their own and the kernel reading it, and the arrays they point at besides
     a, w and out."""
@@ -352,7 +352,7 @@ def table_jobs(qt: QuantType, a: np.ndarray, w: np.ndarray,
     return permute, _one_row_launch(one, scratch[:1], w, out), keep
 
 
-def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch | None:
+def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job | None:
     """The job of one activation row a [1, k] against w into out [1, n], posted as it is at every call
     (the native replay's form too); None where a table kernel serves the type, which reads a per-call
     permuted copy of a."""
@@ -363,9 +363,9 @@ def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) ->
     return _one_row_launch(KERNELS[qt][0], a, w, out)
 
 
-def _one_row_launch(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> launches.Launch:
+def _one_row_launch(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job:
     """The job of one activation row a [1, k] against w (n rows of raw block bytes) into out [1, n]."""
     argv = np.empty(6, np.int64)
     fill_gemv_args(a, w, out, argv)
     n = w.shape[0]
-    return launches.prepare(task, argv, n * a.shape[1] / WEIGHTS_PER_SECOND, pair_chunk_count(n))
+    return jobs.job(task, argv, n * a.shape[1] / WEIGHTS_PER_SECOND, pair_chunk_count(n))

@@ -37,7 +37,7 @@ from fuel.cpu.quant.weight_tiles import (
     tile_span,
 )
 from fuel.quant import QuantType
-from fuel.runtime import pool as spin
+from fuel.runtime import pool
 from fuel.runtime.atomics import pointer
 
 
@@ -58,62 +58,62 @@ def _tiles(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv: int) 
     release_slot(v, slot)
 
 
-@spin.task()
+@pool.task()
 def _q4_0(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q4_0, 32, 18, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q4_1(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q4_1, 32, 20, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q5_0(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q5_0, 32, 22, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q5_1(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q5_1, 32, 24, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q8_0(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q8_0, 32, 34, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q8_1(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q8_1, 32, 36, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q2k(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q2k, 256, 84, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q3k(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q3k, 256, 110, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q4k(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q4k, 256, 144, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q5k(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q5k, 256, 176, part, parts, argv)
 
 
-@spin.task()
+@pool.task()
 def _q6k(part: int, parts: int, argv: int) -> None:
     _tiles(dequant_q6k, 256, 210, part, parts, argv)
 
 
-TASKS: dict[QuantType, spin.Task] = {
+TASKS: dict[QuantType, pool.Task] = {
     QuantType.Q4_0: _q4_0, QuantType.Q4_1: _q4_1, QuantType.Q5_0: _q5_0, QuantType.Q5_1: _q5_1,
     QuantType.Q8_0: _q8_0, QuantType.Q8_1: _q8_1, QuantType.Q2K: _q2k, QuantType.Q3K: _q3k,
     QuantType.Q4K: _q4k, QuantType.Q5K: _q5k, QuantType.Q6K: _q6k,

@@ -40,7 +40,7 @@ from fuel.cpu.simd import amx
 from fuel.cpu.simd.simd16 import fmas, prefetch, vload, vstore
 from fuel.cpu.simd.vecmath import bf16_to_f32, f32_to_bf16
 from fuel.quant.nf4 import NF4
-from fuel.runtime import pool as spin
+from fuel.runtime import pool
 from fuel.runtime.atomics import pointer
 
 PIECES = 3  # bf16 pieces of an f32
@@ -115,7 +115,7 @@ def _split_tile(x: Any, t: int, tiles: int, out: Any, loc: Any) -> bool:
     return True
 
 
-@spin.task()
+@pool.task()
 def _split_part(part: int, parts: int, argv: int) -> None:
     """Part `part` of `split_activations`' tiles (argv: x, its rows, K, the tiles, their count, flags)."""
     v = carray(pointer(argv, np.int64), (6,))
@@ -134,7 +134,7 @@ def split_activations(x: np.ndarray, tiles: int, out: np.ndarray) -> bool:
     unfinished) where x holds a NaN or a nonzero value outside [`TINY`, `HUGE`] in magnitude."""
     flags = np.zeros(tiles, np.int64)
     argv = np.array([x.ctypes.data, x.shape[0], x.shape[1], out.ctypes.data, tiles, flags.ctypes.data], np.int64)
-    spin.run(_split_part, argv, spin.parts_for(x.size * 2e-9, tiles))
+    pool.run(_split_part, argv, pool.parts_for(x.size * 2e-9, tiles))
     return not flags.any()
 
 
@@ -312,7 +312,7 @@ def _layout(groups: int, tiles: int) -> tuple[int, int, int, int]:
     return w_stride, s_stride, acc_at, acc_at + 4 * ROWS * amx.ROWS * tiles + SKEW
 
 
-@spin.task()
+@pool.task()
 def _part(part: int, parts: int, argv: int) -> None:
     """Part `part` of the product: its share of the W row pairs (32 rows), each over all activation tiles,
     block by block, software-pipelined so that the vector work overlaps the tile products: between block
@@ -361,11 +361,11 @@ def forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.n
     if not split_activations(x, tiles, x_tiles):
         return False
     pairs = -(-n // ROWS)
-    parts = spin.parts_for(rows * n * k / MACS_PER_SECOND, pairs)
+    parts = pool.parts_for(rows * n * k / MACS_PER_SECOND, pairs)
     part_bytes = _layout(bs // GROUP, tiles)[3]
     scratch = amx.aligned_empty(parts * part_bytes, np.uint8)
     argv = np.array([w.ctypes.data, n, w.shape[1], absmax.ctypes.data, absmax.shape[1], bs, x_tiles.ctypes.data,
                      tiles, rows, out.ctypes.data, scratch.ctypes.data, part_bytes, TABLES.ctypes.data,
                      CONFIG.ctypes.data, x_pieces], np.int64)
-    spin.run(_part, argv, parts)
+    pool.run(_part, argv, parts)
     return True

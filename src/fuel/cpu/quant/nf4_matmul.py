@@ -78,8 +78,7 @@ from fuel.dtype import DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 from fuel.quant.nf4 import NF4
-from fuel.runtime import pool as spin
-from fuel.runtime import replay as native
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
 
@@ -106,7 +105,7 @@ def _decode_args(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv:
     return split
 
 
-@spin.task()
+@pool.task()
 def _decode(part: int, parts: int, argv: int) -> None:
     """Part `part` of out [rows, N] <- a [rows, K] @ dequant(W)ᵀ for rows <= 4, bs a multiple of 32: its
     share of the fixed row chunks (whoever runs a chunk, its bytes are the same)."""
@@ -144,7 +143,7 @@ def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out:
     split = _decode_args(x, w, absmax, _LUT, out, bs, argv)
     n = w.shape[0]
     seconds = x.shape[0] * n * x.shape[1] / WEIGHTS_PER_SECOND
-    spin.run(_decode, argv, spin.parts_for(seconds, chunk_count(n)))
+    pool.run(_decode, argv, pool.parts_for(seconds, chunk_count(n)))
     del split  # alive until here: the tasks read it by address
 
 
@@ -171,7 +170,7 @@ def _dequant_tile(w: Any, absmax: Any, lut: Any, bs: int, n0: int, n1: int, b0: 
                 row[at + 1] = lut[byte & 15] * scale
 
 
-@spin.task()
+@pool.task()
 def _tiles(part: int, parts: int, argv: int) -> None:
     """Part `part` of the many-row product on the spinning pool (`weight_tiles`): its tiles of W rows
     dequantised into a scratch slot, each multiplied (`weight_tiles.multiply_tile`). W's fields: w, K/2,
@@ -260,8 +259,8 @@ def nf4_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
         narrow_into(acc, out)
 
 
-@native.fused_form(nf4_kernel)
-def nf4_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> native.Forms | None:
+@jobs.replays(nf4_kernel)
+def nf4_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
     """One f32 activation row of the forward product by table: the jobs `_decode_rows` runs a call."""
     return table_forms(inputs, out, params, _LUT) if USE_TABLE else None
 

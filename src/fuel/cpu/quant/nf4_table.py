@@ -32,9 +32,7 @@ from fuel.cpu.quant.nibble_tables import (
 )
 from fuel.cpu.simd.driver import ahead_of, chunk_bounds, chunk_count, pair_bounds, pair_chunk_count
 from fuel.cpu.simd.simd16 import fma, fmas, hsum, prefetch, vadd, vload, vmul, vzero
-from fuel.runtime import jobs as launches
-from fuel.runtime import pool as spin
-from fuel.runtime import replay as native
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 
 # An NF4 byte holds elements 2b (high nibble) and 2b + 1: the element of `lookup32_lanes`' lane j, 16 bytes.
@@ -154,7 +152,7 @@ def _pair(block: Any, w: Any, absmax: Any, x: Any, table: Any, kh: int, nb: int,
     return hsum(a0), hsum(a1)
 
 
-@spin.task()
+@pool.task()
 def decode_table(part: int, parts: int, argv: int) -> None:
     """`nf4._decode` for one activation row by table (`nibble_tables`): each block's codes looked up 8 bytes
     at a time on AVX-512, 16 on AVX2, dotted with the permuted activations, the block's absmax applied
@@ -162,39 +160,39 @@ def decode_table(part: int, parts: int, argv: int) -> None:
     _rows(_block32, part, parts, argv, 0)
 
 
-@spin.task()
+@pool.task()
 def decode_table_once(part: int, parts: int, argv: int) -> None:
     """`decode_table` for blocks of exactly 64 codes: each block one step (`_block32_once`)."""
     _rows(_block32_once, part, parts, argv, 64)
 
 
-@spin.task()
+@pool.task()
 def decode_table64(part: int, parts: int, argv: int) -> None:
     """`decode_table` for blocks of a multiple of 64 codes on AVX2 hosts: each 32 bytes looked up at once
     (`nibble_tables.lookup64`), the activations permuted to `TABLE_ORDER64`."""
     _rows(_block64, part, parts, argv, 0)
 
 
-@spin.task()
+@pool.task()
 def decode_table64_once(part: int, parts: int, argv: int) -> None:
     """`decode_table64` for blocks of exactly 64 codes: each block one step (`_block64_once`)."""
     _rows(_block64_once, part, parts, argv, 64)
 
 
-def table_kernel(bs: int) -> tuple[spin.Task, np.ndarray]:
+def table_kernel(bs: int) -> tuple[pool.Task, np.ndarray]:
     """The one-row table task for blocks of bs codes and the order it reads the activations in."""
     if BYTE_LUT and bs % 64 == 0:
         return decode_table64_once if bs == 64 else decode_table64, TABLE_ORDER64
     return decode_table_once if bs == 64 else decode_table, TABLE_ORDER
 
 
-def _table_job(task: spin.Task, xp: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray,
-               out: np.ndarray, bs: int) -> launches.Launch:
+def _table_job(task: pool.Task, xp: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray,
+               out: np.ndarray, bs: int) -> jobs.Job:
     """The table task's job over the activation row xp, already in the task's order."""
     argv = np.empty(10, np.int64)
     table_args(xp, w, absmax, lut, out, bs, argv)
     n = w.shape[0]
-    return launches.prepare(task, argv, n * xp.shape[1] / WEIGHTS_PER_SECOND, _chunks(n))
+    return jobs.job(task, argv, n * xp.shape[1] / WEIGHTS_PER_SECOND, _chunks(n))
 
 
 def decode_one_row(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray, out: np.ndarray,
@@ -202,10 +200,10 @@ def decode_one_row(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.nda
     """out [1, N] <- x [1, K] @ dequant(W)ᵀ by table on the spinning pool."""
     task, order = table_kernel(bs)
     xp = permuted(x, order)  # alive until the job ends
-    launches.run(_table_job(task, xp[:1], w, absmax, lut, out, bs))
+    jobs.run(_table_job(task, xp[:1], w, absmax, lut, out, bs))
 
 
-def table_forms(inputs: list[np.ndarray], out: np.ndarray, params: Any, lut: np.ndarray) -> native.Forms | None:
+def table_forms(inputs: list[np.ndarray], out: np.ndarray, params: Any, lut: np.ndarray) -> jobs.Jobs | None:
     """The native replay's form of one f32 activation row [.., 1, K] of the forward product (None for
     any other call): two jobs, the row permuted into a scratch of the form's own and the table task
     reading it, what `decode_one_row` runs a call."""
@@ -217,4 +215,4 @@ def table_forms(inputs: list[np.ndarray], out: np.ndarray, params: Any, lut: np.
         return None
     task, order = table_kernel(bs)
     permute, scratch, keep = permute_job(act.reshape(1, -1), order)
-    return native.form(permute, keep=keep), native.form(_table_job(task, scratch[:1], w, absmax, lut, out, bs))
+    return permute._replace(keep=keep), _table_job(task, scratch[:1], w, absmax, lut, out, bs)

@@ -27,8 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from fuel.cpu.simd.simd16 import _F32, _I8, _I32, _V8, _VF, _W, VEC, _ptr
-from fuel.runtime import jobs as launches
-from fuel.runtime import pool as spin
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 
 _HOST = binding.get_host_cpu_features()
@@ -67,7 +66,7 @@ def permuted(a: Any, order: Any) -> Any:
     return out
 
 
-@spin.task()
+@pool.task()
 def _permute_part(part: int, parts: int, argv: int) -> None:
     """`permuted` into a scratch [2, k], for a table kernel's job after it (argv: a, scratch, order, k, order
     size; one part). Written in place: with a fresh array copied in, as `permuted` returns one, the job took
@@ -77,13 +76,13 @@ def _permute_part(part: int, parts: int, argv: int) -> None:
                  carray(pointer(v[1], np.float32), (2, v[3])))
 
 
-def permute_job(a: np.ndarray, order: np.ndarray) -> tuple[launches.Launch, np.ndarray, tuple[np.ndarray, ...]]:
+def permute_job(a: np.ndarray, order: np.ndarray) -> tuple[jobs.Job, np.ndarray, tuple[np.ndarray, ...]]:
     """A job writing `permuted(a, order)` (a [1, k]) into a scratch of its own, for a table kernel's job
     after it to read at every call: (the job, the scratch, the arrays it points at besides a)."""
     order = np.ascontiguousarray(order, np.int64)
     scratch = np.empty((2, a.shape[1]), np.float32)
     argv = np.array([a.ctypes.data, scratch.ctypes.data, order.ctypes.data, a.shape[1], order.size], np.int64)
-    return launches.prepare(_permute_part, argv, 0.0, 1), scratch, (scratch, order)
+    return jobs.job(_permute_part, argv, 0.0, 1), scratch, (scratch, order)
 
 
 def _nibble_index(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:

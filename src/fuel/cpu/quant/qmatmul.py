@@ -44,18 +44,17 @@ from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 from fuel.graph.registry.qmatmul import QMatMulParams, weight_bytes
 from fuel.quant import QuantType
-from fuel.runtime import jobs as launches
-from fuel.runtime import replay as native
+from fuel.runtime import jobs
 from fuel.runtime.buffers import POOL
 
-_LAUNCHES = launches.Launches()  # one-row decode calls of replayed steps (`fuel.runtime.jobs`)
+_LAUNCHES = jobs.JobCache()  # one-row decode calls of replayed steps (`fuel.runtime.jobs`)
 
 
 def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> None:
     a, w = inputs
     launch = _LAUNCHES.find((a, w, out), params)
     if launch is not None:
-        launches.run(launch)
+        jobs.run(launch)
         return
     qt, k, n = params.quant_type, params.k, params.n
     rows = math.prod(a.shape[:-1])
@@ -76,8 +75,8 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
         _tiled(qt, a2, raw, o2)
 
 
-@native.fused_form(qmatmul_kernel)
-def qmatmul_form(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> native.Forms | None:
+@jobs.replays(qmatmul_kernel)
+def qmatmul_form(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> jobs.Jobs | None:
     """One activation row of a non-transposed product: the decode job `qmatmul_kernel` posts (a table
     kernel's after the job permuting the activations into its scratch, as `gemv` does per call)."""
     a, w = inputs
@@ -88,9 +87,9 @@ def qmatmul_form(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParam
     a2, o2 = a.reshape(1, a.shape[-1]), out.reshape(1, out.shape[-1])
     job = one_row_job(params.quant_type, a2, raw, o2)
     if job is not None:
-        return native.form(job)
+        return job
     permute, table, keep = table_jobs(params.quant_type, a2, raw, o2)
-    return native.form(permute, keep=keep), native.form(table)
+    return permute._replace(keep=keep), table
 
 
 def _tiled(qt: QuantType, a2: np.ndarray, raw: np.ndarray, o2: np.ndarray) -> None:

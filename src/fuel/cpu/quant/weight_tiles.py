@@ -43,8 +43,7 @@ from fuel.cpu.quant.tile_gemm import (
     transpose_into,
 )
 from fuel.cpu.simd.sgemm import sgemm
-from fuel.runtime import pool as spin
-from fuel.runtime import threads
+from fuel.runtime import pool, threads
 from fuel.runtime.atomics import claim_slot as claim
 from fuel.runtime.atomics import pointer
 from fuel.runtime.atomics import release_slot as release
@@ -143,7 +142,7 @@ def tiled_product(a2: np.ndarray, n: int, fill: Fill, out: np.ndarray) -> None:
 
 # ---- the same product as a task of the spinning pool (no Python between the tiles) -------------------
 
-def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight: Sequence[int]) -> bool:
+def post_tiles(task: pool.Task, a2: np.ndarray, n: int, out: np.ndarray, weight: Sequence[int]) -> bool:
     """out [R, n] <- a2 [R, k] @ dequant(W)ᵀ by `task`, W's own fields (addresses, sizes) at argv[WEIGHT:]
     (the arrays they address alive until this returns); False, doing nothing, where the tiles need
     OpenBLAS and NumPy's has no ILP64 sgemm to call (the caller then runs `tiled_product`)."""
@@ -155,7 +154,7 @@ def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight:
     tiles = -(-n // t)
     # one part a tile (0.1-1 ms of work each): claimed dynamically, the threads end at most a tile apart,
     # where 12 tiles in 8 parts of 1 or 2 could leave one thread idle for two (SmolLM2's [3072, 576]: -13%)
-    parts = spin.parts_for(2 * rows * n * k / FLOPS_PER_SECOND, tiles, per_thread=tiles)
+    parts = pool.parts_for(2 * rows * n * k / FLOPS_PER_SECOND, tiles, per_thread=tiles)
     slots = min(parts, threads.get_num_threads())
     scratch = POOL.empty((slots, t, k), F32)
     c_scratch = POOL.empty((slots, t, lay.a_t_cols), F32) if lay.a_t is not None else scratch
@@ -166,7 +165,7 @@ def post_tiles(task: spin.Task, a2: np.ndarray, n: int, out: np.ndarray, weight:
                      claims.ctypes.data, address, lay.mode)
     argv[WEIGHT:] = weight
     with threads.one_blas_thread():
-        spin.run(task, argv, parts)
+        pool.run(task, argv, parts)
     return True
 
 

@@ -19,8 +19,7 @@ import numpy as np
 from numba import carray
 
 from fuel.cpu.simd.sgemm import sgemm
-from fuel.runtime import pool as spin
-from fuel.runtime import threads
+from fuel.runtime import pool, threads
 from fuel.runtime.atomics import pointer
 from fuel.runtime.threads import split_work
 
@@ -58,7 +57,7 @@ def _rounded(size: int, count: int) -> int:
 A, B, C, BIAS, SGEMM, M, N, K, LDA, LDB, LDC, TRANS_B, PR, PC = range(14)
 
 
-@spin.task()
+@pool.task()
 def _pieces_task(part: int, parts: int, argv: int) -> None:
     v = carray(pointer(argv, np.int64), (14,))
     m, n, pr, pc, ldc = v[M], v[N], v[PR], v[PC], v[LDC]
@@ -119,7 +118,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray | Non
             count = -(-m // pr) * -(-n // pc)
             seconds = 2 * m * n * a.shape[1] / FLOPS_PER_SECOND
             with threads.one_blas_thread():
-                spin.run(_pieces_task, argv, spin.parts_for(seconds, count, 1))
+                pool.run(_pieces_task, argv, pool.parts_for(seconds, count, 1))
             return
         across = -(-n // pc)
 
