@@ -62,6 +62,10 @@ class QuantType(enum.Enum):
         return next((q for q in QuantType if q.ggml_type == type_id), None)
 
 
-from fuel.quant.nf4 import NF4, nf4_dequantize, nf4_quantize  # noqa: E402  (the NF4 helpers, as fuel.quant.*)
+# The public helpers, as fuel.quant.*: NF4's, and the GGUF dequantisers (kernels of fuel.cpu.quant, which
+# import QuantType from here: it is defined above, so either import order works).
+from fuel.cpu.quant.gguf_blocks import dequantize, dequantize_rows_into, weight_rows  # noqa: E402
+from fuel.quant.nf4 import NF4, nf4_dequantize, nf4_quantize  # noqa: E402
 
-__all__ = ["NF4", "QuantType", "nf4_dequantize", "nf4_quantize"]
+__all__ = ["NF4", "QuantType", "dequantize", "dequantize_rows_into", "nf4_dequantize", "nf4_quantize",
+           "weight_rows"]

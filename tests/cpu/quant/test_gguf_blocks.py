@@ -271,3 +271,21 @@ def test_shape_and_byte_count_errors() -> None:
         dequantize_rows_into(raw[:, :100], QuantType.Q4K, 0, 4, out)
     with pytest.raises(ShapeError, match="raw must be"):
         dequantize_rows_into(raw.reshape(-1), QuantType.Q4K, 0, 4, out)
+
+
+def test_public_helpers_in_fuel_quant_dequantize_rows_as_gguf(rng: np.random.Generator) -> None:
+    """`fuel.quant.weight_rows` / `dequantize_rows_into` / `dequantize` (what models import) give gguf-py's
+    values: a lookup of a few rows of a quantized table, into a reused buffer."""
+    import fuel.quant
+
+    qt, n, k = QuantType.Q4K, 7, 512
+    raw = rng.integers(0, 256, (n, k // qt.block_elements, qt.block_bytes), dtype=np.uint8)
+    raw = _with_scales(raw, qt, _random_scales(rng, raw.size)).reshape(n, -1)
+    want = _reference(raw, qt)
+    rows = fuel.quant.weight_rows(raw.reshape(-1).view(np.uint32), qt, n, k)
+    scratch = np.empty((2, k), np.float32)
+    for r in (5, 0, 6):
+        fuel.quant.dequantize_rows_into(rows, qt, r, r + 1, scratch)
+        _assert_bits_equal(scratch[:1], want[r:r + 1])
+    _assert_bits_equal(fuel.quant.dequantize(raw, qt, n, k), want)
+    assert {"dequantize", "dequantize_rows_into", "weight_rows"} <= set(fuel.quant.__all__)
