@@ -10,12 +10,17 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit
 
-from fuel.cpu.simd.driver import chunk_bounds, chunk_count, row_kernel
+from fuel.cpu.simd.driver import chunk_bounds, chunk_count
 from fuel.cpu.simd.vecmath import bf16_to_f32, f32_to_bf16
 from fuel.dtype import DType
+from fuel.runtime import jobs, pool
+from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
+from fuel.runtime.jobs import ADDRESS, INT, record_at
+
+SECONDS_PER_VALUE = 0.25e-9  # one core's time to convert a value (memory speed), for the part count
 
 
 @njit(inline="always", cache=True)
@@ -60,24 +65,40 @@ def via_f32(kernel: Callable[[list[np.ndarray], np.ndarray, Any], None]) -> Call
     return run
 
 
-@row_kernel()
-def _widen_bf16(src: Any, dst_bits: Any) -> None:
-    """dst_bits (uint32, flat) <- bf16 bits (uint16, flat) << 16: exact, at memory speed."""
-    n = src.shape[0]
+# A conversion job: `size` values from `src` into `dst`, as bits (bf16 uint16, f32 as uint32).
+CONVERT_ARGS = jobs.record(src=ADDRESS, dst=ADDRESS, size=INT)
+
+
+@pool.task()
+def widen_bf16_part(part: int, parts: int, argv: int) -> None:
+    """dst (uint32, flat) <- bf16 bits (uint16, flat) << 16 over this part's fixed chunks: exact."""
+    a = record_at(argv, CONVERT_ARGS)
+    n = a.size
+    src, dst_bits = carray(pointer(a.src, np.uint16), (n,)), carray(pointer(a.dst, np.uint32), (n,))
     chunks = chunk_count(n)
-    for c in prange(chunks):
+    for c in range(part * chunks // parts, (part + 1) * chunks // parts):
         lo, hi = chunk_bounds(c, n, chunks)
         widen_bf16_row(src[lo:hi], dst_bits[lo:hi])
 
 
-@row_kernel()
-def _narrow_bf16(src_bits: Any, dst: Any) -> None:
-    """dst (bf16 bits, flat) <- nearest-even rounding of src_bits (float32 bits as uint32, flat)."""
-    n = src_bits.shape[0]
+@pool.task()
+def narrow_bf16_part(part: int, parts: int, argv: int) -> None:
+    """dst (bf16 bits, flat) <- nearest-even rounding of src (float32 bits as uint32, flat), by fixed chunks."""
+    a = record_at(argv, CONVERT_ARGS)
+    n = a.size
+    src_bits, dst = carray(pointer(a.src, np.uint32), (n,)), carray(pointer(a.dst, np.uint16), (n,))
     chunks = chunk_count(n)
-    for c in prange(chunks):
+    for c in range(part * chunks // parts, (part + 1) * chunks // parts):
         lo, hi = chunk_bounds(c, n, chunks)
         narrow_bf16_row(src_bits[lo:hi], dst[lo:hi])
+
+
+def convert_job(task: pool.Task, src: np.ndarray, dst: np.ndarray) -> jobs.Job:
+    """A job of `widen_bf16_part` or `narrow_bf16_part` from src to dst (flat, contiguous, one size); it
+    keeps both alive (src may be a gathered copy of a strided array)."""
+    argv = jobs.argv_of(CONVERT_ARGS)
+    argv[0] = (src.ctypes.data, dst.ctypes.data, src.size)
+    return jobs.job(task, argv, src.size * SECONDS_PER_VALUE, chunk_count(src.size), keep=(src, dst))
 
 
 def widened(x: np.ndarray) -> np.ndarray:
@@ -91,7 +112,7 @@ def widened(x: np.ndarray) -> np.ndarray:
     wide = POOL.empty(x.shape, np.dtype(np.float32))
     if x.dtype == DType.BF16.np:
         if x.size:  # reshape(-1) gathers any other strided x in C order, matching wide's layout
-            _widen_bf16(bits(x).reshape(-1), wide.reshape(-1).view(np.uint32))
+            jobs.run(convert_job(widen_bf16_part, bits(x).reshape(-1), wide.reshape(-1).view(np.uint32)))
     else:
         np.copyto(wide, x, casting="safe")
     return wide
@@ -101,6 +122,6 @@ def narrow_into(src: np.ndarray, out: np.ndarray) -> None:
     """out (bf16 or f16, contiguous) <- src (f32, contiguous, same shape) rounded once to nearest-even."""
     if out.dtype == DType.BF16.np:
         if out.size:
-            _narrow_bf16(src.reshape(-1).view(np.uint32), bits(out).reshape(-1))
+            jobs.run(convert_job(narrow_bf16_part, src.reshape(-1).view(np.uint32), bits(out).reshape(-1)))
     else:
         np.copyto(out, src, casting="unsafe")
