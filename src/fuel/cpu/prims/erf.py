@@ -25,8 +25,9 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.errors import KernelError
-from fuel.runtime import pool
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 P0 = 2 / math.sqrt(math.pi)  # erf'(0), fixed in the fit: small arguments get it exactly
 P1, P2, P3 = 0.1853327427406865, 0.05435244858587421, 0.0038575623439003268
@@ -35,7 +36,6 @@ Q1, Q2, Q3 = 0.49758025273705486, 0.11402825585652378, 0.015480806037065852
 Q4, Q5 = 0.0013104799999429306, 6.330848289552279e-05
 CLAMP = 4.0
 PIECE = 16384  # values a part of the pool's job at least holds
-SECONDS_PER_VALUE = (1.0e-9, 10e-9)  # one core's time a value, f32 and f64, for the pool's part count
 
 
 # IEEE division (no ZeroDivisionError check, which kept LLVM from vectorising the loop)
@@ -56,25 +56,32 @@ def _erf_f64(x: Any, out: Any) -> None:
         out[i] = math.erf(x[i])
 
 
-# argv of `_erf_task`: the addresses of x and out, the value count and 1 for f64 (0 for f32)
-X, OUT, SIZE, F64 = range(4)
+# `size` values of x into out, flat
+ERF_ARGS = jobs.record(x=ADDRESS, out=ADDRESS, size=INT)
+
+
+@njit(inline="always", cache=True)
+def _erf_part(kernel: Any, part: int, parts: int, argv: int, dt: Any) -> None:
+    a = record_at(argv, ERF_ARGS)
+    size = a.size
+    lo, hi = part * size // parts, (part + 1) * size // parts
+    kernel(carray(pointer(a.x, dt), (size,))[lo:hi], carray(pointer(a.out, dt), (size,))[lo:hi])
 
 
 @pool.task()
-def _erf_task(part: int, parts: int, argv: int) -> None:
-    v = carray(pointer(argv, np.int64), (4,))
-    size = v[SIZE]
-    lo, hi = part * size // parts, (part + 1) * size // parts
-    if v[F64]:
-        _erf_f64(carray(pointer(v[X], np.float64), (size,))[lo:hi], carray(pointer(v[OUT], np.float64), (size,))[lo:hi])
-    else:
-        _erf_f32(carray(pointer(v[X], np.float32), (size,))[lo:hi], carray(pointer(v[OUT], np.float32), (size,))[lo:hi])
+def _erf_f32_part(part: int, parts: int, argv: int) -> None:
+    _erf_part(_erf_f32, part, parts, argv, np.float32)
 
 
-# The dtypes erf has a kernel for: the serial kernel and the task's F64 flag, which picks the type the
-# task reads x and out as.
-KERNELS: dict[np.dtype[Any], tuple[Any, int]] = {np.dtype(np.float32): (_erf_f32, 0),
-                                                 np.dtype(np.float64): (_erf_f64, 1)}
+@pool.task()
+def _erf_f64_part(part: int, parts: int, argv: int) -> None:
+    _erf_part(_erf_f64, part, parts, argv, np.float64)
+
+
+# The dtypes erf has a kernel for: the task, which reads x and out as that type, and one core's time a
+# value, for the part count.
+KERNELS: dict[np.dtype[Any], tuple[pool.Task, float]] = {np.dtype(np.float32): (_erf_f32_part, 1.0e-9),
+                                                         np.dtype(np.float64): (_erf_f64_part, 10e-9)}
 
 
 def erf_into(x: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -84,12 +91,10 @@ def erf_into(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     if found is None or out.dtype != x.dtype or out.shape != x.shape or not out.flags.c_contiguous:
         raise KernelError(f"erf: has a kernel for x and out both float32 or both float64 (out of x's shape, "
                           f"C-contiguous), got x {x.dtype} {list(x.shape)} and out {out.dtype} {list(out.shape)}")
-    kernel, f64 = found
+    task, per_value = found
     flat = np.ascontiguousarray(x).reshape(-1)
-    seconds = flat.size * SECONDS_PER_VALUE[f64]
-    parts = pool.parts_for(seconds, max(1, flat.size // PIECE))
-    if parts <= 1:
-        kernel(flat, out.reshape(-1))
-        return out
-    pool.run(_erf_task, np.array([flat.ctypes.data, out.ctypes.data, flat.size, f64], np.int64), parts)
+    if flat.size:
+        argv = jobs.argv_of(ERF_ARGS)
+        argv[0] = (flat.ctypes.data, out.ctypes.data, flat.size)
+        jobs.run(jobs.job(task, argv, flat.size * per_value, max(1, flat.size // PIECE)))
     return out

@@ -26,12 +26,18 @@ from numba import carray, njit
 from fuel.errors import KernelError
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 from fuel.runtime.threads import SERIAL_BYTES_PER_SECOND
 
 GEMV_MAX_ROWS = 4
 GEMV_MAX_BYTES = 8 << 20
 SUM_SECONDS_PER_VALUE = 0.4e-9  # one core, adding the partial sums
 K_SPLIT = 8  # fixed row ranges of the weight, each summed on its own, then added in order
+
+# a [m, k] @ b [k, n] into the K_SPLIT partial sums [K_SPLIT, m, n] at `partial`
+GEMV_ARGS = jobs.record(a=ADDRESS, b=ADDRESS, partial=ADDRESS, m=INT, k=INT, n=INT)
+# the `size` values of the K_SPLIT partial sums at `partial` added in order into `out`
+SUM_ARGS = jobs.record(partial=ADDRESS, out=ADDRESS, size=INT)
 
 
 @njit(inline="always", cache=True, fastmath={"contract"})
@@ -51,11 +57,11 @@ def _rows(a: Any, b: Any, acc: Any, k0: int, k1: int) -> None:
 @njit(inline="always", cache=True)
 def _part(argv: int, part: int, parts: int, dtype: Any) -> None:
     """Row ranges [part·K_SPLIT/parts, (part + 1)·K_SPLIT/parts) of the weight, each into its partial sum."""
-    v = carray(pointer(argv, np.int64), (6,))
-    m, k, n = v[1], v[2], v[3]
-    a = carray(pointer(v[0], dtype), (m, k))
-    b = carray(pointer(v[4], dtype), (k, n))
-    partial = carray(pointer(v[5], dtype), (K_SPLIT, m, n))
+    r = record_at(argv, GEMV_ARGS)
+    m, k, n = r.m, r.k, r.n
+    a = carray(pointer(r.a, dtype), (m, k))
+    b = carray(pointer(r.b, dtype), (k, n))
+    partial = carray(pointer(r.partial, dtype), (K_SPLIT, m, n))
     for s in range(part * K_SPLIT // parts, (part + 1) * K_SPLIT // parts):
         _rows(a, b, partial[s], s * k // K_SPLIT, (s + 1) * k // K_SPLIT)
 
@@ -78,8 +84,9 @@ F32_TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _gemv_f32}
 
 @njit(cache=True)
 def _fill(a: Any, b: Any, partial: Any, argv: Any) -> None:
-    argv[0], argv[1], argv[2], argv[3] = a.ctypes.data, a.shape[0], a.shape[1], b.shape[1]
-    argv[4], argv[5] = b.ctypes.data, partial.ctypes.data
+    r = argv[0]
+    r.a, r.b, r.partial = a.ctypes.data, b.ctypes.data, partial.ctypes.data
+    r.m, r.k, r.n = a.shape[0], a.shape[1], b.shape[1]
 
 
 @njit(cache=True)
@@ -92,9 +99,10 @@ def _sum_partials(partial: Any, out: Any) -> None:
 
 @pool.task()
 def _sum_task(part: int, parts: int, argv: int) -> None:
-    """`_sum_partials` of f32 as a job (argv: partial, out, M·N; one part), for the native replay."""
-    v = carray(pointer(argv, np.int64), (3,))
-    _sum_partials(carray(pointer(v[0], np.float32), (K_SPLIT, v[2])), carray(pointer(v[1], np.float32), (v[2],)))
+    """`_sum_partials` of f32 as a job (one part), for the native replay."""
+    r = record_at(argv, SUM_ARGS)
+    _sum_partials(carray(pointer(r.partial, np.float32), (K_SPLIT, r.size)),
+                  carray(pointer(r.out, np.float32), (r.size,)))
 
 
 def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dict[np.dtype[Any], pool.Task],
@@ -116,12 +124,14 @@ def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dic
     return task
 
 
-def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv",
-                  tasks: dict[np.dtype[Any], pool.Task] = TASKS) -> tuple[jobs.Job, np.ndarray]:
-    """`gemv`'s first job, the K_SPLIT partial sums of a @ b into a scratch, and that scratch."""
-    task = _task_for(op, a, b, out, tasks, tasks is F32_TASKS)
+def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str,
+                  summed_by_job: bool) -> tuple[jobs.Job, np.ndarray]:
+    """`gemv`'s first job, the K_SPLIT partial sums of a @ b into a scratch, and that scratch. Where
+    `summed_by_job` the partial sums are then added by `_sum_task`, which writes out by address as f32:
+    only f32 and a C-contiguous out are taken. Else they are added by `_sum_partials` on the array out."""
+    task = _task_for(op, a, b, out, F32_TASKS if summed_by_job else TASKS, out_raw=summed_by_job)
     partial = np.empty((K_SPLIT, *out.shape), out.dtype)
-    argv = np.empty(6, np.int64)
+    argv = jobs.argv_of(GEMV_ARGS)
     _fill(a, b, partial, argv)
     return jobs.job(task, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT), partial
 
@@ -129,8 +139,9 @@ def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv
 def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[jobs.Job, jobs.Job, np.ndarray]:
     """`gemv` of f32 a (C-contiguous), b and out as two jobs, the partial sums into a scratch and their sum
     into out, and that scratch. Only f32: `_sum_task` adds f32 partial sums."""
-    partials, partial = _partials_job(a, b, out, "gemv.f32_jobs", F32_TASKS)
-    total = np.array([partial.ctypes.data, out.ctypes.data, out.size], np.int64)
+    partials, partial = _partials_job(a, b, out, "gemv.f32_jobs", summed_by_job=True)
+    total = jobs.argv_of(SUM_ARGS)
+    total[0] = (partial.ctypes.data, out.ctypes.data, out.size)
     return partials, jobs.job(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial
 
 
@@ -139,6 +150,6 @@ def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     C-contiguous. The weight is cut into K_SPLIT fixed row ranges: each is one sequential stream, summed
     alone (on the spinning pool past a few microseconds of weight), and the partial sums are added in
     order, so the bytes never depend on who computed which range."""
-    partials, partial = _partials_job(np.ascontiguousarray(a), b, out)
+    partials, partial = _partials_job(np.ascontiguousarray(a), b, out, "gemv", summed_by_job=False)
     jobs.run(partials)
     _sum_partials(partial, out)

@@ -29,8 +29,9 @@ from numba import carray, njit
 
 from fuel.cpu.simd.vecmath import EXP_LOW, expf_parts, pow2_f32
 from fuel.errors import KernelError
-from fuel.runtime import pool
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 EXP_DEEP = np.float32(-103.9)  # e^t below this rounds to 0 in f32, and so do sigmoid and silu
 _ONE, _ZERO = np.float32(1), np.float32(0)
@@ -101,16 +102,20 @@ def rows_of(x: np.ndarray) -> tuple[np.ndarray, int, int, int]:
     return flat, rows, cols, stride
 
 
-SECONDS_PER_VALUE = 0.7e-9  # one core (a prefill's [128, 1536]: 120-138 µs)
+SECONDS_PER_VALUE = 0.7e-9  # one core's time a value, for the part count
+COLUMN_PIECE = 4096  # values of a single row a part holds at least
+
+# x as `rows_of` sees it (rows of `cols` values, `stride` apart), out [rows, cols] contiguous
+LOGISTIC_ARGS = jobs.record(x=ADDRESS, out=ADDRESS, rows=INT, cols=INT, stride=INT)
 
 
 @njit(inline="always", cache=True)
 def _task_arrays(argv: int) -> tuple[Any, Any, int, int, int]:
-    """argv [x, rows, cols, stride, out]: (flat x, flat out, rows, cols, stride)."""
-    v = carray(pointer(argv, np.int64), (5,))
-    rows, cols, stride = v[1], v[2], v[3]
-    x = carray(pointer(v[0], np.float32), ((rows - 1) * stride + cols,))
-    return x, carray(pointer(v[4], np.float32), (rows * cols,)), rows, cols, stride
+    """(flat x, flat out, rows, cols, stride) of a `LOGISTIC_ARGS` record."""
+    a = record_at(argv, LOGISTIC_ARGS)
+    rows, cols, stride = a.rows, a.cols, a.stride
+    x = carray(pointer(a.x, np.float32), ((rows - 1) * stride + cols,))
+    return x, carray(pointer(a.out, np.float32), (rows * cols,)), rows, cols, stride
 
 
 @njit(inline="always", cache=True)
@@ -131,9 +136,6 @@ def _silu_part(part: int, parts: int, argv: int) -> None:
     _part(_silu_f32, part, parts, argv)
 
 
-SILU_TASK = _silu_part  # the native replay's form of a SILU step posts it too
-
-
 _F32 = np.dtype(np.float32)  # the one dtype these kernels read and write
 
 
@@ -142,7 +144,20 @@ def _sigmoid_part(part: int, parts: int, argv: int) -> None:
     _part(_sigmoid_f32, part, parts, argv)
 
 
-def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: pool.Task, op: str) -> np.ndarray:
+def logistic_job(task: pool.Task, flat: np.ndarray, rows: int, cols: int, stride: int, out: np.ndarray) -> jobs.Job:
+    """The job of `task` (`_silu_part` or `_sigmoid_part`) over x as `rows_of` gives it, into out (f32, C-
+    contiguous): rows a part where there are several, else fixed slices of the one row."""
+    argv = jobs.argv_of(LOGISTIC_ARGS)
+    argv[0] = (flat.ctypes.data, out.ctypes.data, rows, cols, stride)
+    return jobs.job(task, argv, rows * cols * SECONDS_PER_VALUE, max(1, rows if rows > 1 else cols // COLUMN_PIECE))
+
+
+def silu_job(flat: np.ndarray, rows: int, cols: int, stride: int, out: np.ndarray) -> jobs.Job:
+    """`logistic_job` of silu (the native replay's form of a SILU step posts it)."""
+    return logistic_job(_silu_part, flat, rows, cols, stride, out)
+
+
+def _apply(x: np.ndarray, out: np.ndarray | None, task: pool.Task, op: str) -> np.ndarray:
     """The kernels and tasks read x and out by address as f32: any other dtype is a KernelError."""
     if out is None:
         out = np.empty(np.shape(x), np.float32)
@@ -150,20 +165,17 @@ def _apply(x: np.ndarray, out: np.ndarray | None, kernel: Any, task: pool.Task, 
         raise KernelError(f"{op}: has a kernel for x and out both float32 (out of x's shape, C-contiguous), got "
                           f"x {x.dtype} {list(x.shape)} and out {out.dtype} {list(out.shape)}")
     flat, rows, cols, stride = rows_of(x)
-    parts = pool.parts_for(rows * cols * SECONDS_PER_VALUE, rows if rows > 1 else cols // 4096)
-    if parts <= 1:
-        kernel(flat, rows, cols, stride, out.reshape(-1))
-        return out
-    pool.run(task, np.array([flat.ctypes.data, rows, cols, stride, out.ctypes.data], np.int64), parts)
+    if out.size:
+        jobs.run(logistic_job(task, flat, rows, cols, stride, out))
     return out
 
 
 def sigmoid_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """sigmoid(x) of f32 x into `out` (f32, x's shape, C-contiguous, not overlapping x unless it is x)
     or a fresh array; returns it."""
-    return _apply(x, out, _sigmoid_f32, _sigmoid_part, "sigmoid")
+    return _apply(x, out, _sigmoid_part, "sigmoid")
 
 
 def silu_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """x·sigmoid(x) of f32 x, as `sigmoid_f32`."""
-    return _apply(x, out, _silu_f32, _silu_part, "silu")
+    return _apply(x, out, _silu_part, "silu")
