@@ -5,20 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
-from fuel.dtype import DType
-from fuel.graph.node import Node, Op, Shape
+from fuel.graph.node import Node, Op
 from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
-from fuel.graph.registry import (
-    BackwardKind,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    Match,
-    fused_node,
-)
+from fuel.graph.registry import BackwardKind, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.registry.rms_norm_last_dim import (
-    check_eps,
+    NormParams,
     match_root_ms,
     norm_dtype_rule,
     norm_shape_rule,
@@ -32,19 +25,8 @@ NAME = "layer_norm_last_dim"
 
 
 @dataclass(frozen=True)
-class LayerNormLastDimParams:
-    eps: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "eps", check_eps(NAME, self.eps))
-
-
-def shape_rule(shapes: tuple[Shape, ...], params: LayerNormLastDimParams) -> Shape:
-    return norm_shape_rule(NAME, shapes)
-
-
-def dtype_rule(dtypes: tuple[DType, ...], params: LayerNormLastDimParams) -> DType:
-    return norm_dtype_rule(NAME, dtypes)
+class LayerNormLastDimParams(NormParams):
+    OP: ClassVar[str] = NAME
 
 
 def decompose(inputs: list[Tensor], params: LayerNormLastDimParams) -> Tensor:
@@ -98,8 +80,8 @@ ENTRY = FusedOpEntry(
     family=FusedOpFamily.NORM,
     params=LayerNormLastDimParams,
     arity=(1,),
-    shape_rule=shape_rule,
-    dtype_rule=dtype_rule,
+    shape_rule=norm_shape_rule,
+    dtype_rule=norm_dtype_rule,
     decompose=decompose,
     backward=BackwardKind.fused(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD),
     vjp=vjp,

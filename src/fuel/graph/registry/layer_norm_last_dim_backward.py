@@ -7,37 +7,19 @@ Only autograd emits it; its own gradient differentiates the decomposition (highe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from fuel.dtype import DType
-from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-    vjp_by_decomposition,
-)
-from fuel.graph.registry.rms_norm_last_dim import check_eps, norm_dtype_rule, norm_shape_rule
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.graph.registry import FusedOps, fused_node, vjp_by_decomposition
+from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.registry.rms_norm_last_dim import NormParams, norm_dtype_rule, norm_shape_rule
+from fuel.graph.tensor import Tensor, TensorLike
 
 NAME = "layer_norm_last_dim_backward"
 
 
 @dataclass(frozen=True)
-class LayerNormLastDimBackwardParams:
-    eps: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "eps", check_eps(NAME, self.eps))
-
-
-def shape_rule(shapes: tuple[Shape, ...], params: LayerNormLastDimBackwardParams) -> Shape:
-    return norm_shape_rule(NAME, shapes)
-
-
-def dtype_rule(dtypes: tuple[DType, ...], params: LayerNormLastDimBackwardParams) -> DType:
-    return norm_dtype_rule(NAME, dtypes)
+class LayerNormLastDimBackwardParams(NormParams):
+    OP: ClassVar[str] = NAME
 
 
 def decompose(inputs: list[Tensor], params: LayerNormLastDimBackwardParams) -> Tensor:
@@ -51,23 +33,10 @@ def decompose(inputs: list[Tensor], params: LayerNormLastDimBackwardParams) -> T
 def layer_norm_last_dim_backward(x: TensorLike, g: TensorLike, eps: float) -> Tensor:
     """Gradient of layer_norm_last_dim(x, eps) given the upstream gradient `g`."""
     params = LayerNormLastDimBackwardParams(eps)
-    tx = as_tensor(x)
-    nodes = [tx.node, as_tensor(g, tx).node]
-    return Tensor(fused_node(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, nodes, params))
+    return Tensor(fused_node(FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, operand_nodes(x, g), params))
 
 
-ENTRY = FusedOpEntry(
-    id=FusedOps.LAYER_NORM_LAST_DIM_BACKWARD,
-    name="LayerNormLastDimBackward",
-    family=FusedOpFamily.BACKWARD,
-    params=LayerNormLastDimBackwardParams,
-    arity=(2,),
-    shape_rule=shape_rule,
-    dtype_rule=dtype_rule,
-    decompose=decompose,
-    backward=NOT_DIFFERENTIABLE,
-    vjp=vjp_by_decomposition(decompose),
-    pattern=None,
-    output_views=None,
-    destructive_input=None,
+ENTRY = gradient_entry(
+    FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, "LayerNormLastDimBackward", LayerNormLastDimBackwardParams,
+    norm_shape_rule, norm_dtype_rule, decompose, pattern=None, vjp=vjp_by_decomposition(decompose),
 )

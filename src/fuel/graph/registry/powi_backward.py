@@ -18,15 +18,9 @@ from typing import Any
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-    vjp_by_decomposition,
-)
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
+from fuel.graph.registry import FusedOps, fused_node, vjp_by_decomposition
+from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.tensor import Tensor, TensorLike, zeros
 
 NAME = "powi_backward"
 EXP_LIMIT = 2**31  # the exponent is an i32, as the forward's is upstream: exp − 1 never overflows
@@ -81,23 +75,10 @@ def powi_backward(x: TensorLike, g: TensorLike, exp: int) -> Tensor:
     """Gradient of `x ** exp` (integer exp) given the upstream gradient `g`: exp·x^(exp−1)·g, and 0
     everywhere for exp = 0."""
     params = PowIBackwardParams(exp)
-    tx = as_tensor(x)
-    nodes = [tx.node, as_tensor(g, tx).node]
-    return Tensor(fused_node(FusedOps.POWI_BACKWARD, nodes, params))
+    return Tensor(fused_node(FusedOps.POWI_BACKWARD, operand_nodes(x, g), params))
 
 
-ENTRY = FusedOpEntry(
-    id=FusedOps.POWI_BACKWARD,
-    name="PowIBackward",
-    family=FusedOpFamily.BACKWARD,
-    params=PowIBackwardParams,
-    arity=(2,),
-    shape_rule=shape_rule,
-    dtype_rule=dtype_rule,
-    decompose=decompose,
-    backward=NOT_DIFFERENTIABLE,
-    vjp=vjp,
-    pattern=None,
-    output_views=None,
-    destructive_input=None,
+ENTRY = gradient_entry(
+    FusedOps.POWI_BACKWARD, "PowIBackward", PowIBackwardParams,
+    shape_rule, dtype_rule, decompose, pattern=None, vjp=vjp,
 )

@@ -24,16 +24,10 @@ from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-    vjp_by_decomposition,
-)
+from fuel.graph.registry import FusedOps, fused_node, vjp_by_decomposition
+from fuel.graph.registry.common import gradient_entry, operand_nodes
 from fuel.graph.shapes import reduce_to_axes
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.graph.tensor import Tensor, TensorLike
 
 NAME = "reduce_max_to_backward"
 
@@ -85,23 +79,10 @@ def decompose(inputs: list[Tensor], params: ReduceMaxToBackwardParams) -> Tensor
 def reduce_max_to_backward(x: TensorLike, g: TensorLike) -> Tensor:
     """Gradient of `REDUCE_MAX_TO(x, g.shape)` given the upstream gradient `g`: tied maxima share g
     equally; a group holding NaN shares it among its NaN elements (see the module docstring)."""
-    tx = as_tensor(x)
-    nodes = [tx.node, as_tensor(g, tx).node]
-    return Tensor(fused_node(FusedOps.REDUCE_MAX_TO_BACKWARD, nodes, ReduceMaxToBackwardParams()))
+    return Tensor(fused_node(FusedOps.REDUCE_MAX_TO_BACKWARD, operand_nodes(x, g), ReduceMaxToBackwardParams()))
 
 
-ENTRY = FusedOpEntry(
-    id=FusedOps.REDUCE_MAX_TO_BACKWARD,
-    name="ReduceMaxToBackward",
-    family=FusedOpFamily.BACKWARD,
-    params=ReduceMaxToBackwardParams,
-    arity=(2,),
-    shape_rule=shape_rule,
-    dtype_rule=dtype_rule,
-    decompose=decompose,
-    backward=NOT_DIFFERENTIABLE,
-    vjp=vjp_by_decomposition(decompose),
-    pattern=None,
-    output_views=None,
-    destructive_input=None,
+ENTRY = gradient_entry(
+    FusedOps.REDUCE_MAX_TO_BACKWARD, "ReduceMaxToBackward", ReduceMaxToBackwardParams,
+    shape_rule, dtype_rule, decompose, pattern=None, vjp=vjp_by_decomposition(decompose),
 )

@@ -1,7 +1,7 @@
 """RmsNormLastDim (id 3): x / sqrt(mean(x², last) + eps), no affine weight.
 
 The rules and pattern pieces shared by the whole norm family (entries 3, 4, 8, 9) live here too:
-the eps check, the shape/dtype rules and the matcher of `sqrt(mean(v², last) + eps)`.
+the eps check, the params, the shape/dtype rules and the matcher of `sqrt(mean(v², last) + eps)`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -16,14 +17,7 @@ from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import keepdim_last, only_used_once, unbroadcast
-from fuel.graph.registry import (
-    BackwardKind,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    Match,
-    fused_node,
-)
+from fuel.graph.registry import BackwardKind, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 # ---- shared by the norm family ---------------------------------------------------------------
@@ -47,9 +41,21 @@ def check_eps(op: str, eps: object) -> float:
     return float(eps)
 
 
-def norm_shape_rule(op: str, shapes: tuple[Shape, ...]) -> Shape:
+@dataclass(frozen=True)
+class NormParams:
+    """The norm family's params: eps, checked on construction. Each entry has its own subclass, whose
+    OP names it in error messages (and the registry's params check tells the entries apart)."""
+
+    OP: ClassVar[str]
+    eps: float
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eps", check_eps(self.OP, self.eps))
+
+
+def norm_shape_rule(shapes: tuple[Shape, ...], params: NormParams) -> Shape:
     """Input 0 (x) of rank >= 1 with a non-empty last axis; every other input has x's shape."""
-    x = shapes[0]
+    op, x = params.OP, shapes[0]
     if not x:
         raise ShapeError(f"{op}: x must have rank >= 1, got a rank-0 tensor")
     if x[-1] == 0:
@@ -60,9 +66,9 @@ def norm_shape_rule(op: str, shapes: tuple[Shape, ...]) -> Shape:
     return x
 
 
-def norm_dtype_rule(op: str, dtypes: tuple[DType, ...]) -> DType:
+def norm_dtype_rule(dtypes: tuple[DType, ...], params: NormParams) -> DType:
     """Float x; every other input of x's dtype."""
-    x = dtypes[0]
+    op, x = params.OP, dtypes[0]
     if not x.is_float:
         raise DTypeError(f"{op}: x must be a float tensor, got {x.value}")
     for d in dtypes[1:]:
@@ -120,19 +126,8 @@ NAME = "rms_norm_last_dim"
 
 
 @dataclass(frozen=True)
-class RmsNormLastDimParams:
-    eps: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "eps", check_eps(NAME, self.eps))
-
-
-def shape_rule(shapes: tuple[Shape, ...], params: RmsNormLastDimParams) -> Shape:
-    return norm_shape_rule(NAME, shapes)
-
-
-def dtype_rule(dtypes: tuple[DType, ...], params: RmsNormLastDimParams) -> DType:
-    return norm_dtype_rule(NAME, dtypes)
+class RmsNormLastDimParams(NormParams):
+    OP: ClassVar[str] = NAME
 
 
 def decompose(inputs: list[Tensor], params: RmsNormLastDimParams) -> Tensor:
@@ -176,8 +171,8 @@ ENTRY = FusedOpEntry(
     family=FusedOpFamily.NORM,
     params=RmsNormLastDimParams,
     arity=(1,),
-    shape_rule=shape_rule,
-    dtype_rule=dtype_rule,
+    shape_rule=norm_shape_rule,
+    dtype_rule=norm_dtype_rule,
     decompose=decompose,
     backward=BackwardKind.fused(FusedOps.RMS_NORM_LAST_DIM_BACKWARD),
     vjp=vjp,

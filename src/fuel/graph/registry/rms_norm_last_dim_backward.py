@@ -7,37 +7,19 @@ Only autograd emits it; its own gradient differentiates the decomposition (highe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from fuel.dtype import DType
-from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-    vjp_by_decomposition,
-)
-from fuel.graph.registry.rms_norm_last_dim import check_eps, norm_dtype_rule, norm_shape_rule
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.graph.registry import FusedOps, fused_node, vjp_by_decomposition
+from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.registry.rms_norm_last_dim import NormParams, norm_dtype_rule, norm_shape_rule
+from fuel.graph.tensor import Tensor, TensorLike
 
 NAME = "rms_norm_last_dim_backward"
 
 
 @dataclass(frozen=True)
-class RmsNormLastDimBackwardParams:
-    eps: float
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "eps", check_eps(NAME, self.eps))
-
-
-def shape_rule(shapes: tuple[Shape, ...], params: RmsNormLastDimBackwardParams) -> Shape:
-    return norm_shape_rule(NAME, shapes)
-
-
-def dtype_rule(dtypes: tuple[DType, ...], params: RmsNormLastDimBackwardParams) -> DType:
-    return norm_dtype_rule(NAME, dtypes)
+class RmsNormLastDimBackwardParams(NormParams):
+    OP: ClassVar[str] = NAME
 
 
 def decompose(inputs: list[Tensor], params: RmsNormLastDimBackwardParams) -> Tensor:
@@ -50,23 +32,10 @@ def decompose(inputs: list[Tensor], params: RmsNormLastDimBackwardParams) -> Ten
 def rms_norm_last_dim_backward(x: TensorLike, g: TensorLike, eps: float) -> Tensor:
     """Gradient of rms_norm_last_dim(x, eps) given the upstream gradient `g`."""
     params = RmsNormLastDimBackwardParams(eps)
-    tx = as_tensor(x)
-    nodes = [tx.node, as_tensor(g, tx).node]
-    return Tensor(fused_node(FusedOps.RMS_NORM_LAST_DIM_BACKWARD, nodes, params))
+    return Tensor(fused_node(FusedOps.RMS_NORM_LAST_DIM_BACKWARD, operand_nodes(x, g), params))
 
 
-ENTRY = FusedOpEntry(
-    id=FusedOps.RMS_NORM_LAST_DIM_BACKWARD,
-    name="RmsNormLastDimBackward",
-    family=FusedOpFamily.BACKWARD,
-    params=RmsNormLastDimBackwardParams,
-    arity=(2,),
-    shape_rule=shape_rule,
-    dtype_rule=dtype_rule,
-    decompose=decompose,
-    backward=NOT_DIFFERENTIABLE,
-    vjp=vjp_by_decomposition(decompose),
-    pattern=None,
-    output_views=None,
-    destructive_input=None,
+ENTRY = gradient_entry(
+    FusedOps.RMS_NORM_LAST_DIM_BACKWARD, "RmsNormLastDimBackward", RmsNormLastDimBackwardParams,
+    norm_shape_rule, norm_dtype_rule, decompose, pattern=None, vjp=vjp_by_decomposition(decompose),
 )

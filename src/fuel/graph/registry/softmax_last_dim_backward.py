@@ -9,16 +9,9 @@ from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    Match,
-    fused_node,
-    vjp_by_decomposition,
-)
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.graph.registry import FusedOps, Match, fused_node, vjp_by_decomposition
+from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.tensor import Tensor, TensorLike
 
 
 @dataclass(frozen=True)
@@ -72,23 +65,11 @@ def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
 
 def softmax_last_dim_backward(y: TensorLike, g: TensorLike) -> Tensor:
     """Gradient of softmax_last_dim given its output `y` and the upstream gradient `g`."""
-    ty = as_tensor(y)
-    nodes = [ty.node, as_tensor(g, ty).node]
-    return Tensor(fused_node(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, nodes, SoftmaxLastDimBackwardParams()))
+    params = SoftmaxLastDimBackwardParams()
+    return Tensor(fused_node(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, operand_nodes(y, g), params))
 
 
-ENTRY = FusedOpEntry(
-    id=FusedOps.SOFTMAX_LAST_DIM_BACKWARD,
-    name="SoftmaxLastDimBackward",
-    family=FusedOpFamily.BACKWARD,
-    params=SoftmaxLastDimBackwardParams,
-    arity=(2,),
-    shape_rule=shape_rule,
-    dtype_rule=dtype_rule,
-    decompose=decompose,
-    backward=NOT_DIFFERENTIABLE,
-    vjp=vjp_by_decomposition(decompose),
-    pattern=pattern,
-    output_views=None,
-    destructive_input=None,
+ENTRY = gradient_entry(
+    FusedOps.SOFTMAX_LAST_DIM_BACKWARD, "SoftmaxLastDimBackward", SoftmaxLastDimBackwardParams,
+    shape_rule, dtype_rule, decompose, pattern=pattern, vjp=vjp_by_decomposition(decompose),
 )
