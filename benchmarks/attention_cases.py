@@ -76,7 +76,7 @@ def case_forward(limits: dict[str, float], repeat: int, compile_torch: bool = Tr
     notes: list[str] = []
 
     def build() -> list[fl.Tensor]:
-        return [fl.ops.flash_attn(*tensors, causal=True)]
+        return [fl.ops.flash_attn(tensors[0], tensors[1], tensors[2], causal=True)]
 
     jitted = fl.jit(lambda q, k, v: fl.ops.flash_attn(q, k, v, causal=True))
 
@@ -184,7 +184,7 @@ def case_decode(limits: dict[str, float], repeat: int, compile_torch: bool = Tru
                      "static k_len (its primitive decomposition)")
 
     def build() -> list[fl.Tensor]:
-        return [fl.ops.flash_attn(*tensors, causal=True, k_len=kl)]
+        return [fl.ops.flash_attn(tensors[0], tensors[1], tensors[2], causal=True, k_len=kl)]
 
     jitted = fl.jit(lambda a, b, c: fl.ops.flash_attn(a, b, c, causal=True, k_len=kl))
     env_kw = env or {}

@@ -1,1 +1,37 @@
-"""Real models built from fuel.ops: llama-family LLMs from GGUF files and a BERT sentence embedder."""
+"""Real models built from fuel.ops: llama-family LLMs from GGUF files, a BERT sentence embedder and
+Mamba's mixers.
+
+Each model module is imported on first use (`fuel.models.bert`), so importing the package loads none
+of them and none of what they need (tokenizers, jinja2, safetensors).
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+import typing
+
+if typing.TYPE_CHECKING:
+    from fuel.models import bert as bert
+    from fuel.models import generate as generate
+    from fuel.models import generate_args as generate_args
+    from fuel.models import generate_cli as generate_cli
+    from fuel.models import kv_sequence as kv_sequence
+    from fuel.models import llama as llama
+    from fuel.models import llama_weights as llama_weights
+    from fuel.models import mamba as mamba
+    from fuel.models import sampling as sampling
+    from fuel.models import tokenizer as tokenizer
+
+MODULES = ("bert", "generate", "generate_args", "generate_cli", "kv_sequence", "llama", "llama_weights",
+           "mamba", "sampling", "tokenizer")
+
+
+def __getattr__(name: str) -> types.ModuleType:
+    if name in MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *MODULES])
