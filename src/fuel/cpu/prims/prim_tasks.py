@@ -22,18 +22,17 @@ from numba import carray, njit
 
 from fuel.cpu.prims import gemv, logistic
 from fuel.graph.node import Op, OpSpec
-from fuel.runtime import pool
+from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
-from fuel.runtime.jobs import Job, job
+from fuel.runtime.jobs import ADDRESS, INT, Job, job, record_at
 from fuel.runtime.replay import dyn_name, prim_job
 
 SECONDS_PER_VALUE = 0.4e-9  # one core, an f32 operation streamed from cache
 ADD, SUB, MUL, DIV = range(4)
 _CODES = {Op.ADD: ADD, Op.SUB: SUB, Op.MUL: MUL, Op.DIV: DIV, Op.ADD_SCALAR: ADD, Op.MUL_SCALAR: MUL}
-# argv of a binary job: a, a's row and column strides, b, b's strides, out, rows, cols, then b's value when
-# it is a scalar (b then points at that entry)
-_ARGS = 10
-_SCALAR = 9
+# A binary job: out [rows, cols] <- a op b, each operand read with its row and column strides in elements
+BINARY_ARGS = jobs.record(a=ADDRESS, a_row=INT, a_col=INT, b=ADDRESS, b_row=INT, b_col=INT, out=ADDRESS, rows=INT,
+                          cols=INT)
 F32 = np.dtype(np.float32)
 
 
@@ -50,11 +49,11 @@ def _op(code: int, x: Any, y: Any) -> Any:
 
 @njit(inline="always", cache=True)
 def _binary_part(code: int, part: int, parts: int, argv: int) -> None:
-    v = carray(pointer(argv, np.int64), (_ARGS,))
-    ars, acs, brs, bcs, rows, cols = v[1], v[2], v[4], v[5], v[7], v[8]
-    a = carray(pointer(v[0], np.float32), ((rows - 1) * ars + (cols - 1) * acs + 1,))
-    b = carray(pointer(v[3], np.float32), ((rows - 1) * brs + (cols - 1) * bcs + 1,))
-    o = carray(pointer(v[6], np.float32), (rows * cols,))
+    v = record_at(argv, BINARY_ARGS)
+    ars, acs, brs, bcs, rows, cols = v.a_row, v.a_col, v.b_row, v.b_col, v.rows, v.cols
+    a = carray(pointer(v.a, np.float32), ((rows - 1) * ars + (cols - 1) * acs + 1,))
+    b = carray(pointer(v.b, np.float32), ((rows - 1) * brs + (cols - 1) * bcs + 1,))
+    o = carray(pointer(v.out, np.float32), (rows * cols,))
     for r in range(part * rows // parts, (part + 1) * rows // parts):
         orow = o[r * cols:(r + 1) * cols]
         if acs and bcs:
@@ -121,7 +120,9 @@ def _strides(x: np.ndarray, shape: tuple[int, ...], t: int) -> tuple[int, int] |
     return span, cs
 
 
-def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, code: int, scalar: float | None) -> Job | None:
+def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, code: int, own_b: bool) -> Job | None:
+    """The job of out <- a op b, or None where its layout is not one the task reads; `own_b`: b is scratch
+    the job keeps (a scalar operand's one value)."""
     shape = out.shape
     if a.dtype != F32 or b.dtype != F32 or out.dtype != F32 or not out.flags.c_contiguous or out.size == 0:
         return None
@@ -136,17 +137,14 @@ def _binary(a: np.ndarray, b: np.ndarray, out: np.ndarray, code: int, scalar: fl
     else:
         return None
     rows, cols = math.prod(shape[:t]), math.prod(shape[t:])
-    argv = np.zeros(_ARGS, np.int64)
-    argv[:9] = a.ctypes.data, *sa, b.ctypes.data, *sb, out.ctypes.data, rows, cols
-    if scalar is not None:
-        argv[_SCALAR:_SCALAR + 1].view(np.float32)[0] = scalar
-        argv[3] = argv.ctypes.data + 8 * _SCALAR
-    return job(_TASKS[code], argv, out.size * SECONDS_PER_VALUE, rows)
+    argv = jobs.argv_of(BINARY_ARGS)
+    argv[0] = (a.ctypes.data, *sa, b.ctypes.data, *sb, out.ctypes.data, rows, cols)
+    return job(_TASKS[code], argv, out.size * SECONDS_PER_VALUE, rows, keep=(b,) if own_b else ())
 
 
 @prim_job(Op.ADD, Op.SUB, Op.MUL, Op.DIV)
 def binary_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
-    return _binary(xs[0], xs[1], out, _CODES[spec.op], None)
+    return _binary(xs[0], xs[1], out, _CODES[spec.op], False)
 
 
 @prim_job(Op.ADD_SCALAR, Op.MUL_SCALAR)
@@ -154,9 +152,8 @@ def scalar_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -
     x = xs[0]
     if x.dtype != F32:
         return None
-    one = np.zeros((1,) * x.ndim, F32)  # b's layout (one value); the task reads the value from argv
-    form = _binary(x, one, out, _CODES[spec.op], float(np.float32(arg)))
-    return form
+    one = np.full((1,) * x.ndim, arg, F32)  # the scalar rounded to f32, as NumPy takes it, kept by the job
+    return _binary(x, one, out, _CODES[spec.op], True)
 
 
 @prim_job(Op.SILU)
@@ -167,9 +164,7 @@ def silu_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> 
     flat, rows, cols, stride = logistic.rows_of(x)
     if flat.ctypes.data != x.ctypes.data or x.size == 0:  # a contiguous copy: not x's own memory
         return None
-    argv = np.array([flat.ctypes.data, rows, cols, stride, out.ctypes.data], np.int64)
-    return job(logistic.SILU_TASK, argv, rows * cols * logistic.SECONDS_PER_VALUE,
-                max(1, rows if rows > 1 else cols // 4096))
+    return logistic.silu_job(flat, rows, cols, stride, out)
 
 
 @prim_job(Op.MATMUL)
@@ -189,16 +184,18 @@ def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -
 
 
 # ---- CACHE_WRITE ------------------------------------------------------------------------------------
-_CW_ARGS = 7  # cache, rows, outer count, cache block bytes, rows block bytes, bytes per position, offset
-_CW_OFFSET = 6
+# The rows' `outer` blocks (each `rows_block` bytes) copied into the cache's (each `cache_block` bytes) at
+# position `offset` (`position` bytes a position)
+CACHE_WRITE_ARGS = jobs.record(cache=ADDRESS, rows=ADDRESS, outer=INT, cache_block=INT, rows_block=INT,
+                               position=INT, offset=INT)
 
 
 @pool.task()
 def _cache_write(part: int, parts: int, argv: int) -> None:
-    v = carray(pointer(argv, np.int64), (_CW_ARGS,))
-    outer, cb, rb, pb, off = v[2], v[3], v[4], v[5], v[6]
-    cache = carray(pointer(v[0], np.uint8), (outer * cb,))
-    rows = carray(pointer(v[1], np.uint8), (outer * rb,))
+    v = record_at(argv, CACHE_WRITE_ARGS)
+    outer, cb, rb, pb, off = v.outer, v.cache_block, v.rows_block, v.position, v.offset
+    cache = carray(pointer(v.cache, np.uint8), (outer * cb,))
+    rows = carray(pointer(v.rows, np.uint8), (outer * rb,))
     for o in range(part * outer // parts, (part + 1) * outer // parts):
         cache[o * cb + off * pb:o * cb + off * pb + rb] = rows[o * rb:(o + 1) * rb]
 
@@ -212,10 +209,10 @@ def cache_write_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: A
     ax = arg.axis
     cap, count = cache.shape[ax], rows.shape[ax]
     per = math.prod(cache.shape[ax + 1:]) * cache.itemsize
-    argv = np.array([cache.ctypes.data, rows.ctypes.data, math.prod(cache.shape[:ax]), cap * per, count * per, per,
-                     0], np.int64)
+    outer = math.prod(cache.shape[:ax])
     name = dyn_name(arg.offset)
-    if name is None:
-        argv[_CW_OFFSET] = int(arg.offset)
-    return job(_cache_write, argv, rows.nbytes * SECONDS_PER_VALUE / 4, int(argv[2]),
-                dyn=((_CW_OFFSET, name, 0, cap - count),) if name else ())
+    argv = jobs.argv_of(CACHE_WRITE_ARGS)
+    argv[0] = (cache.ctypes.data, rows.ctypes.data, outer, cap * per, count * per, per,
+               0 if name is not None else int(arg.offset))
+    return job(_cache_write, argv, rows.nbytes * SECONDS_PER_VALUE / 4, outer,
+               dyn=((jobs.word(CACHE_WRITE_ARGS, "offset"), name, 0, cap - count),) if name else ())
