@@ -302,7 +302,7 @@ def test_a_dropped_generation_gives_its_sequence_back_at_once(tiny: gen.LLM) -> 
 def test_a_sequence_in_use_is_refused(tiny: gen.LLM) -> None:
     seq = tiny.model.acquire()
     try:
-        sampler = gen.sampler_of(0.0, 0, 1.0, None)
+        sampler = gen.Sampler(0.0, 0, 1.0, None)
         a = tiny.stream(tiny.prompt_ids("abc"), 5, sampler, sequence=seq)
         b = tiny.stream(tiny.prompt_ids("abd"), 5, sampler, sequence=seq)
         next(a)

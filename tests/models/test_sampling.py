@@ -22,7 +22,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from fuel.errors import FuelError
+from fuel.errors import FuelError, ParamError
 from fuel.models.sampling import Sampler
 
 DRAWS = 5000  # per case: a chi-square p-value below ALPHA fails it
@@ -215,3 +215,26 @@ def test_logits_no_draw_can_come_from_are_refused(logits: Any, match: str, tempe
 def test_parameters_out_of_their_domain_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(FuelError, match=match):
         Sampler(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"temperature": "hot"}, r"sampler: temperature .*got 'hot'"),
+    ({"temperature": None}, r"sampler: temperature .*got None"),
+    ({"temperature": True}, r"sampler: temperature .*got True"),
+    ({"top_k": 2.5}, r"sampler: top_k .*an int.*got 2.5"),
+    ({"top_k": True}, r"sampler: top_k .*got True"),
+    ({"top_p": "x"}, r"sampler: top_p .*got 'x'"),
+    ({"seed": 1.5}, r"sampler: seed must be None or an int >= 0, got 1.5"),
+    ({"seed": "s"}, r"sampler: seed .*got 's'"),
+])
+def test_parameters_of_the_wrong_type_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ParamError, match=match):
+        Sampler(**kwargs)
+
+
+def test_numpy_scalars_are_taken_as_python_numbers() -> None:
+    s = Sampler(np.float32(0.5), np.int64(3), np.float64(0.25), np.uint8(7))
+    assert (s.temperature, s.top_k, s.top_p, s.seed) == (0.5, 3, 0.25, 7)
+    assert [type(v) for v in (s.temperature, s.top_k, s.top_p, s.seed)] == [float, int, float, int]
+    row = np.linspace(0.0, 1.0, 16)
+    assert s(row) == Sampler(0.5, 3, 0.25, 7)(row)

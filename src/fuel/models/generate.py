@@ -46,11 +46,11 @@ from typing import Any, TextIO
 
 from fuel.errors import ParamError
 from fuel.io.gguf import GGUFError, GGUFFile, open_gguf
-from fuel.models.generate_args import encode_prompt, is_int, sampler_of, stops_of
+from fuel.models.generate_args import encode_prompt, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import LlamaModel, ModelError
 from fuel.models.llama_weights import LlamaConfig
-from fuel.models.sampling import Sampler
+from fuel.models.sampling import Sampler, is_int
 from fuel.models.tokenizer import GGUFTokenizer
 
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
@@ -238,7 +238,7 @@ class LLM:
                  stop: str | Sequence[str] | None = None) -> Generation:
         """The continuation of `prompt` (see `prompt_ids`) as text pieces, greedy unless temperature > 0,
         ending at an end-of-turn token, a `stop` sequence, `max_tokens` tokens or a full KV cache."""
-        sampler = sampler_of(temperature, top_k, top_p, seed)
+        sampler = Sampler(temperature, top_k, top_p, seed)
         stops = stops_of(stop)
         return self.stream(self.prompt_ids(prompt, chat), max_tokens, sampler, stops)
 
@@ -323,4 +323,4 @@ def _progress(stream: TextIO) -> Any:
     return report
 
 
-__all__ = ["LLM", "MODELS", "Generation", "Stats", "describe", "load", "model_path", "sampler_of", "stops_of"]
+__all__ = ["LLM", "MODELS", "Generation", "Stats", "describe", "load", "model_path", "stops_of"]

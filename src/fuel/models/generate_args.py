@@ -1,9 +1,9 @@
 """The arguments of a generation (`fuel.models.generate`), checked before anything runs: each error a
-`ParamError` (a `ModelError` for a token id outside the vocabulary) naming the argument and what came."""
+`ParamError` (a `ModelError` for a token id outside the vocabulary) naming the argument and what came.
+The sampling arguments are checked by `Sampler` itself, once, wherever it is built."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,16 +11,8 @@ import numpy as np
 
 from fuel.errors import ParamError
 from fuel.models.llama_weights import check_ids
-from fuel.models.sampling import Sampler
+from fuel.models.sampling import is_int
 from fuel.models.tokenizer import GGUFTokenizer, lone_surrogate
-
-
-def is_int(v: Any) -> bool:
-    return isinstance(v, int | np.integer) and not isinstance(v, bool)
-
-
-def is_real(v: Any) -> bool:
-    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
 
 
 def check_text(text: str, what: str) -> None:
@@ -30,19 +22,6 @@ def check_text(text: str, what: str) -> None:
     if at is not None:
         raise ParamError(f"generate: {what} holds a lone surrogate {text[at]!r} at index {at}; "
                          "text must be valid Unicode (encodable as UTF-8)")
-
-
-def sampler_of(temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampler:
-    """A Sampler, each argument checked first (type and domain) with a ParamError naming it."""
-    if not is_real(temperature) or not math.isfinite(temperature) or temperature < 0:
-        raise ParamError(f"generate: temperature must be a finite real >= 0 (0: greedy), got {temperature!r}")
-    if not is_int(top_k) or top_k < 0:
-        raise ParamError(f"generate: top_k must be an int >= 0 (0 keeps every token), got {top_k!r}")
-    if not is_real(top_p) or not 0.0 < top_p <= 1.0:
-        raise ParamError(f"generate: top_p must be a real in (0, 1], got {top_p!r}")
-    if seed is not None and (not is_int(seed) or seed < 0):
-        raise ParamError(f"generate: seed must be None or an int >= 0, got {seed!r}")
-    return Sampler(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
 
 
 def stops_of(stop: Any) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from typing import TextIO
 from fuel.arg_types import number
 from fuel.errors import FuelError, ParamError
 from fuel.models.generate import LLM, MODELS, Generation, Stats, describe, load, model_path
-from fuel.models.generate_args import encode_prompt, sampler_of, stops_of
+from fuel.models.generate_args import encode_prompt, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import ModelError
 from fuel.models.sampling import Sampler
@@ -72,7 +72,7 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None, err: TextI
 
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
-    sampler = sampler_of(args.temperature, args.top_k, args.top_p, args.seed)
+    sampler = Sampler(args.temperature, args.top_k, args.top_p, args.seed)
     stops = stops_of(args.stop and tuple(args.stop))
     path = model_path(args.model)
     _, tokenizer, cfg = describe(path)

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from fuel.errors import ParamError, ShapeError
+
+
+def is_int(v: Any) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def is_real(v: Any) -> bool:
+    """A Python or NumPy integer or float, not a bool."""
+    return isinstance(v, int | float | np.integer | np.floating) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -23,14 +35,21 @@ class Sampler:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise ParamError(f"sampler: temperature must be finite and >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ParamError(f"sampler: top_k must be >= 0 (0 keeps every token), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ParamError(f"sampler: top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and self.seed < 0:
-            raise ParamError(f"sampler: seed must be None or an int >= 0, got {self.seed}")
+        """The one check of the arguments (`generate` and the CLI build their Sampler here): type and
+        domain, each a ParamError naming it; NumPy scalars are kept as Python's."""
+        t, k, p, seed = self.temperature, self.top_k, self.top_p, self.seed
+        if not is_real(t) or not math.isfinite(t) or t < 0:
+            raise ParamError(f"sampler: temperature must be finite and >= 0 (a real; 0: greedy), got {t!r}")
+        if not is_int(k) or k < 0:
+            raise ParamError(f"sampler: top_k must be >= 0 (an int; 0 keeps every token), got {k!r}")
+        if not is_real(p) or not 0.0 < p <= 1.0:
+            raise ParamError(f"sampler: top_p must be in (0, 1] (a real), got {p!r}")
+        if seed is not None and (not is_int(seed) or seed < 0):
+            raise ParamError(f"sampler: seed must be None or an int >= 0, got {seed!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "seed", None if seed is None else int(seed))
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
 
     def __call__(self, logits: np.ndarray) -> int:
