@@ -121,18 +121,18 @@ _BLAS_SET_NAMES = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_
                    "openblas_set_num_threads64_", "openblas_set_num_threads")
 _BLAS_GET_NAMES = ("scipy_openblas_get_num_threads64_", "scipy_openblas_get_num_threads",
                    "openblas_get_num_threads64_", "openblas_get_num_threads")
-# cblas_sgemm with 64-bit integers (the ILP64 build NumPy's wheels carry), for jitted code to call
-_BLAS_SGEMM_NAMES = ("scipy_cblas_sgemm64_", "cblas_sgemm64_")
+# The CBLAS routines with 64-bit integers (the ILP64 build NumPy's wheels carry) jitted code may call
+BLAS_ROUTINES = ("sgemm", "dgemm", "sgemv", "dgemv")
 
 
 class _Blas:
     """The thread-count functions of the OpenBLAS NumPy loaded, or nothing where none is found, and the
-    address of its ILP64 `cblas_sgemm` (0 where it has none)."""
+    addresses of its ILP64 `cblas_<routine>` of `BLAS_ROUTINES` (those it has)."""
 
     def __init__(self) -> None:
         self.set: Callable[[int], None] | None = None
         self.get: Callable[[], int] | None = None
-        self.sgemm = 0
+        self.routines: dict[str, int] = {}
         import numpy as np  # loads NumPy's BLAS
 
         np.dot(np.ones(2), np.ones(2))
@@ -153,8 +153,10 @@ class _Blas:
                 setter.argtypes, setter.restype = [ctypes.c_int], None
                 getter.argtypes, getter.restype = [], ctypes.c_int
                 self.set, self.get = setter, getter
-                sgemm = next((getattr(lib, n) for n in _BLAS_SGEMM_NAMES if hasattr(lib, n)), None)
-                self.sgemm = 0 if sgemm is None else ctypes.cast(sgemm, ctypes.c_void_p).value or 0
+                for routine in BLAS_ROUTINES:
+                    names = (f"scipy_cblas_{routine}64_", f"cblas_{routine}64_")
+                    fn = next((getattr(lib, n) for n in names if hasattr(lib, n)), None)
+                    self.routines[routine] = 0 if fn is None else ctypes.cast(fn, ctypes.c_void_p).value or 0
                 return
 
 
@@ -196,9 +198,15 @@ def one_blas_thread() -> Iterator[None]:
             blas.set(prev)
 
 
+def blas_address(routine: str) -> int:
+    """The address of the controlled OpenBLAS's ILP64 `cblas_<routine>` (one of `BLAS_ROUTINES`), or 0
+    where there is none."""
+    return _blas().routines.get(routine, 0)
+
+
 def blas_sgemm_address() -> int:
-    """The address of the controlled OpenBLAS's ILP64 `cblas_sgemm`, or 0 where there is none."""
-    return _blas().sgemm
+    """`blas_address("sgemm")`."""
+    return blas_address("sgemm")
 
 
 def blas_num_threads() -> int | None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from threadpoolctl import threadpool_limits
 
 from fuel.cpu.simd import row_blocks
 from fuel.dtype import DType
-from fuel.runtime import threads
+from fuel.runtime import pool, threads
 from fuel.testing.oracle import assert_close_contraction
 
 SHAPES = [((128, 256), (256, 48)), ((197, 40), (40, 24)), ((40, 16), (16, 300)), ((1, 7), (7, 3)), ((7,), (7, 3)),
@@ -49,3 +51,97 @@ def test_transposed_and_sliced_operands() -> None:
     assert_close_contraction(out[:, 10:30], want, np.abs(x.astype(np.float64)) @ np.abs(w.T.astype(np.float64)),
                              DType.F32)
     assert not out[:, :10].any() and not out[:, 30:].any()
+
+
+def _numpy_pieces(a: np.ndarray, b: np.ndarray, shape: tuple[int, ...], bias: np.ndarray | None) -> np.ndarray:
+    """The oracle of the job's bytes: NumPy's own one-thread matmul on each piece (each batch item whole),
+    and the bias added by NumPy after it."""
+    out = np.empty(shape, a.dtype)
+    with threadpool_limits(1, "blas"):
+        if len(shape) == 2:
+            pr, pc = row_blocks.pieces(*shape)
+            for r0 in range(0, shape[0], pr):
+                for c0 in range(0, shape[1], pc):
+                    np.matmul(a[r0:r0 + pr], b[:, c0:c0 + pc], out=out[r0:r0 + pr, c0:c0 + pc])
+        else:
+            for i in np.ndindex(*shape[:-2]):
+                ai = a[i[len(i) - (a.ndim - 2):]] if a.ndim > 2 else a
+                bi = b[i[len(i) - (b.ndim - 2):]] if b.ndim > 2 else b
+                np.matmul(ai, bi, out=out[i])
+    if bias is not None:
+        out += bias
+    return out
+
+
+def _job_bytes(a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray | None) -> set[bytes]:
+    job = row_blocks.pieces_job(a, b, out, bias)
+    assert job is not None
+    got = set()
+    for parts in (1, 2, 3, 7):
+        out[...] = np.nan
+        with threads.one_blas_thread():
+            pool.run_address(job.task, job.args, parts)
+        got.add(out.tobytes())
+    return got
+
+
+@given(st.sampled_from([np.float32, np.float64]), st.sampled_from([1, 2, 5, 17, 70, 97]),
+       st.sampled_from([2, 33, 300]), st.sampled_from([24, 300, 1000]), st.booleans(), st.booleans(),
+       st.integers(0, 2**31))
+@settings(max_examples=60)
+def test_pieces_job_makes_numpys_calls_at_every_part_count(dt: type, m: int, k: int, n: int, transposed: bool,
+                                                           with_bias: bool, seed: int) -> None:
+    """f32 and f64, one row (NumPy's gemv) to many, b row- or column-major: the job's pieces at 1, 2, 3 and
+    7 parts write the same bytes, NumPy's for the same pieces, and values within the contraction bound of
+    float64. Where f32 products of FEW_ROWS rows or more (out C-contiguous) end in a one-row piece, that
+    piece is a gemm, where NumPy's call is a gemv: there only the bytes' independence of the part count."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k)).astype(dt)
+    b = rng.standard_normal((n, k)).astype(dt).T if transposed else rng.standard_normal((k, n)).astype(dt)
+    bias = rng.standard_normal(n).astype(dt) if with_bias else None
+    want = _numpy_pieces(a, b, (m, n), bias)
+    pr, _ = row_blocks.pieces(m, n)
+    if (pr, _) == (m, n):
+        return  # one piece: NumPy's call itself, no job
+    got = _job_bytes(a, b, np.empty((m, n), dt), bias)
+    assert len(got) == 1
+    if not (dt == np.float32 and m >= row_blocks.FEW_ROWS and m % pr == 1):
+        assert got == {want.tobytes()}
+    want = np.frombuffer(got.pop(), dt).reshape(m, n)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    with_b = a64 @ b64 + (0 if bias is None else bias)
+    assert_close_contraction(want, with_b, np.abs(a64) @ np.abs(b64) + (0 if bias is None else np.abs(bias)),
+                             DType.F32 if dt == np.float32 else DType.F64)
+
+
+def test_one_row_lm_head_and_batches_make_numpys_calls() -> None:
+    """A one-row product with a wide (LM head) output is cut into column pieces, each NumPy's gemv; batched
+    products are an item each (gemv for one-row items, gemm otherwise), with a weight broadcast over them."""
+    rng = np.random.default_rng(6)
+    for dt in (np.float32, np.float64):
+        a, w = rng.standard_normal((1, 40)).astype(dt), rng.standard_normal((70000, 40)).astype(dt)
+        assert row_blocks.pieces(1, 70000) != (1, 70000)
+        assert _job_bytes(a, w.T, np.empty((1, 70000), dt), None) == {_numpy_pieces(a, w.T, (1, 70000), None).tobytes()}
+        for rows, y_shape in [(1, (24, 10)), (6, (24, 10)), (1, (2, 3, 24, 10)), (6, (2, 3, 24, 10))]:
+            x, y = rng.standard_normal((2, 3, rows, 24)).astype(dt), rng.standard_normal(y_shape).astype(dt)
+            want = _numpy_pieces(x, y, (2, 3, rows, 10), None)
+            assert _job_bytes(x, y, np.empty((2, 3, rows, 10), dt), None) == {want.tobytes()}
+        x, y = rng.standard_normal((2, 3, 6, 24)).astype(dt), rng.standard_normal((3, 24, 10)).astype(dt)
+        out = np.empty((2, 3, 6, 10), dt)
+        assert row_blocks.pieces_job(x, y, out, None) is None  # a weight broadcast over one lead dim only
+        row_blocks.matmul(x, y, out)
+        assert out.tobytes() == _numpy_pieces(x, y, out.shape, None).tobytes()
+
+
+def test_products_the_task_does_not_serve_are_numpys_pieces() -> None:
+    """Integers, a @ aᵀ (NumPy's syrk) and one-column pieces (NumPy's matrix @ vector gemv) keep NumPy's
+    calls, in this thread."""
+    rng = np.random.default_rng(7)
+    ints = rng.integers(-9, 9, (40, 300)), rng.integers(-9, 9, (300, 260))
+    x = rng.standard_normal((40, 300))
+    cases = [(*ints, None), (x, x.T, None), (rng.standard_normal((100, 30)), rng.standard_normal((30, 1)), None)]
+    for a, b, bias in cases:
+        out = np.empty((a.shape[0], b.shape[1]), np.result_type(a, b))
+        assert a.dtype.kind == "i" or row_blocks.pieces_job(a, b, out, bias) is None
+        row_blocks.matmul(a, b, out)
+        assert out.tobytes() == _numpy_pieces(a, b, out.shape, bias).tobytes()
