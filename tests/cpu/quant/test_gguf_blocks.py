@@ -11,17 +11,10 @@ from gguf import GGMLQuantizationType
 from numba import njit
 from numba.core.errors import TypingError
 
-from fuel.cpu.quant import gguf_blocks
-from fuel.cpu.quant.gguf_blocks import (
-    DEQUANT_BLOCK,
-    dequant_q4_0,
-    dequant_q4k,
-    dequant_row,
-    dequantize,
-    dequantize_rows_into,
-    f16_bytes,
-    weight_rows,
-)
+from fuel.cpu.quant import gguf_dequant
+from fuel.cpu.quant.gguf_blocks import dequantize, dequantize_rows_into, weight_rows
+from fuel.cpu.quant.gguf_dequant import dequant_q4_0, dequant_q4k, dequant_row, f16_bytes
+from fuel.cpu.quant.gguf_kernels import GGUF
 from fuel.errors import ShapeError
 from fuel.quant import QuantType
 from fuel.testing.contract import numba_threads, thread_counts
@@ -92,9 +85,9 @@ def test_f16_scales_widen_exactly_for_every_bit_pattern() -> None:
 
 
 def test_every_quant_type_has_a_block_decoder() -> None:
-    assert set(DEQUANT_BLOCK) == set(QuantType)
-    for qt, fn in DEQUANT_BLOCK.items():
-        assert fn is getattr(gguf_blocks, f"dequant_{qt.name.lower()}")
+    assert set(GGUF) == set(QuantType)
+    for qt, kernels in GGUF.items():
+        assert kernels.block is getattr(gguf_dequant, f"dequant_{qt.name.lower()}")
 
 
 @njit

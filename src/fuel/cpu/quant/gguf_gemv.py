@@ -14,17 +14,13 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   impl's PrecisionGuarantee). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the values: the same cost
   there. W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
   prefetching its share of a later pair's bytes into L1 (the next pair, or the first at least 4 KiB on:
-  `driver.ahead_of`), so that pair is in L1 when it starts (`rows_one`). Adjacent rows with no software
-  prefetch ran at half the memory speed; rows j and j + h of a chunk, each stream prefetched 4 KiB ahead
-  into L2, took 1.08-1.13x the time for Q4_0, 1.05x for Q4_K, 1.02x for Q6_K and 0.99-1.02x for Q8_0
-  (4096², two threads, weight evicted, interleaved in one process on an AVX-512 Xeon; not measured on
-  AVX2 hosts). K-quants go super-block by super-block
-  (`_super`), the units written out so that their shifts are constants (Q4_K 0.7x, Q6_K 0.65x the time
-  of a loop over units), the offsets as one vector FMA per super-block (mins times the units' sums of
-  x). On AVX-512 hosts Q4_0, Q4_1 and Q4_K look their codes up by table (`nibble_tables`; Q4_K by unit
-  pairs in `kpair_q4k_table`), the activations permuted to the lanes' order (`gguf_decode`); on AVX2
-  hosts Q4_0 looks a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and Q6_K take
-  their codes from 32-bit words in place (`gguf_words`).
+  `driver.ahead_of`), so that pair is in L1 when it starts (`rows_one`; the layouts measured against it:
+  docs/performance/quant.md, "gguf_gemv"). K-quants go super-block by super-block (`_super`), the units
+  written out so that their shifts are constants, the offsets as one vector FMA per super-block (mins times
+  the units' sums of x). On AVX-512 hosts Q4_0, Q4_1 and Q4_K look their codes up by table
+  (`nibble_tables`; Q4_K by unit pairs in `gguf_units.kpair_q4k_table`), the activations permuted to the lanes' order;
+  on AVX2 hosts Q4_0 looks a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and
+  Q6_K take their codes from 32-bit words in place (`gguf_words`).
 - 1 < R <= DECODE_ROWS: each unit's values code·s + b are formed once (gguf-py's operations) and FMA'd
   into up to four activation rows' accumulators at a time.
 
@@ -42,7 +38,6 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
-from fuel.cpu.quant.nibble_tables import nibble_codes, pair_scales
 from fuel.cpu.simd.driver import ahead_of, pair_bounds, pair_chunk_count
 from fuel.cpu.simd.simd16 import (
     adds,
@@ -58,7 +53,9 @@ from fuel.cpu.simd.simd16 import (
     vmul,
     vzero,
 )
+from fuel.runtime import jobs
 from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
 CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
@@ -108,6 +105,14 @@ def _unit(vals: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) ->
 
 
 @njit(inline="always", cache=True)
+def _unit_of_row(vals: Any, prep: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) -> Any:
+    """`_unit` u of the row at byte rb, a K-quant super-block's scales unpacked into sc at its first unit."""
+    if kind & SUPER and u & 7 == 0:
+        prep(row, rb + bpb * (u >> 3), sc)
+    return _unit(vals, kind, bpb, row, rb, u, sc)
+
+
+@njit(inline="always", cache=True)
 def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, i: int, k: int, sx: Any,
           sc: Any) -> Any:
     """One W row (at byte rb) dotted with activation row i."""
@@ -115,9 +120,7 @@ def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, 
     macc = Z
     units = k // 32
     for u in range(units):
-        if kind & SUPER and u & 7 == 0:
-            prep(row, rb + bpb * (u >> 3), sc)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
+        q0, q1, s0, b0, w0, w1 = _unit_of_row(vals, prep, kind, bpb, row, rb, u, sc)
         acc, macc = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, acc, macc, sx, i * units + u)
     return hsum(acc) + macc
 
@@ -125,8 +128,8 @@ def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, 
 @njit(inline="always", cache=True)
 def _next_pair(row: Any, rb: int, rb1: int, ahead: int, bpb: int, u: int) -> None:
     """At unit u of the adjacent rows rb, rb1, prefetch the unit-u bytes of the pair `ahead` on: one line a unit
-    where the pair's 2·bpb bytes fit one, else a line in each row (Q8_0 and Q8_1; one line at every 2·bpb
-    skips lines, and two took 1.05x the time: 4096², two threads, weight evicted, on a Xeon)."""
+    where the pair's 2·bpb bytes fit one, else a line in each row (Q8_0 and Q8_1: one line at every 2·bpb
+    skips lines; docs/performance/quant.md, "gguf_gemv")."""
     if 2 * bpb <= 64:
         prefetch(row, rb + ahead + 2 * bpb * u)
     else:
@@ -211,23 +214,6 @@ def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
 
 
 @njit(inline="always", cache=True)
-def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any,
-                     so: int) -> Any:
-    """`_super` for Q4_K by table (`nibble_tables.nibble_codes`): its unit pairs 2p, 2p + 1 (the low and high
-    nibbles of the same 32 bytes) as four 16-lane vectors, each lane scaled by its unit's scale; x holds
-    each 64 activations in `gguf_units.UNIT_ORDER_Q4K` order."""
-    prep(row, o, sc)
-    for p in range(4):
-        src, xp = o + 16 + 32 * p, xo + 64 * p
-        inner = vmul(nibble_codes(row, src, 0), vload(x, xp))
-        inner = fma(nibble_codes(row, src + 8, 0), vload(x, xp + 16), inner)
-        inner = fma(nibble_codes(row, src + 16, 0), vload(x, xp + 32), inner)
-        inner = fma(nibble_codes(row, src + 24, 0), vload(x, xp + 48), inner)
-        acc = fma(pair_scales(sc, 2 * p), inner, acc)
-    return acc, fma(hi8(vload(sc, 0)), vload(sx, so), mv)
-
-
-@njit(inline="always", cache=True)
 def pair_supers(sup: Any, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any, sc: Any,
                 sc1: Any, ahead: int) -> tuple[Any, Any, Any, Any]:
     """The (products, offsets) accumulators of K-quant W rows rb and rb1 over their super-blocks, each
@@ -242,14 +228,6 @@ def pair_supers(sup: Any, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: A
         a0, m0 = sup(prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
         a1, m1 = sup(prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
     return a0, m0, a1, m1
-
-
-@njit(inline="always", cache=True)
-def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
-                    sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
-    """`kpair` for Q4_K by table (vals and kind unused: the decoding is `_super_q4k_table`'s)."""
-    a0, m0, a1, m1 = pair_supers(_super_q4k_table, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
-    return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
 
 
 @njit(inline="always", cache=True)
@@ -273,9 +251,7 @@ def _rows4(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any,
     m0 = m1 = m2 = m3 = Z
     units = k // 32
     for u in range(units):
-        if kind & SUPER and u & 7 == 0:
-            prep(row, rb + bpb * (u >> 3), sc)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
+        q0, q1, s0, b0, w0, w1 = _unit_of_row(vals, prep, kind, bpb, row, rb, u, sc)
         a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
         a1, m1 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
         a2, m2 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i2 * k + 32 * u, a2, m2, sx, i2 * units + u)
@@ -335,11 +311,25 @@ def part_chunks(part: int, parts: int, n: int) -> tuple[int, int]:
     return part * chunks // parts, (part + 1) * chunks // parts
 
 
+# A decode job's record: activations a [rows, k] f32, the weight's raw rows w [n, row_bytes] u8, out [rows, n].
+GEMV_ARGS = jobs.record(a=ADDRESS, rows=INT, k=INT, w=ADDRESS, n=INT, row_bytes=INT, out=ADDRESS)
+
+
 @njit(cache=True)
 def fill_gemv_args(a: Any, w: Any, out: Any, argv: Any) -> None:
-    """argv <- the addresses and sizes `gemv_args` reads: a [1, k] f32, w [n, row bytes] u8, out [1, n] f32."""
-    argv[0], argv[1], argv[2] = a.ctypes.data, a.shape[1], w.ctypes.data
-    argv[3], argv[4], argv[5] = w.shape[0], w.shape[1], out.ctypes.data
+    """argv[0] <- the record `gemv_args` reads for a [rows, k] f32, w [n, row bytes] u8 and out [rows, n] f32."""
+    v = argv[0]
+    v.a, v.rows, v.k = a.ctypes.data, a.shape[0], a.shape[1]
+    v.w, v.n, v.row_bytes, v.out = w.ctypes.data, w.shape[0], w.shape[1], out.ctypes.data
+
+
+@njit(inline="always", cache=True)
+def gemv_args(argv: int) -> tuple[Any, Any, Any]:
+    """A decode task's (a, w, out) from its record (`GEMV_ARGS`)."""
+    v = record_at(argv, GEMV_ARGS)
+    a = carray(pointer(v.a, np.float32), (v.rows, v.k))
+    w = carray(pointer(v.w, np.uint8), (v.n, v.row_bytes))
+    return a, w, carray(pointer(v.out, np.float32), (v.rows, v.n))
 
 
 @njit(inline="always", cache=True)
@@ -348,13 +338,36 @@ def activations_as_given(a: Any) -> Any:
     return carray(pointer(a.ctypes.data + 4 * a.shape[1], np.float32), a.shape)
 
 
+# ---- the task templates: each type's decode tasks (`gguf_kernels`, generated) are one call of these -------
+
+
 @njit(inline="always", cache=True)
-def gemv_args(argv: int) -> tuple[Any, Any, Any]:
-    """A one-row decode task's (a, w, out) from its argv (`fill_gemv_args`)."""
-    v = carray(pointer(argv, np.int64), (6,))
-    a = carray(pointer(v[0], np.float32), (1, v[1]))
-    w = carray(pointer(v[2], np.uint8), (v[3], v[4]))
-    return a, w, carray(pointer(v[5], np.float32), (1, v[3]))
+def one_row(vals: Any, prep: Any, bpb: int, kind: int, pair: Any, part: int, parts: int, argv: int) -> None:
+    """Part `part` of one activation row's job: its chunks of W row pairs, each pair by `pair`."""
+    a, w, out = gemv_args(argv)
+    sx, x, row = block_sums(a, kind), a.reshape(a.size), w.reshape(w.size)
+    for c in range(*part_chunks(part, parts, w.shape[0])):
+        rows_one(vals, prep, bpb, kind, a, w, out, c, sx, x, row, pair)
+
+
+@njit(inline="always", cache=True)
+def one_row_permuted(vals: Any, prep: Any, bpb: int, kind: int, pair: Any, part: int, parts: int,
+                     argv: int) -> None:
+    """`one_row` of a table decoder: a holds the activations permuted to its lanes' order, the row after it
+    them as given (`nibble_tables.permuted`), which the block sums read."""
+    a, w, out = gemv_args(argv)
+    sx, x, row = block_sums(activations_as_given(a), kind), a.reshape(a.size), w.reshape(w.size)
+    for c in range(*part_chunks(part, parts, w.shape[0])):
+        rows_one(vals, prep, bpb, kind, a, w, out, c, sx, x, row, pair)
+
+
+@njit(inline="always", cache=True)
+def many_rows(vals: Any, prep: Any, bpb: int, kind: int, part: int, parts: int, argv: int) -> None:
+    """Part `part` of a 2-DECODE_ROWS activation rows job: its chunks of W rows (`rows_many`)."""
+    a, w, out = gemv_args(argv)
+    sx, x, row = block_sums(a, kind), a.reshape(a.size), w.reshape(w.size)
+    for c in range(*part_chunks(part, parts, w.shape[0])):
+        rows_many(vals, prep, bpb, kind, a, w, out, c, sx, x, row)
 
 
 @njit(inline="always", cache=True)

@@ -2,11 +2,10 @@
 
 Each block type is a short Python function that emits its decode as LLVM vector IR through `Emit`:
 byte loads (16 or 32 lanes at once), integer lane ops in 32 bits, float32 ops, vector stores.
-`block_intrinsic` turns it into a Numba intrinsic `(block, out) -> None` that `gguf_blocks` wraps in
-the public `dequant_*` functions. The same decoders written as Numba loops were slower: unrolled, their
-stores may alias the block's loads, so LLVM kept them scalar (3-5x); kept as loops, the vectoriser
-added alias checks and scalar tails to every block and did the integer ops in 64 bits (1.4-3.6x,
-measured decoding into cache-resident rows, one thread).
+`block_intrinsic` turns it into a Numba intrinsic `(block, out) -> None` that `gguf_dequant` wraps in
+the public `dequant_*` functions. As Numba loops the same decoders are slower: unrolled,
+their stores may alias the block's loads, so LLVM keeps them scalar; as loops, the vectoriser adds alias
+checks and scalar tails to every block (docs/performance/quant.md, "gguf_kquants").
 
 Every float32 operation is gguf-py's, in its order, one rounding each (LLVM forms no fused
 multiply-add without fast-math flags): `(d * sc) * q - (dmin * m)` for the K-quants, with d, dmin

@@ -6,17 +6,17 @@ feed it) before converting them. Here 64 code bytes are loaded as 16 little-endi
 lane, and each lane's eight nibbles are taken in place: nibble t (bits 4t..4t + 3: byte t // 2 of the
 word, the high nibble if t is odd) is `word & (15 << 4t)`, the integer code·2^(4t), which one vcvtdq2ps
 converts exactly (four significant bits); the top nibble is `word >> 28`. An AND and a convert per 8
-codes. 4096² at one activation row, one core of this Zen 3: 1.2 ms against 1.9 ms widening.
+codes, and no widening shuffle (docs/performance/quant.md, "gguf_words").
 
-The 2^(4t) goes to the activations: each part of a call copies them into the lanes' order (`ORDER`,
-~0.2 ns an element), scaled by 2^(-4t) and by a power of two that brings the row's largest into [0.5, 1)
-(`word_activations`). Both are exact but for elements 2^100 below the row's largest, so each product
+The 2^(4t) goes to the activations: each part of a call copies them into the lanes' order (`ORDER`),
+scaled by 2^(-4t) and by a power of two that brings the row's largest into [0.5, 1) (`word_activations`).
+Both are exact but for elements 2^100 below the row's largest, so each product
 code·x is the same real number as in the portable kernel, up to that power of two, and rounds the same;
 only which lane sums which products differs, as in `nibble_tables`' table kernels. Lanes 0-7 hold the words of a
 super-block's unit pair 2g (units 4g and 4g + 1, the low and high nibbles of the same 32 bytes), lanes
 8-15 pair 2g + 1: even nibbles meet units 4g and 4g + 2, odd ones 4g + 1 and 4g + 3, two scale vectors a
 128 weights. For Q4_0 and Q4_1, whose blocks hold only four words and their own scales, the same scheme
-measured no faster than widening (the scales' gathering costs what the shuffles saved).
+is no faster than widening (the scales' gathering costs what the shuffles save).
 
 Q6_K (`_super_q6k`) builds each half super-block's 128 six-bit codes in place, four to a word: 16 words of
 low nibbles OR'd with their 2-bit high parts shifted to bits 4-5 of each byte (a load of the high bytes
@@ -25,9 +25,8 @@ serves two units). Byte b of a word is then `word & (63 << 8b)`, less 32·2^(8b)
 four bytes are elements of one 16-element group, so its products (q - 32)·x are summed first and then
 multiplied by the group's scale: one multiply per four codes, where forming gguf-py's values
 d·scale·(q - 32) took one per code. A value is never formed, but the codes are exact, so a zero weight
-adds nothing and an identity row gives gguf-py's value. No shuffle widens a byte: 4096² at one activation
-row on one core of this Zen 3, 1.6 ms against 2.3-2.5 ms for the portable decoder (which widens by
-vpmovsxbd).
+adds nothing and an identity row gives gguf-py's value. No shuffle widens a byte, where the portable decoder
+widens by vpmovsxbd (docs/performance/quant.md, "gguf_words").
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from fuel.cpu.quant.gguf_gemv import pair_supers
+from fuel.cpu.quant.gguf_gemv import block_sums, gemv_args, pair_supers, part_chunks, rows_one
 from fuel.cpu.simd.simd16 import _F32, _I32, _VF, _W, VEC, _ptr, fma, hi8, hsum, vadd, vload, vmul
 
 GROUP = 128  # weights one load of words holds: 16 lanes, 8 nibbles each
@@ -60,7 +59,7 @@ LAYOUTS = ((ORDER, SCALE), (ORDER_Q6K, SCALE_Q6K))
 def _permute128(typingctx: Any, x: Any, at: Any, out: Any, e: Any, layout: Any) -> Any:
     """out[at + p] = x[at + order[p]] * scale[p] * e, p < 128, (order, scale) = LAYOUTS[layout] (a literal; e
     a float32 power of two): one shuffle of 128 floats (LLVM lowers it to in-register permutes) and one
-    multiply, ~0.2 ns an element where indexed copies took 0.8."""
+    multiply, a fraction of what indexed copies cost (docs/performance/quant.md, "gguf_words")."""
     if not isinstance(layout, types.IntegerLiteral):
         return None
     order, scale = LAYOUTS[int(layout.literal_value)]
@@ -262,3 +261,14 @@ def kpair_q6k(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1:
     `Q6K_LAYOUT`), its element k the factor that undoes their normalisation."""
     a0, b0, a1, b1 = pair_supers(_super_q6k, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(vadd(a0, b0)) * x[k], hsum(vadd(a1, b1)) * x[k]
+
+
+@njit(inline="always", cache=True)
+def one_row_words(vals: Any, prep: Any, bpb: int, kind: int, pair: Any, layout: int, part: int, parts: int,
+                  argv: int) -> None:
+    """`gguf_gemv.one_row` of a words decoder (`pair`: `kpair_q4k` or `kpair_q6k`): each part reads the
+    activations as given and permutes its own copy to the layout's lanes (`word_activations`)."""
+    a, w, out = gemv_args(argv)
+    sx, x, row = block_sums(a, kind), word_activations(a, layout), w.reshape(w.size)
+    for c in range(*part_chunks(part, parts, w.shape[0])):
+        rows_one(vals, prep, bpb, kind, a, w, out, c, sx, x, row, pair)

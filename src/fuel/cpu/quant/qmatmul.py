@@ -114,10 +114,8 @@ def _transposed(qt: QuantType, g2: np.ndarray, raw: np.ndarray, o2: np.ndarray) 
 
 def qmatmul_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: QMatMulParams) -> CostEstimate:
     """2·R·n·k flops of products and sums; the weight's bytes, a and the output move once. The decode
-    path widens the codes in registers for about the price of the products (one core: ~0.3 cycles a
-    weight at R = 1, a [1536, 576] Q4_1 weight in ~70 µs), so the decoding is not counted again; the
-    estimate (~105 µs there) stays within a factor of two of one core's time, and a step of that size
-    stays serial, where a second core's wake-up would cost about what it saves."""
+    path widens the codes in registers for about the price of the products, so the decoding is not
+    counted again (docs/performance/quant.md, "qmatmul")."""
     a, _, out = shapes
     rows = math.prod(a[:-1])
     moved = weight_bytes(params) + 4 * (math.prod(a) + math.prod(out))
