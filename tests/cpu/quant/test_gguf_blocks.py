@@ -12,11 +12,12 @@ from numba import njit
 from numba.core.errors import TypingError
 
 from fuel.cpu.quant import gguf_dequant
-from fuel.cpu.quant.gguf_blocks import dequantize, dequantize_rows_into, weight_rows
+from fuel.cpu.quant.gguf_blocks import dequantize, dequantize_rows_into, rows_job, weight_rows
 from fuel.cpu.quant.gguf_dequant import dequant_q4_0, dequant_q4k, dequant_row, f16_bytes
 from fuel.cpu.quant.gguf_kernels import GGUF
 from fuel.errors import ShapeError
 from fuel.quant import QuantType
+from fuel.runtime import pool
 from fuel.testing.contract import numba_threads, thread_counts
 
 LEGACY = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0]
@@ -232,15 +233,22 @@ def test_rows_into_a_reused_buffer_and_any_byte_view(qt: QuantType, rng: np.rand
     dequantize_rows_into(rows, qt, 3, 3, scratch[:0])  # empty range: nothing to do
 
 
-def test_bytes_do_not_depend_on_the_thread_count(rng: np.random.Generator) -> None:
+def test_bytes_do_not_depend_on_the_thread_count_or_the_part_count(rng: np.random.Generator) -> None:
     n, k = 37, 1024
     for qt in (QuantType.Q4_0, QuantType.Q4K):
         raw = rng.integers(0, 256, (n, k // qt.block_elements, qt.block_bytes), dtype=np.uint8)
         raw = _with_scales(raw, qt, _random_scales(rng, raw.size)).reshape(n, -1)
+        want = _reference(raw, qt)
         outs = []
         for threads in thread_counts():
             with numba_threads(threads):
                 outs.append(dequantize(raw, qt, n, k).tobytes())
+        for parts in (1, 2, 5, n):  # the runtime may cut the rows job into any number of parts
+            out = np.full((n, k), np.nan, np.float32)
+            job = rows_job(raw, qt, 0, n, out)
+            pool.run_address(job.task, job.args, parts)
+            _assert_bits_equal(out, want)
+            outs.append(out.tobytes())
         assert all(o == outs[0] for o in outs)
 
 

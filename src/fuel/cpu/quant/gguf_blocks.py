@@ -17,12 +17,13 @@ from fuel.runtime import jobs
 SECONDS_PER_VALUE = 0.5e-9  # one core's time to decode a value, for the part count
 
 
-def _run_rows(raw: np.ndarray, qt: QuantType, row0: int, row1: int, out: np.ndarray) -> None:
-    """out[:row1 - row0] <- the values of rows [row0, row1) of raw (uint8 [n, row bytes]), all checked."""
+def rows_job(raw: np.ndarray, qt: QuantType, row0: int, row1: int, out: np.ndarray) -> jobs.Job:
+    """The job out[:row1 - row0] <- the values of rows [row0, row1) of raw (uint8 [n, row bytes]), unchecked:
+    the arrays as `dequantize_rows_into` checks them, alive until it has run."""
     argv = jobs.argv_of(ROWS_ARGS)
     k = out.shape[1]
     argv[0] = (raw.ctypes.data, raw.shape[0], raw.shape[1], row0, row1 - row0, k, out.ctypes.data)
-    jobs.run(jobs.job(GGUF[qt].rows, argv, (row1 - row0) * k * SECONDS_PER_VALUE, row1 - row0))
+    return jobs.job(GGUF[qt].rows, argv, (row1 - row0) * k * SECONDS_PER_VALUE, row1 - row0)
 
 
 def _as_rows(raw: np.ndarray, qt: QuantType, n: int, k: int, op: str) -> np.ndarray:
@@ -45,7 +46,7 @@ def dequantize(raw: np.ndarray, qt: QuantType, n: int, k: int) -> np.ndarray:
     rows = _as_rows(raw, qt, n, k, "dequantize")
     out = np.empty((n, k), np.float32)
     if n and k:
-        _run_rows(rows, qt, 0, n, out)
+        jobs.run(rows_job(rows, qt, 0, n, out))
     return out
 
 
@@ -65,7 +66,7 @@ def dequantize_rows_into(raw: np.ndarray, qt: QuantType, row0: int, row1: int, o
         raise ShapeError(f"{op}: out must be C-contiguous float32 [>= {row1 - row0}, {k}], got "
                          f"{out.dtype} {list(out.shape)}")
     if row1 > row0 and k:
-        _run_rows(raw, qt, row0, row1, out)
+        jobs.run(rows_job(raw, qt, row0, row1, out))
 
 
 def weight_rows(raw: np.ndarray, qt: QuantType, n: int, k: int) -> np.ndarray:
