@@ -21,13 +21,15 @@ from fuel.cpu.simd.simd16 import fma, fmas, hsum, vload, vmul, vstore, vzero
 from fuel.errors import KernelError
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
-from fuel.runtime.jobs import Job
+from fuel.runtime.jobs import ADDRESS, INT, REAL, Job, record_at
 
 DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
 FLOPS_PER_SECOND = 30e9  # one core, this path's vectorised dot products (measured 30-37 G)
-ARGS = 17  # argv: 5 addresses, 9 sizes and mask bounds, scale and softcap as float64 bits, head chunks
-KEYS = 10  # argv's entry of the live key count, which the time estimate is per
 ITEMS = 16  # a group's heads are cut into chunks until a call has about this many items (of one head or more)
+DECODE_ARGS = jobs.record(q=ADDRESS, k=ADDRESS, v=ADDRESS, out=ADDRESS, slopes=ADDRESS, groups=INT, heads=INT,
+                          queries=INT, d=INT, sk=INT, kl=INT, sq=INT, left=INT, right=INT, scale=REAL, softcap=REAL,
+                          head_chunks=INT)
+KEYS = jobs.word(DECODE_ARGS, "kl")  # the live key count: the time estimate is per key, replay sets it per call
 
 
 # ---- the two products of an item, per dtype: f32 rows of whole 16-lane vectors in registers -----------
@@ -172,20 +174,19 @@ def _item(q: Any, k: Any, v: Any, out: Any, grp: int, i: int, h0: int, h1: int, 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _run_part(part: int, parts: int, argv: int, like: Any) -> None:
     """Items [part·items/parts, (part+1)·items/parts) of the job at argv, in the dtype of `like`."""
-    a = carray(pointer(argv, np.int64), (ARGS,))
-    f = carray(pointer(argv, np.float64), (ARGS,))
-    n, g, nq, d, sk = a[5], a[6], a[7], a[8], a[9]
-    q = carray(pointer(a[0], like), (n, g, nq, d))
-    k = carray(pointer(a[1], like), (n, sk, d))
-    v = carray(pointer(a[2], like), (n, sk, d))
-    out = carray(pointer(a[3], like), (n, g, nq, d))
-    slopes = carray(pointer(a[4], like), (n, g))
-    scale, softcap = like(f[14]), like(f[15])
-    hs = a[16]
+    a = record_at(argv, DECODE_ARGS)
+    n, g, nq, d, sk = a.groups, a.heads, a.queries, a.d, a.sk
+    q = carray(pointer(a.q, like), (n, g, nq, d))
+    k = carray(pointer(a.k, like), (n, sk, d))
+    v = carray(pointer(a.v, like), (n, sk, d))
+    out = carray(pointer(a.out, like), (n, g, nq, d))
+    slopes = carray(pointer(a.slopes, like), (n, g))
+    scale, softcap = like(a.scale), like(a.softcap)
+    hs = a.head_chunks
     items = n * nq * hs
     for t in range(part * items // parts, (part + 1) * items // parts):
         grp, i, hc = t // (nq * hs), t // hs % nq, t % hs
-        _item(q, k, v, out, grp, i, hc * g // hs, (hc + 1) * g // hs, a[10], a[11], a[12], a[13], scale, softcap,
+        _item(q, k, v, out, grp, i, hc * g // hs, (hc + 1) * g // hs, a.kl, a.sq, a.left, a.right, scale, softcap,
               slopes)
 
 
@@ -205,44 +206,42 @@ TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _decode_f32, np.d
 
 @njit(cache=True)
 def _fill(q: Any, k: Any, v: Any, out: Any, slopes: Any, argv: Any) -> int:
-    """argv <- the arrays and sizes `_run_part` reads (the mask and scales are set per call, by `run`); returns the
-    item count."""
+    """argv <- the arrays and sizes `_run_part` reads (the mask and scales are set per call, `set_mask`);
+    returns the item count."""
+    a = argv[0]
     n, g, nq, d = q.shape
-    argv[0], argv[1], argv[2], argv[3], argv[4] = q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data, \
-        slopes.ctypes.data
-    argv[5], argv[6], argv[7], argv[8], argv[9] = n, g, nq, d, k.shape[1]
-    hs = min(g, max(1, -(-ITEMS // max(n * nq, 1))))
-    argv[16] = hs
-    return n * nq * hs
+    a.q, a.k, a.v, a.out, a.slopes = q.ctypes.data, k.ctypes.data, v.ctypes.data, out.ctypes.data, slopes.ctypes.data
+    a.groups, a.heads, a.queries, a.d, a.sk = n, g, nq, d, k.shape[1]
+    a.head_chunks = min(g, max(1, -(-ITEMS // max(n * nq, 1))))
+    return n * nq * a.head_chunks
 
 
 def prepare(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, slopes: np.ndarray) -> Job:
     """The job of out [n, G, nq, D] <- attention of q [n, G, nq, D] over k, v [n, Sk, D] (f32 or f64,
-    C-contiguous, one dtype; slopes [n, G]), its mask and scales still to set (`run`). Its `seconds` is
-    the estimate per live key."""
+    C-contiguous, one dtype; slopes [n, G]), its mask and scales still to set (`set_mask`). Its `seconds`
+    is the estimate per live key (argv word `KEYS`)."""
     task = TASKS.get(q.dtype)
     if task is None:
         raise KernelError(f"flash_attn: the decode path runs on f32 or f64, got {q.dtype}")
     if not all(x.flags.c_contiguous and x.dtype == q.dtype for x in (q, k, v, out, slopes)):
         raise KernelError("flash_attn: the decode path reads C-contiguous arrays of one dtype")
-    argv = np.zeros(ARGS, np.int64)
+    argv = jobs.argv_of(DECODE_ARGS)
     items = _fill(q, k, v, out, slopes, argv)
     n, g, nq, d = q.shape
-    return jobs.job(task, argv,
-                            4 * n * nq * g * d / FLOPS_PER_SECOND, items)
+    return jobs.job(task, argv, 4 * n * nq * g * d / FLOPS_PER_SECOND, items, unit=KEYS)
 
 
 def set_mask(argv: np.ndarray, win: Window, scale: float, softcap: float) -> None:
     """Store the mask `win` and the scales into a prepared job's argv."""
-    argv[KEYS], argv[11], argv[12], argv[13] = win.kl, win.sq, win.left, win.right
-    f = argv.view(np.float64)
-    f[14], f[15] = scale, softcap
+    a = argv[0]
+    a["kl"], a["sq"], a["left"], a["right"], a["scale"], a["softcap"] = win.kl, win.sq, win.left, win.right, scale, \
+        softcap
 
 
-def run(launch: Job, win: Window, scale: float, softcap: float) -> None:
+def run(job: Job, win: Window, scale: float, softcap: float) -> None:
     """Post a prepared job under the mask `win` with these scales, and wait for it."""
-    set_mask(launch.argv, win, scale, softcap)
-    pool.run_address(launch.task, launch.args, pool.parts_for(launch.seconds * win.kl, launch.most))
+    set_mask(job.argv, win, scale, softcap)
+    jobs.run(job)
 
 
 def decode(q: np.ndarray, k: np.ndarray, v: np.ndarray, out: np.ndarray, win: Window, scale: Any, softcap: Any,

@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit, prange, types
+from numba import carray, njit, types
 from numba.extending import overload
 
 from fuel.cpu.attention.paged_attn_tiles import accumulate, dots, prefetch, vector_path
-from fuel.cpu.simd.driver import row_kernel
 from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive, f32_to_bf16, neg_inf_like, widen
 from fuel.dispatch.impls import (
     CONTIGUOUS_ONLY,
@@ -44,8 +43,10 @@ from fuel.errors import IndexOutOfRange
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 from fuel.graph.registry.paged_attn import PagedAttnParams
+from fuel.runtime import jobs, pool
+from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
-from fuel.runtime.threads import get_num_threads
+from fuel.runtime.jobs import ADDRESS, INT, REAL, record_at
 
 # Reassociation lets the dot products, maxima and sums vectorise (one fixed order per build, so still
 # bit-stable); no nnan/ninf, so NaN and inf keep IEEE behaviour.
@@ -59,6 +60,8 @@ SCORE_BUFFER = 1 << 16
 # hardware prefetchers cannot guess). 32 tokens (two blocks of 16, 64 KiB of 8 heads of 64 f32) measured
 # faster than 8 or 16 on a cold cache; more gained nothing.
 PREFETCH_TOKENS = 32
+ITEMS = 8  # a call's kv heads are cut into chunks until it has about this many tasks (see `head_chunk`)
+SECONDS_PER_VALUE = 1e-9  # one core's time per (query row, live key, head column): a dot and an axpy
 
 
 # Per-storage-type scalar helper: one kernel body, specialised by Numba for each dtype. Numba wants an
@@ -96,13 +99,18 @@ def _softmax_in_place(buf: Any, n: Any, rows: Any, total: Any) -> None:
             total[rr] += e
 
 
-@row_kernel(fastmath=FASTMATH)
+PAGED_ARGS = jobs.record(q=ADDRESS, kc=ADDRESS, vc=ADDRESS, bt=ADDRESS, cl=ADDRESS, slopes=ADDRESS, out=ADDRESS,
+                        batch=INT, heads=INT, sq=INT, d=INT, blocks=INT, block_size=INT, kv_heads=INT, table=INT,
+                        n_slopes=INT, qc=INT, hc=INT, scale=REAL, softcap=REAL)
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
 def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, scale: Any, softcap: Any,
-           qc: int, hc: int) -> None:
-    """q [B,Hq,Sq,D]; kc, vc [NB,bs,Hkv,D]; bt [B,M] u32; cl [B] u32 (checked); slopes [Hq] or [0] in the
-    compute type; out [B,Hq,Sq,D]; scale, softcap (0: none) in the compute type; qc queries and hc kv
-    heads per task."""
-    nb, hq, sq, dh = q.shape
+           qc: int, hc: int, first_task: int, last_task: int) -> None:
+    """Tasks [first_task, last_task) of the call. q [B,Hq,Sq,D]; kc, vc [NB,bs,Hkv,D]; bt [B,M] u32; cl [B]
+    u32 (checked); slopes [Hq] or [0] in the compute type; out [B,Hq,Sq,D]; scale, softcap (0: none) in the
+    compute type; qc queries and hc kv heads per task."""
+    _, hq, sq, dh = q.shape
     bs, hkv = kc.shape[1], kc.shape[2]
     g = hq // hkv
     nqc = (sq + qc - 1) // qc
@@ -113,7 +121,7 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
     simd = vector_path(kc, dh)
     tok = hkv * dh  # elements from one token of a block to the next
     line = 64 // kc.itemsize  # elements per cache line
-    for task in prange(nb * per_b):
+    for task in range(first_task, last_task):
         tk = np.int64(task)
         b = tk // per_b
         h0 = (tk % per_b) // nqc * hc
@@ -178,6 +186,47 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
                 out[b, (h0 + hl) * g + r % g, qi, d] = _narrow(out, acc[rr, d] * inv)
 
 
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _paged_part(part: int, parts: int, argv: int, st: Any, dt: Any, ot: Any) -> None:
+    """This part's share of the call's tasks: q and the caches in storage type st, compute in dt, out in ot."""
+    a = record_at(argv, PAGED_ARGS)
+    nb, hq, sq, dh, hkv = a.batch, a.heads, a.sq, a.d, a.kv_heads
+    q = carray(pointer(a.q, st), (nb, hq, sq, dh))
+    kc = carray(pointer(a.kc, st), (a.blocks, a.block_size, hkv, dh))
+    vc = carray(pointer(a.vc, st), (a.blocks, a.block_size, hkv, dh))
+    bt = carray(pointer(a.bt, np.uint32), (nb, a.table))
+    cl = carray(pointer(a.cl, np.uint32), (nb,))
+    slopes = carray(pointer(a.slopes, dt), (a.n_slopes,))
+    out = carray(pointer(a.out, ot), (nb, hq, sq, dh))
+    tasks = nb * -(-hkv // a.hc) * -(-sq // a.qc)
+    _paged(q, kc, vc, bt, cl, slopes, out, dt(a.scale), dt(a.softcap), a.qc, a.hc, part * tasks // parts,
+           (part + 1) * tasks // parts)
+
+
+@pool.task(fastmath=FASTMATH)
+def _paged_f32(part: int, parts: int, argv: int) -> None:
+    _paged_part(part, parts, argv, np.float32, np.float32, np.float32)
+
+
+@pool.task(fastmath=FASTMATH)
+def _paged_f64(part: int, parts: int, argv: int) -> None:
+    _paged_part(part, parts, argv, np.float64, np.float64, np.float64)
+
+
+@pool.task(fastmath=FASTMATH)
+def _paged_bf16(part: int, parts: int, argv: int) -> None:
+    _paged_part(part, parts, argv, np.uint16, np.float32, np.uint16)
+
+
+@pool.task(fastmath=FASTMATH)
+def _paged_f16(part: int, parts: int, argv: int) -> None:
+    _paged_part(part, parts, argv, np.int16, np.float32, np.float32)
+
+
+_TASKS = {np.dtype(np.float32): _paged_f32, np.dtype(np.float64): _paged_f64, DType.BF16.np: _paged_bf16,
+          DType.F16.np: _paged_f16}
+
+
 def check_indices(bt: np.ndarray, cl: np.ndarray, num_blocks: int, block_size: int) -> int:
     """Raise IndexOutOfRange for a length past the table's capacity or a live block id outside the cache
     (entries past a sequence's live length are not read, so not checked). Returns the longest length."""
@@ -206,15 +255,14 @@ def query_chunk(sq: int, g: int, longest: int) -> int:
 
 def head_chunk(hkv: int, rows: int, longest: int, tasks: int) -> int:
     """KV heads per task: all of them (each token's rows of every head are one contiguous read) unless
-    the tasks would not feed every thread twice, or the score rows would pass SCORE_BUFFER. Each row is
-    computed on its own, so the split changes no output byte."""
-    want = -(-2 * get_num_threads() // max(1, tasks))  # chunks of heads per (sequence, query chunk)
-    hc = -(-hkv // max(1, min(hkv, want)))
+    the call would have fewer than ITEMS tasks, or the score rows would pass SCORE_BUFFER. Fixed by the
+    shape; each row is computed on its own, so the split changes no output byte."""
+    hc = -(-hkv // max(1, min(hkv, -(-ITEMS // max(1, tasks)))))
     return max(1, min(hc, SCORE_BUFFER // max(1, rows * longest)))
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    """What the kernel reads: bf16 as uint16 bits, f16 as int16 bits (so Numba tells them apart)."""
+def _storage(a: np.ndarray) -> np.ndarray:
+    """What the task reads: bf16 as uint16 bits, f16 as int16 bits (so Numba tells them apart)."""
     if a.dtype == DType.BF16.np:
         return a.view(np.uint16)
     if a.dtype == DType.F16.np:
@@ -222,22 +270,47 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def paged_attention(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams) -> None:
+@njit(cache=True)
+def _fill(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, argv: Any) -> None:
+    a = argv[0]
+    a.q, a.kc, a.vc, a.bt, a.cl = q.ctypes.data, kc.ctypes.data, vc.ctypes.data, bt.ctypes.data, cl.ctypes.data
+    a.slopes, a.out, a.n_slopes, a.table = slopes.ctypes.data, out.ctypes.data, slopes.shape[0], bt.shape[1]
+    a.batch, a.heads, a.sq, a.d = q.shape
+    a.blocks, a.block_size, a.kv_heads = kc.shape[0], kc.shape[1], kc.shape[2]
+
+
+def paged_job(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams, longest: int) -> jobs.Job:
+    """The call's job (C-contiguous arrays, block ids and lengths checked: `check_indices` gave `longest`):
+    f16 goes through an f32 scratch the job keeps, which the caller rounds into out."""
     q, kc, vc, bt, cl = inputs[:5]
+    acc = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
+    slopes = inputs[5] if len(inputs) == 6 else np.empty(0, acc)
+    dst = POOL.empty(out.shape, acc) if out.dtype == DType.F16.np else _storage(out)
+    g = q.shape[1] // kc.shape[2]
+    qc = query_chunk(q.shape[2], g, longest)
+    tasks = q.shape[0] * -(-q.shape[2] // qc)
+    hc = head_chunk(kc.shape[2], g * qc, longest, tasks)
+    argv = jobs.argv_of(PAGED_ARGS)
+    _fill(_storage(q), _storage(kc), _storage(vc), bt, cl, slopes, dst, argv)
+    a = argv[0]
+    a["qc"], a["hc"] = qc, hc
+    a["scale"], a["softcap"] = params.softmax_scale, 0 if params.softcap is None else params.softcap
+    pairs = q.shape[0] * q.shape[1] * q.shape[2] * longest
+    return jobs.job(_TASKS[q.dtype], argv, pairs * q.shape[3] * SECONDS_PER_VALUE, tasks * -(-kc.shape[2] // hc),
+                    keep=(dst,))
+
+
+def paged_attention(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams) -> None:
+    """The impl's kernel: block ids and lengths checked on every call (so it is not replayed natively:
+    replay would read a new table unchecked), then the job, and f16's rounding from its scratch."""
+    kc, bt, cl = inputs[1], inputs[3], inputs[4]
     longest = check_indices(bt, cl, kc.shape[0], params.block_size)
     if out.size == 0:
         return
-    acc = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
-    slopes = inputs[5] if len(inputs) == 6 else np.empty(0, acc)
-    g = q.shape[1] // kc.shape[2]
-    half16 = out.dtype == DType.F16.np
-    dst = POOL.empty(out.shape, acc) if half16 else _bits(out)
-    softcap = acc.type(0 if params.softcap is None else params.softcap)
-    qc = query_chunk(q.shape[2], g, longest)
-    _paged(_bits(q), _bits(kc), _bits(vc), bt, cl, slopes, dst, acc.type(params.softmax_scale), softcap, qc,
-           head_chunk(kc.shape[2], g * qc, longest, q.shape[0] * -(-q.shape[2] // qc)))
-    if half16:
-        np.copyto(out, dst, casting="unsafe")
+    job = paged_job(inputs, out, params, longest)
+    jobs.run(job)
+    if out.dtype == DType.F16.np:
+        np.copyto(out, job.keep[0], casting="unsafe")
 
 
 def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: PagedAttnParams) -> CostEstimate:
@@ -266,7 +339,7 @@ PAGED_PRECISION = {
 
 
 def register(registry: FusedKernelRegistry) -> None:
-    rev = revision_of(_paged)
+    rev = revision_of(paged_attention)
     u32 = DType.U32
     for dt in FLOAT_DTYPES:
         plain = (dt, dt, dt, u32, u32)
