@@ -70,7 +70,7 @@ def attention(p: Problem, out: np.ndarray) -> None:
             return
     bq = query_rows(sq) if n == 1 else BQ
     # A step's scores are [groups, G·rows, keys] with the block sizes clipped to the problem: short
-    # sequences (BERT's 32 tokens) put hundreds of groups in one step.
+    # sequences put hundreds of groups in one step.
     lo, hi = p.win.keys(0, sq)
     score = g * min(sq, bq) * max(1, min(hi - lo, BK)) * p.slopes.dtype.itemsize
     steps(p, out, bq, max(1, SCORE_BYTES // score))

@@ -1,11 +1,11 @@
 """FlashAttn's decode path: a few queries (Sq <= DECODE_MAX_QUERIES) over a long cache, as a task on the
 spinning pool (`fuel.runtime.pool`).
 
-A decode step's attention is 20-500 µs of work, too little for Numba's pool and too much for one core
-beside an idle one. One item is one (batch, kv head) group and one query: it does all G query heads
-that share the kv head, so each live K and V row is read once per query, with the scores in a
-[G, keys] scratch, their exact max, then exp and P·V. Items are independent and each is computed
-whole by one thread in one fixed order, so the bytes never depend on the part count.
+A decode step's attention is too little work for a pool of its own and too much for one core beside an
+idle one (see docs/performance/attention.md, "decode job"). One item is one (batch, kv head) group and
+one query: it does all G query heads that share the kv head, so each live K and V row is read once per
+query, with the scores in a [G, keys] scratch, their exact max, then exp and P·V. Items are independent
+and each is computed whole by one thread in one fixed order, so the bytes never depend on the part count.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, REAL, Job, record_at
 
 DECODE_MAX_QUERIES = 4  # up to this many queries, rows read the cache directly (no BLAS blocks)
-FLOPS_PER_SECOND = 30e9  # one core, this path's vectorised dot products (measured 30-37 G)
+FLOPS_PER_SECOND = 30e9  # one core, this path's vectorised dot products, for the part count
 ITEMS = 16  # a group's heads are cut into chunks until a call has about this many items (of one head or more)
 DECODE_ARGS = jobs.record(q=ADDRESS, k=ADDRESS, v=ADDRESS, out=ADDRESS, slopes=ADDRESS, groups=INT, heads=INT,
                           queries=INT, d=INT, sk=INT, kl=INT, sq=INT, left=INT, right=INT, scale=REAL, softcap=REAL,
@@ -63,8 +63,8 @@ def _weighted_loop(s: Any, vv: Any, acc: Any, lo: int, w: int) -> None:
 @njit(inline="always", cache=True)
 def _scores_f32(qw: Any, kk: Any, s: Any, lo: int, w: int) -> None:
     """`_scores_loop` for f32 and a head size in whole vectors: each dot is the fixed sequence
-    fma over the 16-lane slices in order, then the lanes summed in simd16's fixed tree (a loop's
-    reduction left one vector and a shuffle tree per score to the compiler: 2.5x slower)."""
+    fma over the 16-lane slices in order, then the lanes summed in simd16's fixed tree, so no loop's
+    reduction is left to the compiler (see docs/performance/attention.md, "decode products")."""
     g, d = qw.shape
     if d % 16:
         _scores_loop(qw, kk, s, lo, w)
@@ -82,8 +82,8 @@ def _scores_f32(qw: Any, kk: Any, s: Any, lo: int, w: int) -> None:
 @njit(inline="always", cache=True)
 def _weighted_f32(s: Any, vv: Any, acc: Any, lo: int, w: int) -> None:
     """`_weighted_loop` for f32 and a head size in whole vectors, the same fused operations in the same
-    order, with each head's 64 output columns in four registers over all keys (through memory, the
-    accumulators' stores and reloads cost 2-3x)."""
+    order, with each head's 64 output columns in four registers over all keys, never stored and reloaded
+    per key (see docs/performance/attention.md, "decode products")."""
     g, d = acc.shape
     if d % 16:
         _weighted_loop(s, vv, acc, lo, w)

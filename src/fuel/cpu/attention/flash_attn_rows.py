@@ -152,8 +152,9 @@ def online_row(s: Any, m: Any, l: Any, acc: Any, t: int, i0: int, bq: int, j0: i
     seg = row[lo:hi]
     slope = slopes[g, r // bq]
     # The common row keeps its max in raw q·k units (max(x·scale) = max(x)·scale for scale > 0): one
-    # read-only max pass and the scaling folded into exp (measured 2.5x faster than scaling in place
-    # first, ~0.4 ns per score). Every other row keeps the max of its transformed scores (scale 1 below).
+    # read-only max pass and the scaling folded into exp, no pass that scales in place (see
+    # docs/performance/attention.md, "plain rows"). Every other row keeps the max of its transformed
+    # scores (scale 1 below).
     if plain_row(scale, softcap, slope):
         mx = row_max(seg, scale)
         sc = scale

@@ -57,8 +57,7 @@ FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
 SCORE_BUFFER = 1 << 16
 
 # How many tokens ahead the K and V passes prefetch (through the block table, so across blocks the
-# hardware prefetchers cannot guess). 32 tokens (two blocks of 16, 64 KiB of 8 heads of 64 f32) measured
-# faster than 8 or 16 on a cold cache; more gained nothing.
+# hardware prefetchers cannot guess): two blocks of 16 (see docs/performance/attention.md, "paged prefetch").
 PREFETCH_TOKENS = 32
 ITEMS = 8  # a call's kv heads are cut into chunks until it has about this many tasks (see `head_chunk`)
 SECONDS_PER_VALUE = 1e-9  # one core's time per (query row, live key, head column): a dot and an axpy

@@ -3,7 +3,7 @@ update, reading the cache by flat element offset.
 
 The kernel's per-key loop touches the caches only through these tiles and the intrinsics below, never
 through an array view: a view of a cache row costs a reference-count increment and decrement (calls into
-the runtime, atomics on a counter both threads share), which measured more than the arithmetic itself.
+the runtime, atomics on a counter both threads share; see docs/performance/attention.md, "paged tiles").
 f32 with D a multiple of 16 runs on explicit 16-lane vectors (`simd16`: one zmm or two ymm, whichever the
 host has); every other case on scalar loops that LLVM vectorises. Scores are key-major (`buf[t, row]`):
 one key's scores are a contiguous write, where row-major rows 8 KiB apart all fell in one L1 set.
@@ -33,7 +33,7 @@ _I32 = ir.IntType(32)
 def _prefetch_intrinsic(typingctx: Any, arr: Any, index: Any) -> Any:
     """Hint the cache line holding `arr.flat[index]` into L2 (llvm.prefetch: read, locality 2). Into L2
     rather than L1: a core has few L1 miss buffers, and the kernel prefetches far enough ahead (tens of
-    KiB) that L1 would evict the lines first; measured 1.3x faster than into L1 on a cold cache."""
+    KiB) that L1 would evict the lines first (see docs/performance/attention.md, "paged prefetch")."""
     if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
         return None
 
@@ -86,7 +86,7 @@ def _vector_path_impl(cache: Any, dh: Any) -> Any:
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def dots(qw: Any, base: Any, n: Any, kc: Any, koff: Any, buf: Any, t: Any, simd: bool) -> None:
     """buf[t, base + j] <- qw[base + j]·k for j < n, k the D values at kc.flat[koff:]. Four rows share each
-    pass over k, so their reductions overlap (1.6x faster than one row at a time for D 64)."""
+    pass over k, so their reductions overlap (see docs/performance/attention.md, "paged tiles")."""
     dh = qw.shape[1]
     n4 = n - n % 4
     if simd:  # per row: one fused multiply-add chain over the 16-lane chunks, then a fixed lane tree
