@@ -1,4 +1,5 @@
-"""Row functions of RmsNorm (3), LayerNorm (4) and their backwards (9, 8), for the kernels in norms.
+"""Row functions of RmsNorm (3), LayerNorm (4) and their backwards (9, 8), for rms_norm_last_dim and
+layer_norm_last_dim.
 
 A row is walked in a fixed order by one thread, so results are bit-stable; it is read from memory
 once and the later passes over it hit cache. f32 and f64 share these generic functions (the
@@ -21,8 +22,6 @@ from typing import Any
 
 import numpy as np
 from numba import njit
-
-from fuel.cpu.simd.half import widen_bf16_row
 
 # Reassociation lets the row sums vectorise (one fixed order per build: still bit-stable);
 # no nnan/ninf, so NaN and inf keep IEEE behaviour (the overflow checks rely on that).
@@ -301,11 +300,3 @@ def rms_bwd_row_rescaled(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any)
     else:
         rms_bwd_row(o, gs, o, _scaled_eps(eps, kx, o), inv_n, one, False)
         _times_pow2(o, kg - kx)
-
-
-@njit(cache=True)
-def widened(bits: Any) -> Any:
-    """A bf16 row (uint16 bits) as a new f32 row."""
-    wide = np.empty(bits.shape[0], np.uint32)
-    widen_bf16_row(bits, wide)
-    return wide.view(np.float32)

@@ -1,7 +1,9 @@
-"""Softmax over the last axis (entry 1) and its backward (entry 7): Numba, one thread per row block.
+"""Softmax over the last axis (entry 1) and its backward (entry 7): one task over rows per dtype (row_tasks).
 
-Each row is computed by one thread in a fixed order, so results are bit-stable. The f32 path uses a
-vectorisable Cephes-style expf (measured error in the impl's PrecisionGuarantee); f64 uses libm exp.
+Each row is computed by one thread in a fixed order, so results are bit-stable; bf16 rows are widened into
+f32 scratch, computed as f32 rows and rounded once on store; f16 runs the f32 kernel on a widened copy.
+The f32 path uses a vectorisable Cephes-style expf (measured error in the impl's PrecisionGuarantee); f64
+uses libm exp.
 """
 
 from __future__ import annotations
@@ -10,11 +12,11 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from fuel.cpu.simd.driver import chunk_bounds, chunk_count, row_kernel
-from fuel.cpu.simd.half import bits, narrow_bf16_row, rows2d, via_f32, widen_bf16_row
-from fuel.cpu.simd.vecmath import bf16_to_f32, expf_nonpositive, f32_to_bf16, maxnum
+from fuel.cpu.norms.row_tasks import BF16, bf16_rows, native_rows, rows_job
+from fuel.cpu.simd.half import via_f32
+from fuel.cpu.simd.vecmath import expf_nonpositive, maxnum
 from fuel.dispatch.impls import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -25,15 +27,19 @@ from fuel.dispatch.impls import (
 )
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import FusedOps
+from fuel.runtime import jobs, pool
 
 # Reassociation lets the row sums vectorise (a fixed order per build: still bit-stable);
 # no nnan/ninf, so NaN and inf rows keep IEEE behaviour.
 FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
+SECONDS_PER_VALUE = 1e-9  # one core's time a value (a max pass, an exp pass, a scaling pass)
+BACKWARD_SECONDS_PER_VALUE = 0.5e-9
+
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _row_max(x: Any) -> Any:
-    # llvm.maxnum vectorises; a `v > m` select does not (5-8x slower on long rows). Either way a NaN
-    # never becomes the max, and its own exp still makes the row NaN.
+    # llvm.maxnum vectorises, a `v > m` select does not (docs/performance/rows.md, "softmax_last_dim").
+    # Either way a NaN never becomes the max, and its own exp still makes the row NaN.
     m = x[0]
     for j in range(1, x.shape[0]):
         m = maxnum(m, x[j])
@@ -51,116 +57,108 @@ def _exp_sum_f32(x: Any, m: Any, o: Any) -> Any:
     return s
 
 
-@row_kernel(fastmath=FASTMATH)
-def _softmax_f32(x: Any, out: Any) -> None:
-    rows, n = x.shape
-    for r in prange(rows):
-        o = out[r]
-        inv = np.float32(1.0) / _exp_sum_f32(x[r], _row_max(x[r]), o)
-        for j in range(n):
-            o[j] = o[j] * inv
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _softmax_f32(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
+    """One f32 row: the exponentials into o, then scaled by the reciprocal of their sum."""
+    inv = np.float32(1.0) / _exp_sum_f32(x, _row_max(x), o)
+    for j in range(x.shape[0]):
+        o[j] = o[j] * inv
+    return True
 
 
-@row_kernel(fastmath=FASTMATH)
-def _softmax_bf16(x: Any, out: Any) -> None:
-    """bf16 bits in and out; each row widened once into f32 scratch, rounded once on store."""
-    rows, n = x.shape
-    chunks = chunk_count(rows)
-    for c in prange(chunks):
-        wide = np.empty(n, np.float32)
-        e = np.empty(n, np.float32)
-        start, stop = chunk_bounds(c, rows, chunks)
-        for r in range(start, stop):
-            xr = x[r]
-            for j in range(n):
-                wide[j] = bf16_to_f32(xr[j])
-            inv = np.float32(1.0) / _exp_sum_f32(wide, _row_max(wide), e)
-            o = out[r]
-            for j in range(n):
-                o[j] = f32_to_bf16(e[j] * inv)
+@njit(inline="always", cache=True)
+def _softmax_f64(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
+    """One f64 row, libm exp, summed in row order (its task compiles without reassociation)."""
+    m = _row_max(x)
+    s = 0.0
+    for j in range(x.shape[0]):
+        e = math.exp(x[j] - m)
+        o[j] = e
+        s += e
+    inv = 1.0 / s
+    for j in range(x.shape[0]):
+        o[j] = o[j] * inv
+    return True
 
 
-@row_kernel()
-def _softmax_f64(x: Any, out: Any) -> None:
-    rows, n = x.shape
-    for r in prange(rows):
-        m = _row_max(x[r])
-        s = 0.0
-        for j in range(n):
-            e = math.exp(x[r, j] - m)
-            out[r, j] = e
-            s += e
-        inv = 1.0 / s
-        for j in range(n):
-            out[r, j] = out[r, j] * inv
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _backward(y: Any, g: Any, o: Any, dot: Any) -> None:
+    """o = y * (g - (dot + sum(g * y))) for one row."""
+    for j in range(y.shape[0]):
+        dot += y[j] * g[j]
+    for j in range(y.shape[0]):
+        o[j] = y[j] * (g[j] - dot)
 
 
-@row_kernel(fastmath=FASTMATH)
-def _softmax_backward(y: Any, g: Any, out: Any) -> None:
-    """out = y * (g - sum(g * y)) per row; f32 or f64 (the arrays' own type)."""
-    rows, n = y.shape
-    for r in prange(rows):
-        dot = y[r, 0] * g[r, 0] * 0
-        for j in range(n):
-            dot += y[r, j] * g[r, j]
-        for j in range(n):
-            out[r, j] = y[r, j] * (g[r, j] - dot)
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _softmax_backward(y: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
+    """f32 or f64 (the rows' own type); the sum starts from y[0]·g[0]·0 (NaN when that product is not
+    finite)."""
+    _backward(y, g, o, y[0] * g[0] * 0)
+    return True
 
 
-@row_kernel(fastmath=FASTMATH)
-def _softmax_backward_bf16(y: Any, g: Any, out: Any) -> None:
-    rows, n = y.shape
-    chunks = chunk_count(rows)
-    for c in prange(chunks):
-        wy = np.empty(n, np.uint32)
-        wg = np.empty(n, np.uint32)
-        res = np.empty(n, np.float32)
-        start, stop = chunk_bounds(c, rows, chunks)
-        for r in range(start, stop):
-            widen_bf16_row(y[r], wy)
-            widen_bf16_row(g[r], wg)
-            fy = wy.view(np.float32)
-            fg = wg.view(np.float32)
-            dot = np.float32(0.0)
-            for j in range(n):
-                dot += fy[j] * fg[j]
-            for j in range(n):
-                res[j] = fy[j] * (fg[j] - dot)
-            narrow_bf16_row(res.view(np.uint32), out[r])
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _softmax_backward_bf16(y: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
+    """bf16 rows widened to f32; the sum starts from 0."""
+    _backward(y, g, o, np.float32(0.0))
+    return True
 
 
-def softmax_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
-    if out.size:
-        _softmax_f32(rows2d(inputs[0]), rows2d(out))
+@njit(inline="always", cache=True)
+def _never(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
+    """The fallback of a row function that never asks for one."""
+    return True
 
 
-def softmax_f64(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
-    if out.size:
-        _softmax_f64(rows2d(inputs[0]), rows2d(out))
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _softmax_f32_part(part: int, parts: int, argv: int) -> None:
+    native_rows(part, parts, argv, np.float32, _softmax_f32, _never)
 
 
-def softmax_bf16(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
-    if out.size:
-        _softmax_bf16(rows2d(bits(inputs[0])), rows2d(bits(out)))
+@pool.task(error_model="numpy")
+def _softmax_f64_part(part: int, parts: int, argv: int) -> None:
+    native_rows(part, parts, argv, np.float64, _softmax_f64, _never)
 
 
-softmax_f16 = via_f32(softmax_f32)
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _softmax_bf16_part(part: int, parts: int, argv: int) -> None:
+    bf16_rows(part, parts, argv, _softmax_f32, _never)
 
 
-def softmax_backward_f32(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
-    if out.size:
-        _softmax_backward(rows2d(inputs[0]), rows2d(inputs[1]), rows2d(out))
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _backward_f32_part(part: int, parts: int, argv: int) -> None:
+    native_rows(part, parts, argv, np.float32, _softmax_backward, _never)
 
 
-softmax_backward_f64 = softmax_backward_f32
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _backward_f64_part(part: int, parts: int, argv: int) -> None:
+    native_rows(part, parts, argv, np.float64, _softmax_backward, _never)
 
 
-def softmax_backward_bf16(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
-    if out.size:
-        _softmax_backward_bf16(rows2d(bits(inputs[0])), rows2d(bits(inputs[1])), rows2d(bits(out)))
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _backward_bf16_part(part: int, parts: int, argv: int) -> None:
+    bf16_rows(part, parts, argv, _softmax_backward_bf16, _never)
 
 
-softmax_backward_f16 = via_f32(softmax_backward_f32)
+_TASKS = {np.dtype(np.float32): _softmax_f32_part, np.dtype(np.float64): _softmax_f64_part,
+          BF16: _softmax_bf16_part}
+_BACKWARD_TASKS = {np.dtype(np.float32): _backward_f32_part, np.dtype(np.float64): _backward_f64_part,
+                   BF16: _backward_bf16_part}
+
+
+def softmax_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
+    """x and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
+    return rows_job(_TASKS, inputs, out, 0.0, SECONDS_PER_VALUE)
+
+
+def softmax_backward_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
+    """y, g and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
+    return rows_job(_BACKWARD_TASKS, inputs, out, 0.0, BACKWARD_SECONDS_PER_VALUE)
+
+
+softmax_kernel = jobs.kernel(softmax_job)
+softmax_backward_kernel = jobs.kernel(softmax_backward_job)
 
 
 # |out - ref| <= max_relative·|ref| + max_absolute·S against float64, S = max|ref| over the row (forward)
@@ -183,12 +181,11 @@ SOFTMAX_BACKWARD_PRECISION = {
 
 
 def register(registry: FusedKernelRegistry) -> None:
-    rev = revision_of(_softmax_f32)
-    forward = {DType.F32: softmax_f32, DType.F64: softmax_f64, DType.BF16: softmax_bf16, DType.F16: softmax_f16}
-    backward = {DType.F32: softmax_backward_f32, DType.F64: softmax_backward_f64,
-                DType.BF16: softmax_backward_bf16, DType.F16: softmax_backward_f16}
+    rev = revision_of(_softmax_f32, native_rows)
     for dt in FLOAT_DTYPES:
-        registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM, "cpu", forward[dt], (dt, dt),
+        forward = via_f32(softmax_kernel) if dt == DType.F16 else softmax_kernel
+        backward = via_f32(softmax_backward_kernel) if dt == DType.F16 else softmax_backward_kernel
+        registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM, "cpu", forward, (dt, dt),
                                       elementwise_cost(5), SOFTMAX_PRECISION[dt], CONTIGUOUS_ONLY, rev))
-        registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, "cpu", backward[dt], (dt, dt, dt),
+        registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, "cpu", backward, (dt, dt, dt),
                                       elementwise_cost(4), SOFTMAX_BACKWARD_PRECISION[dt], CONTIGUOUS_ONLY, rev))

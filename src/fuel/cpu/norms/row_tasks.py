@@ -1,0 +1,127 @@
+"""The row machinery every last-axis row kernel shares: softmax, RmsNorm, LayerNorm and their backwards.
+
+A kernel of this family sees its arrays as [rows, cols] (one or two inputs x and g of out's dtype, all
+C-contiguous) and computes each row from that row alone, in a fixed order, so a part of the job is a range
+of rows and the bytes do not depend on how the rows are split. Its row function has one signature,
+`row(x, g, o, eps, inv_n, one) -> bool`, the scalars in the working type (f64 for f64, else f32); it returns
+False when the row needs its fallback `redo(x, g, o, eps, inv_n, one)` (the norms' overflow path), which
+then overwrites o. A one-input kernel gets x again as g.
+
+- `native_rows` runs the row function on f32 or f64 rows in place;
+- `bf16_rows` widens each bf16 row (and g's) exactly into f32 scratch, runs the f32 row function into an f32
+  scratch row and rounds it once (nearest-even) into out. The scratch is fully rewritten for every row, so
+  which rows share a part's scratch never shows in the bytes.
+The job (`rows_job`) is what the eager kernel runs and native replay posts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from numba import carray, njit
+
+from fuel.cpu.simd.half import bits, narrow_bf16_row, widen_bf16_row
+from fuel.dispatch.impls import CostEstimate, CostFn, PrecisionGuarantee
+from fuel.dtype import DType
+from fuel.graph.node import Shape
+from fuel.runtime import jobs, pool
+from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, REAL, record_at
+
+ROW_ARGS = jobs.record(x=ADDRESS, g=ADDRESS, out=ADDRESS, rows=INT, cols=INT, inputs=INT, eps=REAL)
+BF16 = DType.BF16.np
+
+
+@njit(inline="always", cache=True)
+def row_arrays(argv: int, dt: Any) -> tuple[Any, Any, Any, Any]:
+    """(record, x, g, out) of a row job, the arrays [rows, cols] of type dt."""
+    a = record_at(argv, ROW_ARGS)
+    shape = (a.rows, a.cols)
+    return a, carray(pointer(a.x, dt), shape), carray(pointer(a.g, dt), shape), carray(pointer(a.out, dt), shape)
+
+
+@njit(inline="always", cache=True)
+def native_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) -> None:
+    """Rows [part·rows/parts, (part+1)·rows/parts) of f32 or f64 (dt) arrays, straight into out."""
+    a, x, g, out = row_arrays(argv, dt)
+    one = dt(1)
+    eps = dt(a.eps)
+    inv_n = one / dt(a.cols)
+    for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
+        if not row(x[r], g[r], out[r], eps, inv_n, one):
+            redo(x[r], g[r], out[r], eps, inv_n, one)
+
+
+@njit(inline="always", cache=True)
+def bf16_rows(part: int, parts: int, argv: int, row: Any, redo: Any) -> None:
+    """Rows of bf16 bits: widened into f32 scratch, computed by the f32 row function, rounded once."""
+    a, x, g, out = row_arrays(argv, np.uint16)
+    n = a.cols
+    one = np.float32(1)
+    eps = np.float32(a.eps)
+    inv_n = one / np.float32(n)
+    wx = np.empty(n, np.uint32)
+    wg = np.empty(n, np.uint32)
+    res = np.empty(n, np.float32)
+    fx = wx.view(np.float32)
+    fg = wg.view(np.float32) if a.inputs == 2 else fx
+    for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
+        widen_bf16_row(x[r], wx)
+        if a.inputs == 2:
+            widen_bf16_row(g[r], wg)
+        if not row(fx, fg, res, eps, inv_n, one):
+            redo(fx, fg, res, eps, inv_n, one)
+        narrow_bf16_row(res.view(np.uint32), out[r])
+
+
+@njit(cache=True)
+def _fill(x: Any, g: Any, out: Any, inputs: int, eps: float, argv: Any) -> None:
+    a = argv[0]
+    a.x, a.g, a.out = x.ctypes.data, g.ctypes.data, out.ctypes.data
+    a.cols = out.shape[-1] if out.ndim else 1
+    a.rows = out.size // a.cols
+    a.inputs = inputs
+    a.eps = eps
+
+
+def rows_job(tasks: Mapping[Any, pool.Task], inputs: Sequence[np.ndarray], out: np.ndarray, eps: float,
+             seconds_per_value: float) -> jobs.Jobs | None:
+    """The job of a row kernel: `tasks` by out's dtype, every input of out's shape and dtype, all
+    C-contiguous (None otherwise: no task serves the call); `()` for an empty out."""
+    if not out.size:
+        return ()
+    task = tasks.get(out.dtype)
+    if task is None or not all(a.dtype == out.dtype and a.shape == out.shape and a.flags.c_contiguous
+                               for a in (*inputs, out)):
+        return None
+    x, g, o = (bits(a) if out.dtype == BF16 else a for a in (inputs[0], inputs[-1], out))
+    argv = jobs.argv_of(ROW_ARGS)
+    _fill(x, g, o, len(inputs), float(eps), argv)
+    return jobs.job(task, argv, out.size * seconds_per_value, int(argv[0]["rows"]))
+
+
+def norm_cost(flops_per_element: int) -> CostFn:
+    """k flops per element plus one rsqrt per row; every input and the output move once."""
+
+    def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:
+        out = shapes[-1]
+        n = int(np.prod(out))
+        rows = n // out[-1] if out and out[-1] else 0
+        moved = sum(int(np.prod(s)) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+        return CostEstimate(flops=flops_per_element * n + 4 * rows, bytes_moved=moved)
+
+    return cost
+
+
+_ACCUMULATION = {DType.F32: "f32 accumulation", DType.F64: "f64 accumulation",
+                 DType.BF16: "f32 compute, one RNE store", DType.F16: "f32 compute, one RNE store"}
+
+
+def norm_precision(bounds: Mapping[DType, tuple[float, float, float]]) -> dict[DType, PrecisionGuarantee]:
+    """A norm's guarantee per dtype from (max_relative, max_absolute, measured): `measured` is the worst
+    error the contract check saw over seeds 0-199, as a fraction of the bound."""
+    return {dt: PrecisionGuarantee(True, None, rel, abs_, f"{_ACCUMULATION[dt]}; worst measured error "
+                                   f"{seen:.2f} of this bound (seeds 0-199)")
+            for dt, (rel, abs_, seen) in bounds.items()}
