@@ -8,8 +8,9 @@
 - f32/f64 run BLAS straight into `out` and add the bias to each piece of it as soon as it is done,
   while it is in cache. bf16/f16 widen exactly to f32, run one sgemm into an f32 scratch buffer, add
   the bias in f32 and round once on store.
-The product runs as one-thread OpenBLAS GEMMs on fixed pieces of the output (`row_blocks`): OpenBLAS's
-own threading made an element's bytes depend on the thread count on AVX2 hosts.
+The product runs as one-thread OpenBLAS GEMMs on fixed pieces of the output (`row_blocks`), so an
+element's bytes do not depend on the thread count (OpenBLAS's own threading cuts a GEMM by it). The bf16
+store (bias added, one rounding) is a task over the rows.
 
 The impl takes strided inputs: BLAS reads a transposed matrix through its trans flag, so the
 common `x @ w.T + b` (a [N, K] weight) costs no copy of the weight. Only a matrix BLAS cannot
@@ -24,10 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import prange
+from numba import carray
 
 from fuel.cpu.simd import row_blocks
-from fuel.cpu.simd.driver import chunk_bounds, chunk_count, row_kernel
 from fuel.cpu.simd.half import bits, narrow_bf16_row, widened
 from fuel.dispatch.impls import (
     BackendImpl,
@@ -40,21 +40,38 @@ from fuel.dispatch.impls import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
+from fuel.runtime import jobs, pool
+from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
+from fuel.runtime.jobs import ADDRESS, INT, record_at
+
+SECONDS_PER_VALUE = 0.5e-9  # one core's time an output value of the bf16 store, for the part count
+BIAS_ARGS = jobs.record(acc=ADDRESS, bias=ADDRESS, out=ADDRESS, rows=INT, cols=INT)
 
 
-@row_kernel()
-def _bias_narrow_bf16(acc: Any, bias: Any, out: Any) -> None:
-    """out (bf16 bits) <- round(acc + bias) per row of the f32 accumulator, rounded once."""
-    rows, n = acc.shape
-    chunks = chunk_count(rows)
-    for c in prange(chunks):
-        tmp = np.empty(n, np.float32)
-        start, stop = chunk_bounds(c, rows, chunks)
-        for r in range(start, stop):
-            for j in range(n):
-                tmp[j] = acc[r, j] + bias[j]
-            narrow_bf16_row(tmp.view(np.uint32), out[r])
+@pool.task(error_model="numpy")
+def _bias_narrow_bf16_part(part: int, parts: int, argv: int) -> None:
+    """Rows of out (bf16 bits) <- round(acc + bias) per row of the f32 accumulator, rounded once. The
+    scratch row is rewritten for every row, so the split never shows in the bytes."""
+    a = record_at(argv, BIAS_ARGS)
+    rows, n = a.rows, a.cols
+    acc = carray(pointer(a.acc, np.float32), (rows, n))
+    bias = carray(pointer(a.bias, np.float32), (n,))
+    out = carray(pointer(a.out, np.uint16), (rows, n))
+    tmp = np.empty(n, np.float32)
+    for r in range(part * rows // parts, (part + 1) * rows // parts):
+        for j in range(n):
+            tmp[j] = acc[r, j] + bias[j]
+        narrow_bf16_row(tmp.view(np.uint32), out[r])
+
+
+def _bias_narrow_bf16(acc: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+    """out (bf16 bits [rows, n]) <- acc (f32 [rows, n]) + bias (f32 [n]), all C-contiguous."""
+    argv = jobs.argv_of(BIAS_ARGS)
+    row = argv[0]
+    row["acc"], row["bias"], row["out"] = acc.ctypes.data, bias.ctypes.data, out.ctypes.data
+    row["rows"], row["cols"] = acc.shape
+    jobs.run(jobs.job(_bias_narrow_bf16_part, argv, acc.size * SECONDS_PER_VALUE, acc.shape[0]))
 
 
 def _blas_ready(x: np.ndarray) -> np.ndarray:
@@ -115,7 +132,7 @@ def linear_half(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
     if out.dtype == DType.BF16.np:
         if out.size:
             n = out.shape[-1]
-            _bias_narrow_bf16(acc.reshape(-1, n), bias32, bits(out).reshape(-1, n))
+            _bias_narrow_bf16(acc.reshape(-1, n), np.ascontiguousarray(bias32), bits(out).reshape(-1, n))
     else:
         np.add(acc, bias32, out=acc)
         np.copyto(out, acc, casting="unsafe")

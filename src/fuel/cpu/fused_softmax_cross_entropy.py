@@ -1,13 +1,14 @@
-"""FusedSoftmaxCrossEntropy (entry 17) and its logits gradient (primitive CROSS_ENTROPY_GRAD): Numba.
+"""FusedSoftmaxCrossEntropy (entry 17) and its logits gradient (primitive CROSS_ENTROPY_GRAD): tasks over rows.
 
-One thread per row, rows independent. A row is read twice (its max, then Σ exp(x − max)); the row of
-a 32k vocabulary (128 KiB of f32) stays in L2 between the passes. For f32, bf16 and f16 logits the
-difference x − max is formed in f32 and exponentiated with the vectorisable Cephes-style expf; every
-exponential is summed in f64, the target's own term apart from the others, and the loss is formed in
-f64 as `(max − x_t) + log1p((e_t − 1) + Σ_{j≠t} e_j)` (f64 logits use libm exp throughout), so a loss
-near 0 keeps its relative accuracy. Per-row losses go to an f64 buffer and are summed serially in row
-order, so the mean and sum do not depend on the thread count. bf16 is read as uint16 bits and f16 as
-int16 bits and widened exactly inside the loops; the forward allocates nothing of size [..., V].
+One thread per row, rows independent, so the bytes do not depend on how the rows are split. A row is
+read twice (its max, then Σ exp(x − max)); the row of a 32k vocabulary (128 KiB of f32) stays in L2
+between the passes. For f32, bf16 and f16 logits the difference x − max is formed in f32 and
+exponentiated with the vectorisable Cephes-style expf; every exponential is summed in f64, the target's
+own term apart from the others, and the loss is formed in f64 as `(max − x_t) + log1p((e_t − 1) +
+Σ_{j≠t} e_j)` (f64 logits use libm exp throughout), so a loss near 0 keeps its relative accuracy.
+Per-row losses go to an f64 buffer and are summed serially in row order, so the mean and sum do not
+depend on the thread count either. bf16 is read as uint16 bits and f16 as int16 bits and widened
+exactly inside the loops; the forward allocates nothing of size [..., V].
 
 Targets are checked before any row is read: a target outside [0, V) that is not ignore_index raises
 IndexOutOfRange naming the value, its position and V.
@@ -24,11 +25,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import numba
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit
 
-from fuel.cpu.simd.driver import row_kernel
 from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive, maxnum, narrow, widen
 from fuel.dispatch.impls import (
     CONTIGUOUS_ONLY,
@@ -42,20 +41,26 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.errors import IndexOutOfRange
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
-from fuel.runtime import threads
+from fuel.runtime import jobs, pool
+from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 NAME = "fused_softmax_cross_entropy"
 
 # Reassociation lets the row max and the f64 sum vectorise (a fixed order per build: still bit-stable);
 # no nnan/ninf, so NaN and inf rows keep IEEE behaviour.
 FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
+SECONDS_PER_VALUE = 1.5e-9  # one core's time a logit (a max pass and an exp pass), for the part count
+# logits x [rows, cols] (bf16 as uint16 bits, f16 as int16 bits), flat i64 targets t, the f64 per-row
+# losses or scales, out [rows, cols] (the gradient's; unused by the forward)
+CE_ARGS = jobs.record(x=ADDRESS, t=ADDRESS, rowwise=ADDRESS, out=ADDRESS, rows=INT, cols=INT, ignore=INT)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _exp_sum(seg: Any, m: Any) -> float:
-    """Σ exp(x − m) over a segment of a row, each exponential in the compute type, summed in f64. (A
-    loop over a slice from 0 vectorises; `range(lo, hi)` over the row did not: 2.8x slower.)"""
+    """Σ exp(x − m) over a segment of a row, each exponential in the compute type, summed in f64. A loop
+    over a slice from 0 (see docs/performance/rows.md, "fused_softmax_cross_entropy")."""
     s = 0.0
     for j in range(seg.shape[0]):
         s += np.float64(exp_nonpositive(widen(seg[j]) - m))
@@ -74,13 +79,25 @@ def _row_stats(xr: Any, t: int) -> Any:
     return m, np.float64(exp_nonpositive(widen(xr[t]) - m)), others
 
 
-@row_kernel(fastmath=FASTMATH)
-def _losses(x: Any, t: Any, ignore: int, losses: Any) -> None:
-    """losses[r] = logsumexp(x[r]) − x[r, t[r]] in f64, or 0 where t[r] == ignore (targets pre-checked).
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _arrays(argv: int, dt: Any, out_dt: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """(record, x, t, rowwise, out) of a cross-entropy job, x of type dt and out of out_dt."""
+    a = record_at(argv, CE_ARGS)
+    shape = (a.rows, a.cols)
+    return (a, carray(pointer(a.x, dt), shape), carray(pointer(a.t, np.int64), (a.rows,)),
+            carray(pointer(a.rowwise, np.float64), (a.rows,)), carray(pointer(a.out, out_dt), shape))
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _losses(part: int, parts: int, argv: int, dt: Any) -> None:
+    """losses[r] = logsumexp(x[r]) − x[r, t[r]] in f64, or 0 where t[r] == ignore (targets pre-checked),
+    for rows [part·rows/parts, (part+1)·rows/parts).
 
     As (max − x_t) + log1p((e_t − 1) + Σ_{j≠t} e_j): e_t − 1 is exactly 0 when the target is the max,
     and otherwise the sum holds the max's own 1, so nothing cancels."""
-    for r in prange(x.shape[0]):
+    a, x, t, losses, _ = _arrays(argv, dt, dt)
+    ignore = a.ignore
+    for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
         if tr == ignore:
             losses[r] = 0.0
@@ -89,11 +106,13 @@ def _losses(x: Any, t: Any, ignore: int, losses: Any) -> None:
             losses[r] = (np.float64(m) - np.float64(widen(x[r, tr]))) + math.log1p((et - 1.0) + others)
 
 
-@row_kernel(fastmath=FASTMATH)
-def _grad(x: Any, t: Any, ignore: int, scales: Any, out: Any) -> None:
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _grad(part: int, parts: int, argv: int, dt: Any) -> None:
     """out[r] = (softmax(x[r]) − onehot(t[r]))·scales[r], zero where t[r] == ignore (targets pre-checked);
-    at the target softmax_t − 1 = −Σ_{j≠t} e_j / Σ_j e_j, formed in f64."""
-    for r in prange(x.shape[0]):
+    at the target softmax_t − 1 = −Σ_{j≠t} e_j / Σ_j e_j, formed in f64. x and out of type dt."""
+    a, x, t, scales, out = _arrays(argv, dt, dt)
+    ignore = a.ignore
+    for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
         xr, o = x[r], out[r]
         if tr == ignore:
@@ -119,11 +138,13 @@ def _exp_store_sum(seg: Any, m: Any, o: Any) -> float:
     return s
 
 
-@row_kernel(fastmath=FASTMATH)
-def _grad_in_place(x: Any, t: Any, ignore: int, scales: Any, out: Any) -> None:
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _grad_in_place(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> None:
     """`_grad` for an out in the compute type (f32, or f64 for f64 rows): each exponential is computed
     once, stored, and scaled in place while the row is still in cache (one exp pass instead of two)."""
-    for r in prange(x.shape[0]):
+    a, x, t, scales, out = _arrays(argv, dt, out_dt)
+    ignore = a.ignore
+    for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
         xr, o = x[r], out[r]
         if tr == ignore:
@@ -139,6 +160,72 @@ def _grad_in_place(x: Any, t: Any, ignore: int, scales: Any, out: Any) -> None:
             for j in range(xr.shape[0]):
                 o[j] = o[j] * c
             o[tr] = cast_like(-others / total * scales[r], m)
+
+
+# The forward's tasks by logits dtype, the gradient's by (logits, out) dtype: bf16 computes its
+# exponentials twice and rounds once on store, f16 goes into an f32 scratch.
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _losses_f32_part(part: int, parts: int, argv: int) -> None:
+    _losses(part, parts, argv, np.float32)
+
+
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _losses_f64_part(part: int, parts: int, argv: int) -> None:
+    _losses(part, parts, argv, np.float64)
+
+
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _losses_bf16_part(part: int, parts: int, argv: int) -> None:
+    _losses(part, parts, argv, np.uint16)
+
+
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _losses_f16_part(part: int, parts: int, argv: int) -> None:
+    _losses(part, parts, argv, np.int16)
+
+
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _grad_f32_part(part: int, parts: int, argv: int) -> None:
+    _grad_in_place(part, parts, argv, np.float32, np.float32)
+
+
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _grad_f64_part(part: int, parts: int, argv: int) -> None:
+    _grad_in_place(part, parts, argv, np.float64, np.float64)
+
+
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _grad_f16_part(part: int, parts: int, argv: int) -> None:
+    _grad_in_place(part, parts, argv, np.int16, np.float32)
+
+
+@pool.task(fastmath=FASTMATH, error_model="numpy")
+def _grad_bf16_part(part: int, parts: int, argv: int) -> None:
+    _grad(part, parts, argv, np.uint16)
+
+
+_LOSS_TASKS = {DType.F32.np: _losses_f32_part, DType.F64.np: _losses_f64_part, DType.BF16.np: _losses_bf16_part,
+               DType.F16.np: _losses_f16_part}
+_GRAD_TASKS = {DType.F32.np: _grad_f32_part, DType.F64.np: _grad_f64_part, DType.BF16.np: _grad_bf16_part,
+               DType.F16.np: _grad_f16_part}
+
+
+def _run(tasks: dict[Any, pool.Task], logits: np.ndarray, t: np.ndarray, ignore: int, rowwise: np.ndarray,
+         out: np.ndarray) -> None:
+    """Run the task for the logits' dtype over rows: x the logits as [rows, V] (bf16/f16 as their bits),
+    t the flat targets, rowwise f64 per row, out [rows, V] (or rowwise again for the forward)."""
+    v = logits.shape[-1]
+    x = np.ascontiguousarray(logits.reshape(-1, v).view(_BITS.get(logits.dtype, logits.dtype)))
+    t = np.ascontiguousarray(t, np.int64)
+    argv = jobs.argv_of(CE_ARGS)
+    row = argv[0]
+    row["x"], row["t"], row["rowwise"], row["out"] = x.ctypes.data, t.ctypes.data, rowwise.ctypes.data, out.ctypes.data
+    row["rows"], row["cols"], row["ignore"] = x.shape[0], v, ignore
+    jobs.run(jobs.job(tasks[logits.dtype], argv, x.size * SECONDS_PER_VALUE, x.shape[0]))
+
+
+_BITS = {DType.BF16.np: np.dtype(np.uint16), DType.F16.np: np.dtype(np.int16)}
+
 
 
 @njit(cache=True)
@@ -163,16 +250,6 @@ def check_targets(targets: np.ndarray, v: int, ignore: int) -> None:
                               f"[0, {v}) (V = {v}; ignore_index is {ignore})")
 
 
-def _rows(logits: np.ndarray) -> np.ndarray:
-    """The logits as a contiguous [rows, V] array the kernels can read (bf16/f16 as their bits)."""
-    x = logits.reshape(-1, logits.shape[-1])
-    if logits.dtype == DType.BF16.np:
-        return x.view(np.uint16)
-    if logits.dtype == DType.F16.np:
-        return x.view(np.int16)
-    return x
-
-
 @njit(cache=True)
 def _reduce(losses: Any, t: Any, ignore: int, mean: bool) -> float:
     """The sum of the per-row losses in row order (serial: the same at any thread count), divided by
@@ -194,7 +271,7 @@ def cross_entropy(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> Non
     check_targets(targets, v, ignore)
     losses = np.zeros(flat_t.size, np.float64)
     if flat_t.size and v:  # with V = 0 every target is ignored (else check_targets raised): all zero
-        _losses(_rows(logits), flat_t, ignore, losses)
+        _run(_LOSS_TASKS, logits, flat_t, ignore, losses, losses)
     if params.reduction == "none":
         out[...] = losses.reshape(out.shape)
     else:
@@ -225,22 +302,7 @@ def cross_entropy_grad(inputs: list[np.ndarray], params: Any) -> np.ndarray:
     flat_t = targets.reshape(-1)
     half = logits.dtype == DType.F16.np  # no f16 store in Numba: f32 scratch, rounded once by NumPy
     dst = POOL.empty(logits.shape, np.dtype(np.float32)) if half else out
-    rows = dst.reshape(-1, v)
-    cost = cross_entropy_cost([logits.shape, targets.shape, logits.shape], [DType.F32, DType.I64, DType.F32], params)
-    # The executor runs this primitive on fuel's thread count; a decode-sized row is cheaper in this
-    # thread than waking the pool (the same compiled code either way, so the same bytes).
-    before = numba.get_num_threads()
-    small = before > 1 and threads.runs_serially(cost.flops, cost.bytes_moved)
-    if small:
-        numba.set_num_threads(1)
-    try:
-        if out.dtype == DType.BF16.np:
-            _grad(_rows(logits), flat_t, params.ignore_index, scales, rows.view(np.uint16))
-        else:
-            _grad_in_place(_rows(logits), flat_t, params.ignore_index, scales, rows)
-    finally:
-        if small:
-            numba.set_num_threads(before)
+    _run(_GRAD_TASKS, logits, flat_t, params.ignore_index, scales, dst)
     if half:
         np.copyto(out, dst, casting="unsafe")
     return out
