@@ -48,20 +48,19 @@ from numba import carray, njit
 
 from fuel.cpu.quant import nf4_amx
 from fuel.cpu.quant.nf4_intrinsics import DOT_MAX_ROWS, dequant_blocks, dot1, dot2, dot3, dot4
-from fuel.cpu.quant.nf4_table import WEIGHTS_PER_SECOND, decode_one_row, table_forms
+from fuel.cpu.quant.nf4_table import DECODE_ARGS, WEIGHTS_PER_SECOND, fill_decode, table_jobs
 from fuel.cpu.quant.nibble_tables import LUT32
 from fuel.cpu.quant.weight_tiles import (
-    WEIGHT,
-    N,
     claim_slot,
-    job,
     multiply_tile,
-    part_tiles,
-    post_tiles,
+    next_tile,
     release_slot,
+    run_tiles,
+    tile_args,
     tile_of,
     tile_span,
     tiled_product,
+    tiles_jobs,
 )
 from fuel.cpu.simd import row_blocks
 from fuel.cpu.simd.driver import chunk_bounds, chunk_count
@@ -81,42 +80,41 @@ from fuel.quant.nf4 import NF4
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 DECODE_MAX_ROWS = DOT_MAX_ROWS  # up to this many activation rows, the fused decode path (no dequantised tile)
 TILE_BYTES = 8 << 20  # f32 scratch per dequantised tile of the transposed product (the gradient)
 _LUT = np.array(NF4, np.float32)  # a writable copy: Numba types it as a plain array
+SECONDS_PER_VALUE = 1e-9  # one core's time to split a value by its k's parity
+SPLIT_ARGS = jobs.record(a=ADDRESS, rows=INT, k=INT, split=ADDRESS)  # the split job's record
 
 
-
-@njit(cache=True)
-def _decode_args(a: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: Any) -> Any:
-    """The activation rows split into their even and odd k (rows·K floats, the path's only allocation),
-    and argv <- the addresses and sizes `_decode` reads."""
-    rows = a.shape[0]
-    kh = w.shape[1]
-    split = np.empty((rows, 2, kh), np.float32)
-    for i in range(rows):
+@pool.task()
+def _split_part(part: int, parts: int, argv: int) -> None:
+    """Part `part` of the split job: its share of the activation rows, each into its even and odd k."""
+    p = record_at(argv, SPLIT_ARGS)
+    rows, kh = p.rows, p.k // 2
+    a = carray(pointer(p.a, np.float32), (rows, p.k))
+    split = carray(pointer(p.split, np.float32), (rows, 2, kh))
+    for i in range(part * rows // parts, (part + 1) * rows // parts):
         for j in range(kh):
             split[i, 0, j] = a[i, 2 * j]
             split[i, 1, j] = a[i, 2 * j + 1]
-    argv[0], argv[1], argv[2], argv[3], argv[4] = split.ctypes.data, rows, kh, w.ctypes.data, w.shape[0]
-    argv[5], argv[6], argv[7], argv[8], argv[9] = absmax.ctypes.data, absmax.shape[1], lut.ctypes.data, \
-        out.ctypes.data, bs
-    return split
 
 
 @pool.task()
 def _decode(part: int, parts: int, argv: int) -> None:
-    """Part `part` of out [rows, N] <- a [rows, K] @ dequant(W)ᵀ for rows <= 4, bs a multiple of 32: its
-    share of the fixed row chunks (whoever runs a chunk, its bytes are the same)."""
-    v = carray(pointer(argv, np.int64), (10,))
-    rows, kh, n, nb = v[1], v[2], v[4], v[6]
-    split = carray(pointer(v[0], np.float32), (rows, 2, kh))
-    w = carray(pointer(v[3], np.uint8), (n, kh))
-    absmax = carray(pointer(v[5], np.float32), (n, nb))
-    lut = carray(pointer(v[7], np.float32), (16,))
-    out = carray(pointer(v[8], np.float32), (rows, n))
-    steps = v[9] // 32
+    """Part `part` of out [rows, N] <- a [rows, K] @ dequant(W)ᵀ for rows <= 4, bs a multiple of 32, from
+    the split activations: its share of the fixed row chunks (whoever runs a chunk, its bytes are the
+    same)."""
+    v = record_at(argv, DECODE_ARGS)
+    rows, kh, n, nb = v.rows, v.half_k, v.n, v.blocks
+    split = carray(pointer(v.x, np.float32), (rows, 2, kh))
+    w = carray(pointer(v.w, np.uint8), (n, kh))
+    absmax = carray(pointer(v.absmax, np.float32), (n, nb))
+    lut = carray(pointer(v.lut, np.float32), (16,))
+    out = carray(pointer(v.out, np.float32), (rows, n))
+    steps = v.block // 32
     chunks = chunk_count(n)
     for c in range(part * chunks // parts, (part + 1) * chunks // parts):
         lo, hi = chunk_bounds(c, n, chunks)
@@ -134,17 +132,21 @@ def _decode(part: int, parts: int, argv: int) -> None:
 USE_TABLE = LUT32  # one row by table (`nf4_table`); tests turn it off to run the portable path here too
 
 
-def _decode_rows(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
-    """The decode path (rows <= DECODE_MAX_ROWS) on the spinning pool."""
+def _decode_jobs(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> jobs.Jobs:
+    """The decode path (rows <= DECODE_MAX_ROWS, bs a multiple of 32) as two jobs: one row by table (the
+    row permuted, then looked up), else the rows split into their even and odd k into a scratch of the
+    job's own (rows·K floats, the path's only allocation), then the fused dots."""
     if USE_TABLE and x.shape[0] == 1:
-        decode_one_row(x, w, absmax, _LUT, out, bs)
-        return
-    argv = np.empty(10, np.int64)
-    split = _decode_args(x, w, absmax, _LUT, out, bs, argv)
+        return table_jobs(x, w, absmax, _LUT, out, bs)
+    rows, k = x.shape
+    split = np.empty((rows, 2, k // 2), np.float32)
+    first = jobs.argv_of(SPLIT_ARGS)
+    first[0] = (x.ctypes.data, rows, k, split.ctypes.data)
+    argv = jobs.argv_of(DECODE_ARGS)
+    fill_decode(split, rows, w, absmax, _LUT, out, bs, argv)
     n = w.shape[0]
-    seconds = x.shape[0] * n * x.shape[1] / WEIGHTS_PER_SECOND
-    pool.run(_decode, argv, pool.parts_for(seconds, chunk_count(n)))
-    del split  # alive until here: the tasks read it by address
+    return (jobs.job(_split_part, first, x.size * SECONDS_PER_VALUE, rows, keep=(split,)),
+            jobs.job(_decode, argv, rows * n * k / WEIGHTS_PER_SECOND, chunk_count(n), keep=(split,)))
 
 
 @njit(cache=True, nogil=True)
@@ -172,22 +174,24 @@ def _dequant_tile(w: Any, absmax: Any, lut: Any, bs: int, n0: int, n1: int, b0: 
 
 @pool.task()
 def _tiles(part: int, parts: int, argv: int) -> None:
-    """Part `part` of the many-row product on the spinning pool (`weight_tiles`): its tiles of W rows
-    dequantised into a scratch slot, each multiplied (`weight_tiles.multiply_tile`). W's fields: w, K/2,
-    absmax, blocks, LUT."""
-    v = job(argv)
-    f = carray(pointer(argv, np.int64), (WEIGHT + 5,))
-    n, kh, nb = v[N], f[WEIGHT + 1], f[WEIGHT + 3]
-    w = carray(pointer(f[WEIGHT], np.uint8), (n, kh))
-    absmax = carray(pointer(f[WEIGHT + 2], np.float32), (n, nb))
-    lut = carray(pointer(f[WEIGHT + 4], np.float32), (16,))
+    """Part `part` of the many-row product (`weight_tiles`): tiles of W rows claimed one at a time, each
+    dequantised into the part's scratch slot and multiplied (`weight_tiles.multiply_tile`). W's fields:
+    weight (the packed bytes), weight_cols (K/2), scales (absmax), scale_cols (blocks), table (the LUT)."""
+    v = tile_args(argv)
+    n, kh, nb = v.n, v.weight_cols, v.scale_cols
+    w = carray(pointer(v.weight, np.uint8), (n, kh))
+    absmax = carray(pointer(v.scales, np.float32), (n, nb))
+    lut = carray(pointer(v.table, np.float32), (16,))
+    i = next_tile(v)
+    if i >= v.tiles:
+        return
     slot = claim_slot(v)
     tile = tile_of(v, slot)
-    i0, i1 = part_tiles(v, part, parts)
-    for i in range(i0, i1):
+    while i < v.tiles:
         r0, r1 = tile_span(v, i)
         _dequant_tile(w, absmax, lut, 2 * kh // nb, r0, r1, 0, nb, tile)
         multiply_tile(v, slot, r0, r1)
+        i = next_tile(v)
     release_slot(v, slot)
 
 
@@ -213,14 +217,28 @@ def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.
     rows, k = x.shape
     n = w.shape[0]
     if rows <= DECODE_MAX_ROWS and bs % 32 == 0:
-        _decode_rows(x, w, absmax, bs, out)
+        jobs.run(_decode_jobs(x, w, absmax, bs, out))
         return
-    if (USE_AMX and k >= AMX_MIN_K and n * k >= AMX_MIN_WEIGHTS
-            and nf4_amx.forward(x, w, absmax, bs, out, x_pieces)):
+    if _takes_amx(k, n) and nf4_amx.forward(x, w, absmax, bs, out, x_pieces):
         return
-    nb = k // bs
-    if not post_tiles(_tiles, x, n, out, (w.ctypes.data, w.shape[1], absmax.ctypes.data, nb, _LUT.ctypes.data)):
+    found = _tiles_jobs(x, w, absmax, bs, out)
+    if found is not None:
+        run_tiles(found)
+    else:
+        nb = k // bs
         tiled_product(x, n, lambda n0, n1, tile: _dequant_tile(w, absmax, _LUT, bs, n0, n1, 0, nb, tile), out)
+
+
+def _takes_amx(k: int, n: int) -> bool:
+    """Whether a product of this size is offered to the AMX path (which may still decline it)."""
+    return USE_AMX and k >= AMX_MIN_K and n * k >= AMX_MIN_WEIGHTS
+
+
+def _tiles_jobs(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int,
+                out: np.ndarray) -> tuple[jobs.Job, jobs.Job] | None:
+    """The many-row product's prep and tile jobs (`weight_tiles.tiles_jobs`), None where there are none."""
+    fields = (w.ctypes.data, w.shape[1], absmax.ctypes.data, x.shape[1] // bs, _LUT.ctypes.data)
+    return tiles_jobs(_tiles, x, w.shape[0], out, fields)
 
 
 def _transposed(g: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> None:
@@ -260,9 +278,18 @@ def nf4_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
 
 
 @jobs.replays(nf4_kernel)
-def nf4_form(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
-    """One f32 activation row of the forward product by table: the jobs `_decode_rows` runs a call."""
-    return table_forms(inputs, out, params, _LUT) if USE_TABLE else None
+def nf4_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
+    """The jobs `nf4_kernel` runs for an f32 forward product of up to DECODE_MAX_ROWS activation rows, bs a
+    multiple of 32 (the decode path), for native replay; None for any other call (the tiles' scratch and
+    the AMX path's data-dependent choice stay with the eager kernel)."""
+    act, w, absmax = inputs
+    bs = params.block_size
+    rows = math.prod(act.shape[:-1])
+    if (params.transpose or rows > DECODE_MAX_ROWS or out.size == 0 or act.shape[-1] == 0 or bs % 32
+            or act.dtype != np.float32 or out.dtype != np.float32
+            or not all(a.flags.c_contiguous for a in (act, w, absmax, out))):
+        return None
+    return _decode_jobs(act.reshape(rows, -1), w, absmax, bs, out.reshape(rows, -1))
 
 
 def nf4_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:

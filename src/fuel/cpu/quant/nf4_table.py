@@ -14,7 +14,6 @@ the thread count.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -28,12 +27,12 @@ from fuel.cpu.quant.nibble_tables import (
     nibble_lookup32,
     nibble_lookup64,
     permute_job,
-    permuted,
 )
 from fuel.cpu.simd.driver import ahead_of, chunk_bounds, chunk_count, pair_bounds, pair_chunk_count
 from fuel.cpu.simd.simd16 import fma, fmas, hsum, prefetch, vadd, vload, vmul, vzero
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 # An NF4 byte holds elements 2b (high nibble) and 2b + 1: the element of `lookup32_lanes`' lane j, 16 bytes.
 TABLE_ORDER = np.array([2 * b + 1 - h for b, h in lookup32_lanes()])
@@ -42,11 +41,19 @@ TABLE_ORDER64 = np.array([2 * b + 1 - h for b, h in LOOKUP64_LANES])  # `decode_
 WEIGHTS_PER_SECOND = 10e9
 
 
+# The record of a decode job (the table tasks' and `nf4_matmul`'s portable decode task): x the activations
+# as the task reads them (permuted to the table's order, or split by k's parity), rows of them, K/2 bytes a
+# weight row, n weight rows, `blocks` absmax a row, the 16-entry table, out [rows, n], `block` codes a block.
+DECODE_ARGS = jobs.record(x=ADDRESS, rows=INT, half_k=INT, w=ADDRESS, n=INT, absmax=ADDRESS, blocks=INT,
+                          lut=ADDRESS, out=ADDRESS, block=INT)
+
+
 @njit(cache=True)
-def table_args(xp: Any, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: Any) -> None:
-    """argv as `nf4._decode_args`' for `decode_table`, xp the activation row permuted to `TABLE_ORDER`."""
-    argv[0], argv[1], argv[2], argv[3], argv[4] = xp.ctypes.data, 1, w.shape[1], w.ctypes.data, w.shape[0]
-    argv[5], argv[6], argv[7], argv[8], argv[9] = absmax.ctypes.data, absmax.shape[1], lut.ctypes.data, \
+def fill_decode(x: Any, rows: int, w: Any, absmax: Any, lut: Any, out: Any, bs: int, argv: Any) -> None:
+    """argv (a `DECODE_ARGS` record) <- the addresses and sizes of a decode job's arrays."""
+    a = argv[0]
+    a.x, a.rows, a.half_k, a.w, a.n = x.ctypes.data, rows, w.shape[1], w.ctypes.data, w.shape[0]
+    a.absmax, a.blocks, a.lut, a.out, a.block = absmax.ctypes.data, absmax.shape[1], lut.ctypes.data, \
         out.ctypes.data, bs
 
 
@@ -108,14 +115,14 @@ def _rows(block: Any, part: int, parts: int, argv: int, fixed_bs: int) -> None:
     blocks would overflow, take a row at a time. `fixed_bs`: the block size where the task is for one (a
     constant, so its offsets and the pair's prefetch fold: 4096², bs 64, 0.86x the time on one thread,
     0.93x on two, interleaved in one process on a Xeon), else 0 (read from argv)."""
-    v = carray(pointer(argv, np.int64), (10,))
-    kh, n, nb = v[2], v[4], v[6]
-    bs = fixed_bs if fixed_bs else v[9]
-    x = carray(pointer(v[0], np.float32), (2 * kh,))
-    w = carray(pointer(v[3], np.uint8), (n * kh,))
-    absmax = carray(pointer(v[5], np.float32), (n * nb,))
-    table = vload(carray(pointer(v[7], np.float32), (16,)), 0)
-    out = carray(pointer(v[8], np.float32), (1, n))
+    v = record_at(argv, DECODE_ARGS)
+    kh, n, nb = v.half_k, v.n, v.blocks
+    bs = fixed_bs if fixed_bs else v.block
+    x = carray(pointer(v.x, np.float32), (2 * kh,))
+    w = carray(pointer(v.w, np.uint8), (n * kh,))
+    absmax = carray(pointer(v.absmax, np.float32), (n * nb,))
+    table = vload(carray(pointer(v.lut, np.float32), (16,)), 0)
+    out = carray(pointer(v.out, np.float32), (1, n))
     chunks = _chunks(n)
     for c in range(part * chunks // parts, (part + 1) * chunks // parts):
         if LUT16:
@@ -186,33 +193,13 @@ def table_kernel(bs: int) -> tuple[pool.Task, np.ndarray]:
     return decode_table_once if bs == 64 else decode_table, TABLE_ORDER
 
 
-def _table_job(task: pool.Task, xp: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray,
-               out: np.ndarray, bs: int) -> jobs.Job:
-    """The table task's job over the activation row xp, already in the task's order."""
-    argv = np.empty(10, np.int64)
-    table_args(xp, w, absmax, lut, out, bs, argv)
+def table_jobs(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray, out: np.ndarray,
+               bs: int) -> tuple[jobs.Job, jobs.Job]:
+    """out [1, N] <- x [1, K] @ dequant(W)ᵀ by table (f32, contiguous, bs a multiple of 32) as two jobs: the
+    row permuted into a scratch of the first job's own, then the table task reading it."""
+    task, order = table_kernel(bs)
+    permute, scratch, keep = permute_job(x, order)
+    argv = jobs.argv_of(DECODE_ARGS)
+    fill_decode(scratch[:1], 1, w, absmax, lut, out, bs, argv)
     n = w.shape[0]
-    return jobs.job(task, argv, n * xp.shape[1] / WEIGHTS_PER_SECOND, _chunks(n))
-
-
-def decode_one_row(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, lut: np.ndarray, out: np.ndarray,
-                   bs: int) -> None:
-    """out [1, N] <- x [1, K] @ dequant(W)ᵀ by table on the spinning pool."""
-    task, order = table_kernel(bs)
-    xp = permuted(x, order)  # alive until the job ends
-    jobs.run(_table_job(task, xp[:1], w, absmax, lut, out, bs))
-
-
-def table_forms(inputs: list[np.ndarray], out: np.ndarray, params: Any, lut: np.ndarray) -> jobs.Jobs | None:
-    """The native replay's form of one f32 activation row [.., 1, K] of the forward product (None for
-    any other call): two jobs, the row permuted into a scratch of the form's own and the table task
-    reading it, what `decode_one_row` runs a call."""
-    act, w, absmax = inputs
-    bs = params.block_size
-    if (params.transpose or math.prod(act.shape[:-1]) != 1 or out.size == 0 or act.shape[-1] == 0 or bs % 32
-            or act.dtype != np.float32 or out.dtype != np.float32
-            or not all(a.flags.c_contiguous for a in (act, w, absmax, out))):
-        return None
-    task, order = table_kernel(bs)
-    permute, scratch, keep = permute_job(act.reshape(1, -1), order)
-    return permute._replace(keep=keep), _table_job(task, scratch[:1], w, absmax, lut, out, bs)
+    return permute._replace(keep=keep), jobs.job(task, argv, n * x.shape[1] / WEIGHTS_PER_SECOND, _chunks(n))

@@ -29,6 +29,7 @@ from numba.extending import intrinsic
 from fuel.cpu.simd.simd16 import _F32, _I8, _I32, _V8, _VF, _W, VEC, _ptr
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 _HOST = binding.get_host_cpu_features()
 LUT16 = bool(_HOST.get("avx512f"))  # the 16-float vpermps is AVX-512F
@@ -66,14 +67,16 @@ def permuted(a: Any, order: Any) -> Any:
     return out
 
 
+PERMUTE_ARGS = jobs.record(a=ADDRESS, scratch=ADDRESS, order=ADDRESS, k=INT, group=INT)
+
+
 @pool.task()
 def _permute_part(part: int, parts: int, argv: int) -> None:
-    """`permuted` into a scratch [2, k], for a table kernel's job after it (argv: a, scratch, order, k, order
-    size; one part). Written in place: with a fresh array copied in, as `permuted` returns one, the job took
-    1.6-2x the time (k = 576-4096, on a Xeon)."""
-    v = carray(pointer(argv, np.int64), (5,))
-    permute_into(carray(pointer(v[0], np.float32), (v[3],)), carray(pointer(v[2], np.int64), (v[4],)),
-                 carray(pointer(v[1], np.float32), (2, v[3])))
+    """`permuted` into a scratch [2, k] in place, for a table kernel's job after it (one part; written in
+    place rather than into a fresh array copied in: docs/performance/nf4.md, "nibble_tables")."""
+    p = record_at(argv, PERMUTE_ARGS)
+    permute_into(carray(pointer(p.a, np.float32), (p.k,)), carray(pointer(p.order, np.int64), (p.group,)),
+                 carray(pointer(p.scratch, np.float32), (2, p.k)))
 
 
 def permute_job(a: np.ndarray, order: np.ndarray) -> tuple[jobs.Job, np.ndarray, tuple[np.ndarray, ...]]:
@@ -81,7 +84,8 @@ def permute_job(a: np.ndarray, order: np.ndarray) -> tuple[jobs.Job, np.ndarray,
     after it to read at every call: (the job, the scratch, the arrays it points at besides a)."""
     order = np.ascontiguousarray(order, np.int64)
     scratch = np.empty((2, a.shape[1]), np.float32)
-    argv = np.array([a.ctypes.data, scratch.ctypes.data, order.ctypes.data, a.shape[1], order.size], np.int64)
+    argv = jobs.argv_of(PERMUTE_ARGS)
+    argv[0] = (a.ctypes.data, scratch.ctypes.data, order.ctypes.data, a.shape[1], order.size)
     return jobs.job(_permute_part, argv, 0.0, 1), scratch, (scratch, order)
 
 

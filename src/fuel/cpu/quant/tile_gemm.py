@@ -164,21 +164,28 @@ def transpose_into(src: Any, s_off: int, lds: int, rows: int, cols: int, dst: An
             dst[d_off + j * ldd + i] = src[s_off + i * lds + j]
 
 
-@njit(cache=True)
-def pack_activations(a: Any, ap: Any, rp: int, panel: int) -> None:
-    """ap (flat, K·Rp f32) <- a [R, K] as panels of Aᵀ, Rp >= R a multiple of 16: panel p holds activations
-    p·panel.. (width w = min(panel, Rp - p·panel)) as [K, w] at offset p·panel·K, activations R..Rp-1 zero.
-    A panel's K-block the inner block reads is then contiguous: in one [K, Rp] matrix its rows were Rp·4
-    bytes apart, which at Rp = 768 fell on a quarter of L1's sets (two threads: 128-149 GFLOP/s at [768,
-    384] x [384, 384-1536], 172-195 as panels)."""
+@njit(inline="always", cache=True)
+def pack_panels(a: Any, ap: Any, rp: int, panel: int, p0: int, p1: int) -> None:
+    """Panels [p0, p1) of `pack_activations`' layout (each panel is written by its own: any split of the
+    panels packs the same bytes)."""
     rows, k = a.shape
     flat = a.reshape(-1)
-    for m0 in range(0, rp, panel):
+    for p in range(p0, p1):
+        m0 = p * panel
         width = min(panel, rp - m0)
         if m0 + width > rows:
             ap[m0 * k:(m0 + width) * k] = 0.0
         if m0 < rows:
             transpose_into(flat, m0 * k, k, min(width, rows - m0), k, ap, m0 * k, width)
+
+
+@njit(cache=True)
+def pack_activations(a: Any, ap: Any, rp: int, panel: int) -> None:
+    """ap (flat, K·Rp f32) <- a [R, K] as panels of Aᵀ, Rp >= R: panel p holds activations p·panel.. (width
+    w = min(panel, Rp - p·panel)) as [K, w] at offset p·panel·K, activations R..Rp-1 zero. A panel's
+    K-block the inner block reads is then contiguous: in one [K, Rp] matrix its rows were Rp·4 bytes
+    apart, which at Rp = 768 fell on a quarter of L1's sets (docs/performance/nf4.md, "tile_gemm")."""
+    pack_panels(a, ap, rp, panel, 0, -(-rp // panel))
 
 
 def padded_width(rows: int) -> int:
