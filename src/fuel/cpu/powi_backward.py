@@ -13,17 +13,9 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
-from fuel.cpu.half_via_f32 import rounded_via_f32
+from fuel.cpu.half_via_f32 import register_binary
 from fuel.cpu.simd.vecmath import cast_like
-from fuel.dispatch.impls import (
-    CONTIGUOUS_ONLY,
-    BackendImpl,
-    FusedKernelRegistry,
-    PrecisionGuarantee,
-    elementwise_cost,
-    revision_of,
-)
-from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.dispatch.impls import FusedKernelRegistry, PrecisionGuarantee, revision_of
 from fuel.graph.registry import FusedOps
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
@@ -103,18 +95,10 @@ powi_backward_kernel = jobs.kernel(powi_backward_job)
 # |out - ref| <= max_relative·|ref| against float64 (|exp·x^(exp−1)·g| per element). Twice the worst error
 # `python -m fuel.testing.measure PowIBackward` found over seeds 0-59 (each at least the output's unit
 # roundoff): one rounding per multiply (up to 2·log2|exp| + 3 roundings; f32 measured 2.5e-7, f64 5.7e-16).
-POWI_PRECISION = {
-    DType.F32: PrecisionGuarantee(True, None, 5.1e-7, None, "repeated squaring in f32, as the POWI primitive"),
-    DType.F64: PrecisionGuarantee(True, None, 1.2e-15, None, "repeated squaring in f64, as the POWI primitive"),
-    DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, None, "f32 compute, one RNE rounding on store"),
-    DType.F16: PrecisionGuarantee(True, None, 9.8e-4, None, "f32 compute, one RNE rounding on store"),
-}
+POWI_F32 = PrecisionGuarantee(True, None, 5.1e-7, None, "repeated squaring in f32, as the POWI primitive")
+POWI_F64 = PrecisionGuarantee(True, None, 1.2e-15, None, "repeated squaring in f64, as the POWI primitive")
 
 
 def register(registry: FusedKernelRegistry) -> None:
-    rev = revision_of(_powi_elements)
-    for dt in FLOAT_DTYPES:
-        kernel = rounded_via_f32(powi_backward_kernel) if dt.is_half else powi_backward_kernel
-        # 2 flops per element of the product.
-        registry.register(BackendImpl(FusedOps.POWI_BACKWARD, "cpu", kernel, (dt, dt, dt),
-                                      elementwise_cost(2), POWI_PRECISION[dt], CONTIGUOUS_ONLY, rev))
+    register_binary(registry, FusedOps.POWI_BACKWARD, powi_backward_kernel, POWI_F32, POWI_F64,
+                    revision_of(_powi_elements))

@@ -20,17 +20,9 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
-from fuel.cpu.half_via_f32 import rounded_via_f32
+from fuel.cpu.half_via_f32 import register_binary
 from fuel.cpu.simd.vecmath import cast_like, neg_inf_like
-from fuel.dispatch.impls import (
-    CONTIGUOUS_ONLY,
-    BackendImpl,
-    FusedKernelRegistry,
-    PrecisionGuarantee,
-    elementwise_cost,
-    revision_of,
-)
-from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.dispatch.impls import FusedKernelRegistry, PrecisionGuarantee, revision_of
 from fuel.graph.registry import FusedOps
 from fuel.graph.shapes import reduce_to_axes
 from fuel.runtime import jobs, pool
@@ -207,18 +199,10 @@ jobs.replays(reduce_max_to_backward_native)(reduce_max_to_backward_job)
 # |out - ref| <= max_relative·|ref| against float64 (S = max|ref| over the row). Twice the worst error
 # `python -m fuel.testing.measure ReduceMaxToBackward` found over seeds 0-59 (each at least the output's
 # unit roundoff): one correctly rounded division per group (half an ulp).
-REDUCE_MAX_PRECISION = {
-    DType.F32: PrecisionGuarantee(True, None, 1.2e-7, None, "exact max and count; one f64 division rounded once"),
-    DType.F64: PrecisionGuarantee(True, None, 2.3e-16, None, "exact max and count; one division"),
-    DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, None, "f32 compute, one RNE rounding on store"),
-    DType.F16: PrecisionGuarantee(True, None, 9.8e-4, None, "f32 compute, one RNE rounding on store"),
-}
+REDUCE_MAX_F32 = PrecisionGuarantee(True, None, 1.2e-7, None, "exact max and count; one f64 division rounded once")
+REDUCE_MAX_F64 = PrecisionGuarantee(True, None, 2.3e-16, None, "exact max and count; one division")
 
 
 def register(registry: FusedKernelRegistry) -> None:
-    rev = revision_of(_share_rows)
-    for dt in FLOAT_DTYPES:
-        kernel = rounded_via_f32(reduce_max_to_backward_native) if dt.is_half else reduce_max_to_backward_native
-        # 2 flops per element of x (compare and count, then divide-and-select).
-        registry.register(BackendImpl(FusedOps.REDUCE_MAX_TO_BACKWARD, "cpu", kernel, (dt, dt, dt),
-                                      elementwise_cost(2), REDUCE_MAX_PRECISION[dt], CONTIGUOUS_ONLY, rev))
+    register_binary(registry, FusedOps.REDUCE_MAX_TO_BACKWARD, reduce_max_to_backward_native, REDUCE_MAX_F32,
+                    REDUCE_MAX_F64, revision_of(_share_rows))
