@@ -18,6 +18,7 @@ from fuel.cpu.attention.flash_attn import flash_attn_kernel
 from fuel.cpu.quant import gguf_decode
 from fuel.cpu.quant import qmatmul as gguf_cpu
 from fuel.dtype import DType
+from fuel.errors import DTypeError, ParamError
 from fuel.graph.registry.flash_attn import FlashAttnParams
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
@@ -128,3 +129,21 @@ def test_flash_attn_decode_reuses_its_job_with_each_calls_k_len() -> None:
         want = (torch.nn.functional.scaled_dot_product_attention(torch.from_numpy(q).double(), tk, tv, scale=0.2)
                 if kl else torch.zeros(q.shape, dtype=torch.float64))
         np.testing.assert_allclose(out, want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [np.int32, np.float32, np.uint64, np.complex64, np.bool_, object, "not a dtype"])
+def test_a_record_field_a_task_cannot_read_is_refused(kind: object) -> None:
+    """A task reads each word as int64 or float64: any other kind, 8 bytes wide or not, is a DTypeError
+    naming the field and what came."""
+    with pytest.raises(DTypeError, match=r"jobs\.record: field 'rows' must be ADDRESS, INT \(int64\) or REAL "
+                                         r"\(float64\), got"):
+        jobs.record(x=jobs.ADDRESS, rows=kind)  # type: ignore[arg-type]
+
+
+def test_a_record_of_no_field_and_an_unknown_word_are_refused() -> None:
+    with pytest.raises(ParamError, match=r"jobs\.record: expected at least one field .* got none"):
+        jobs.record()
+    rec = jobs.record(x=jobs.ADDRESS, k_len=jobs.INT, eps=jobs.REAL)
+    assert [jobs.word(rec, f) for f in ("x", "k_len", "eps")] == [0, 1, 2]
+    with pytest.raises(ParamError, match=r"jobs\.word: the record has no field 'klen'; its fields are x, k_len, eps"):
+        jobs.word(rec, "klen")

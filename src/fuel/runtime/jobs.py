@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import carray, njit
 
+from fuel.errors import DTypeError, ParamError
 from fuel.runtime import pool
 from fuel.runtime.atomics import pointer
 
@@ -31,17 +32,33 @@ INT = np.int64
 REAL = np.float64
 
 
+_KINDS = (np.dtype(ADDRESS), np.dtype(REAL))  # what a task reads a word as: int64 or float64
+
+
 def record(**fields: type) -> np.dtype[Any]:
-    """A kernel's argument record: each field 8 bytes (`ADDRESS`, `INT` or `REAL`), in the order given."""
+    """A kernel's argument record: each field 8 bytes (`ADDRESS`, `INT` or `REAL`), in the order given. A
+    task reads each word as int64 or float64, so any other kind is a DTypeError, and a record of no field
+    a ParamError."""
+    if not fields:
+        raise ParamError("jobs.record: expected at least one field (name=ADDRESS, INT or REAL), got none")
     for name, kind in fields.items():
-        if np.dtype(kind).itemsize != 8:
-            raise TypeError(f"record field {name!r}: {np.dtype(kind)} is not an 8-byte field")
+        try:
+            dt = np.dtype(kind)
+        except TypeError:
+            dt = None
+        if dt is None or dt not in _KINDS:
+            raise DTypeError(f"jobs.record: field {name!r} must be ADDRESS, INT (int64) or REAL (float64), got "
+                             f"{kind!r}")
     return np.dtype(list(fields.items()))
 
 
 def word(rec: np.dtype[Any], name: str) -> int:
     """The 8-byte word a field occupies in an argv of this record (what replay patches at each call)."""
-    return int(rec.fields[name][1]) // 8  # type: ignore[index]
+    found = rec.fields.get(name) if rec.fields is not None else None
+    if found is None:
+        known = ", ".join(rec.names or ())
+        raise ParamError(f"jobs.word: the record has no field {name!r}; its fields are {known or 'none'}")
+    return int(found[1]) // 8
 
 
 def argv_of(rec: np.dtype[Any]) -> np.ndarray:
