@@ -25,7 +25,7 @@ from numba import carray, njit
 
 from fuel.cpu.attention.flash_attn import BQ
 from fuel.cpu.attention.flash_attn_rows import FASTMATH, plain_row, row_window, transform_row, zero_outside
-from fuel.cpu.attention.flash_attn_steps import BK, Problem, forward_block, grouped, problem, query_block
+from fuel.cpu.attention.flash_attn_steps import BK, Problem, forward_block, grouped, problem, query_block, set_block
 from fuel.cpu.simd.half import narrow_into, widened
 from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive
 from fuel.dispatch.impls import (
@@ -177,9 +177,7 @@ def _grad_job(s: np.ndarray, dp: np.ndarray, m: np.ndarray, l: np.ndarray, delta
               bq: int, j0: int) -> jobs.Job:
     argv = jobs.argv_of(GRAD_ARGS)
     _fill_grad(s, dp, m, l, delta, p.slopes, argv)
-    a, w = argv[0], p.win
-    a["i0"], a["bq"], a["j0"], a["kl"], a["sq"], a["left"], a["right"] = i0, bq, j0, w.kl, w.sq, w.left, w.right
-    a["scale"], a["softcap"] = p.scale, p.softcap
+    set_block(argv, p, i0, bq, j0)
     return jobs.job(_GRAD_TASKS[s.dtype], argv, s.size * SECONDS_PER_SCORE, s.shape[0] * s.shape[1])
 
 

@@ -159,14 +159,20 @@ def _fill_online(s: Any, m: Any, l: Any, acc: Any, slopes: Any, argv: Any) -> No
     a.n, a.rows, a.cols, a.d, a.heads = s.shape[0], s.shape[1], s.shape[2], acc.shape[2], slopes.shape[1]
 
 
+def set_block(argv: np.ndarray, p: Problem, i0: int, bq: int, j0: int) -> None:
+    """The fields of a key block's row pass every such record shares: its rows (from query i0, bq a head),
+    its first key j0, the mask and the scales."""
+    a, w = argv[0], p.win
+    a["i0"], a["bq"], a["j0"], a["kl"], a["sq"], a["left"], a["right"] = i0, bq, j0, w.kl, w.sq, w.left, w.right
+    a["scale"], a["softcap"] = p.scale, p.softcap
+
+
 def row_pass_job(s: np.ndarray, m: np.ndarray, l: np.ndarray, acc: np.ndarray, p: Problem, i0: int, bq: int,
                  j0: int) -> jobs.Job:
     """The job of one key block's row pass (`online_row` on every row of s), for rows i0.. of bq queries a head."""
     argv = jobs.argv_of(ONLINE_ARGS)
     _fill_online(s, m, l, acc, p.slopes, argv)
-    a, w = argv[0], p.win
-    a["i0"], a["bq"], a["j0"], a["kl"], a["sq"], a["left"], a["right"] = i0, bq, j0, w.kl, w.sq, w.left, w.right
-    a["scale"], a["softcap"] = p.scale, p.softcap
+    set_block(argv, p, i0, bq, j0)
     return jobs.job(ONLINE_TASKS[s.dtype], argv, s.size * SECONDS_PER_SCORE, s.shape[0] * s.shape[1])
 
 

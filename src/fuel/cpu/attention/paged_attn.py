@@ -25,11 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import carray, njit, types
-from numba.extending import overload
+from numba import carray, njit
 
 from fuel.cpu.attention.paged_attn_tiles import accumulate, dots, prefetch, vector_path
-from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive, f32_to_bf16, neg_inf_like, widen
+from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive, neg_inf_like, store_as, widen
 from fuel.dispatch.impls import (
     CONTIGUOUS_ONLY,
     BackendImpl,
@@ -61,24 +60,6 @@ SCORE_BUFFER = 1 << 16
 PREFETCH_TOKENS = 32
 ITEMS = 8  # a call's kv heads are cut into chunks until it has about this many tasks (see `head_chunk`)
 SECONDS_PER_VALUE = 1e-9  # one core's time per (query row, live key, head column): a dot and an axpy
-
-
-# Per-storage-type scalar helper: one kernel body, specialised by Numba for each dtype. Numba wants an
-# overload's implementation to have the stand-in's exact parameters, annotations included.
-def _narrow(out: Any, x: Any) -> Any:
-    """A computed value in the output array's storage type (bf16 rounded once, nearest-even)."""
-    raise NotImplementedError
-
-
-@overload(_narrow, inline="always")
-def _narrow_impl(out: Any, x: Any) -> Any:
-    def bf16(out: Any, x: Any) -> Any:
-        return f32_to_bf16(x)
-
-    def same(out: Any, x: Any) -> Any:
-        return x
-
-    return bf16 if out.dtype == types.uint16 else same
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -182,7 +163,7 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
             qi = i0 + r // g
             inv = cast_like(1, scale) / total[rr] if min(ln, qi + shift + 1) > 0 else cast_like(0, scale)
             for d in range(dh):
-                out[b, (h0 + hl) * g + r % g, qi, d] = _narrow(out, acc[rr, d] * inv)
+                out[b, (h0 + hl) * g + r % g, qi, d] = store_as(out, acc[rr, d] * inv)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
