@@ -17,29 +17,33 @@ import fuel as fl
 from fuel.cpu.prims import gemv as gemv_module
 from fuel.cpu.quant import gguf_decode
 from fuel.quant import QuantType
-from fuel.runtime import pool, threads
+from fuel.runtime import jobs, pool, threads
 from fuel.runtime.atomics import cycles, fetch_add, load_acquire, pointer, store
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 from fuel.testing.pool import awake_when
 from fuel.testing.reference.qmatmul import random_weight
+
+COUNT_ARGS = jobs.record(counts=ADDRESS, size=INT)
+RENDEZVOUS_ARGS = jobs.record(flags=ADDRESS, cycles=INT)
 
 
 @pool.task()
 def _count_parts(part: int, parts: int, argv: int) -> None:
-    """argv: [counts address, size]; counts[part] += 1."""
-    v = carray(pointer(argv, np.int64), (2,))
-    counts = carray(pointer(v[0], np.int64), (v[1],))
+    """counts[part] += 1."""
+    v = record_at(argv, COUNT_ARGS)
+    counts = carray(pointer(v.counts, np.int64), (v.size,))
     fetch_add(counts, part, 1)
 
 
 @pool.task()
 def _rendezvous(part: int, parts: int, argv: int) -> None:
-    """Two parts that each wait (up to v[2] cycles) for the other to arrive: both arrive only if two
+    """Two parts that each wait (up to `cycles`) for the other to arrive: both arrive only if two
     threads run them at once. flags[part] is set on arrival, flags[2 + part] if the other was seen."""
-    v = carray(pointer(argv, np.int64), (3,))
-    flags = carray(pointer(v[0], np.int64), (4,))
+    v = record_at(argv, RENDEZVOUS_ARGS)
+    flags = carray(pointer(v.flags, np.int64), (4,))
     store(flags, part, 1)
     start = cycles()
-    while cycles() - start < v[2]:
+    while cycles() - start < v.cycles:
         if load_acquire(flags, 1 - part) == 1:
             store(flags, 2 + part, 1)
             return
@@ -57,7 +61,8 @@ def two_threads() -> Any:
 
 def _counts_after(parts: int) -> np.ndarray:
     counts = np.zeros(max(parts, 1), np.int64)
-    argv = np.array([counts.ctypes.data, counts.size], np.int64)
+    argv = jobs.argv_of(COUNT_ARGS)
+    argv[0] = (counts.ctypes.data, counts.size)
     pool.run(_count_parts, argv, parts)
     return counts
 
@@ -76,8 +81,8 @@ def test_parts_run_once_when_the_workers_sleep_and_wake(two_threads: None) -> No
 
 def test_two_threads_run_parts_at_once(two_threads: None) -> None:
     flags = np.zeros(4, np.int64)
-    argv = np.array([flags.ctypes.data, 0, 0], np.int64)
-    argv[2] = int(2.0 * pool._cycles_per_second())  # two seconds: far past a sleeping worker's wake-up
+    argv = jobs.argv_of(RENDEZVOUS_ARGS)
+    argv[0] = (flags.ctypes.data, int(2.0 * pool._cycles_per_second()))  # two seconds: far past a wake-up
     pool.run(_rendezvous, argv, 2)
     assert flags.tolist() == [1, 1, 1, 1]
 
@@ -253,6 +258,7 @@ def test_a_replaced_pool_ends_its_workers(two_threads: None) -> None:
     assert not any(t.is_alive() for t in ended)
     assert alive() == 1  # the current pool's one worker
     counts = np.zeros(4, np.int64)
-    argv = np.array([counts.ctypes.data, counts.size], np.int64)
+    argv = jobs.argv_of(COUNT_ARGS)
+    argv[0] = (counts.ctypes.data, counts.size)
     old.run(_count_parts.address, argv.ctypes.data, 4)
     assert (counts == 1).all()  # a closed pool runs a job in the posting thread
