@@ -9,13 +9,14 @@ that underflows to zero resets the state exactly as the plain recurrence does. T
 rounded once from float64 (bf16 through round-to-odd f32, which makes the two roundings one; f16 via a
 float64 buffer and NumPy's correctly rounded cast).
 
-Each (batch, head, P-block) is one thread's work: the bytes never depend on the thread count. This
-is the fewest flops of the SSD forms for Mamba-2 sizes (the chunked matmul form does QN + QP + 2NP
-multiply-adds per step against 2NP here), and it beat the chunked einsum reference by ~7×.
+Each (batch, head, P-block) is one item of a pool task: the bytes never depend on the part count.
+This is the fewest flops of the SSD forms for Mamba-2 sizes (the chunked matmul form does QN + QP + 2NP
+multiply-adds per step against 2NP here; see docs/performance/conv.md, "ssd_chunk_scan").
 
 The gradient (`ssd_chunk_scan_grad`, the `SSD_CHUNK_SCAN_GRAD` primitive) is a reverse scan in float64
-per (batch, head): the states are checkpointed every CHECKPOINT steps on a forward pass and each
-segment's states recomputed from its checkpoint on the way back (memory O(L/K + K)·P·N per thread).
+per (batch, head), a task of its own: the states are checkpointed every CHECKPOINT steps on a forward
+pass and each segment's states recomputed from its checkpoint on the way back (memory O(L/K + K)·P·N
+per unit).
 da's sum over batch and time runs in a fixed order (time within a unit, then batch ascending).
 """
 
@@ -26,9 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit
 
-from fuel.cpu.simd.driver import row_kernel
 from fuel.cpu.simd.half import bits
 from fuel.cpu.simd.vecmath import f64_to_bf16, narrow64, widen64
 from fuel.dispatch.impls import (
@@ -42,6 +42,9 @@ from fuel.dispatch.impls import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
+from fuel.runtime import jobs, pool
+from fuel.runtime.atomics import pointer
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 FASTMATH = {"contract"}  # FMAs only: no sum is reordered
 PBLOCK = 64  # state columns per work unit: 128 x 64 float64 = 64 KiB, within L2
@@ -56,12 +59,27 @@ def _fold(g: Any, f: float) -> None:
             g[n, j] *= f
 
 
-@row_kernel(fastmath=FASTMATH)
-def _forward(x: Any, dt: Any, a: Any, b: Any, c: Any, y: Any, last: Any) -> None:
-    nb, length, nh, p_dim = x.shape
-    n_dim = b.shape[3]
+SSD_ARGS = jobs.record(x=ADDRESS, dt=ADDRESS, a=ADDRESS, b=ADDRESS, c=ADDRESS, y=ADDRESS, last=ADDRESS,
+                       batch=INT, length=INT, heads=INT, p=INT, n=INT)
+SECONDS_PER_STATE_STEP = 0.5e-9  # one core's time per state element and step, for the part count
+
+
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _forward_units(part: int, parts: int, argv: int, dt_in: Any, dt_out: Any) -> None:
+    """Units [part·U/parts, (part+1)·U/parts) of the U = B·H·ceil(P/PBLOCK) (batch, head, P-block)
+    units: inputs of type dt_in, y and last of type dt_out."""
+    r = record_at(argv, SSD_ARGS)
+    nb, length, nh, p_dim, n_dim = r.batch, r.length, r.heads, r.p, r.n
+    x = carray(pointer(r.x, dt_in), (nb, length, nh, p_dim))
+    dt = carray(pointer(r.dt, dt_in), (nb, length, nh))
+    a = carray(pointer(r.a, dt_in), (nh,))
+    b = carray(pointer(r.b, dt_in), (nb, length, nh, n_dim))
+    c = carray(pointer(r.c, dt_in), (nb, length, nh, n_dim))
+    y = carray(pointer(r.y, dt_out), (nb, length, nh, p_dim))
+    last = carray(pointer(r.last, dt_out), (nb, nh, p_dim, n_dim))
     blocks = (p_dim + PBLOCK - 1) // PBLOCK
-    for unit in prange(nb * nh * blocks):
+    units = nb * nh * blocks
+    for unit in range(part * units // parts, (part + 1) * units // parts):
         bi, hi, p0 = unit // (nh * blocks), unit // blocks % nh, unit % blocks * PBLOCK
         m = min(PBLOCK, p_dim - p0)
         g = np.zeros((n_dim, m))
@@ -96,32 +114,93 @@ def _forward(x: Any, dt: Any, a: Any, b: Any, c: Any, y: Any, last: Any) -> None
                 last[bi, hi, p0 + j, n] = narrow64(scale * g[n, j], last)
 
 
-def _run(inputs: list[np.ndarray], out: tuple[np.ndarray, ...]) -> None:
+@pool.task(fastmath=FASTMATH)
+def _forward_f32_part(part: int, parts: int, argv: int) -> None:
+    _forward_units(part, parts, argv, np.float32, np.float32)
+
+
+@pool.task(fastmath=FASTMATH)
+def _forward_f64_part(part: int, parts: int, argv: int) -> None:
+    _forward_units(part, parts, argv, np.float64, np.float64)
+
+
+@pool.task(fastmath=FASTMATH)
+def _forward_bf16_part(part: int, parts: int, argv: int) -> None:
+    _forward_units(part, parts, argv, np.uint16, np.uint16)
+
+
+@pool.task(fastmath=FASTMATH)
+def _forward_f32_to_f64_part(part: int, parts: int, argv: int) -> None:
+    """f16's form: inputs widened exactly to f32, outputs in float64 buffers."""
+    _forward_units(part, parts, argv, np.float32, np.float64)
+
+
+_TASKS = {(np.dtype(np.float32),) * 2: _forward_f32_part, (np.dtype(np.float64),) * 2: _forward_f64_part,
+          (DType.BF16.np,) * 2: _forward_bf16_part,
+          (np.dtype(np.float32), np.dtype(np.float64)): _forward_f32_to_f64_part}
+
+
+@njit(cache=True)
+def _fill(x: Any, dt: Any, a: Any, b: Any, c: Any, y: Any, last: Any, argv: Any) -> None:
+    r = argv[0]
+    r.x, r.dt, r.a, r.b, r.c = x.ctypes.data, dt.ctypes.data, a.ctypes.data, b.ctypes.data, c.ctypes.data
+    r.y, r.last = y.ctypes.data, last.ctypes.data
+    r.batch, r.length, r.heads, r.p, r.n = x.shape[0], x.shape[1], x.shape[2], x.shape[3], b.shape[3]
+
+
+def _forward_job(inputs: list[np.ndarray], y: np.ndarray, last: np.ndarray) -> jobs.Job | None:
+    """The forward over C-contiguous inputs of one dtype and outputs of one (a pair `_TASKS` holds)."""
+    task = _TASKS.get((inputs[0].dtype, y.dtype))
+    if task is None or last.dtype != y.dtype or not all(
+            v.flags.c_contiguous and v.dtype == inputs[0].dtype for v in inputs) or not (
+            y.flags.c_contiguous and last.flags.c_contiguous):
+        return None
+    bf = y.dtype == DType.BF16.np  # the task reads and writes the bits
+    x, dt, a, b, c = (bits(v) for v in inputs) if bf else inputs
+    argv = jobs.argv_of(SSD_ARGS)
+    _fill(x, dt, a, b, c, bits(y) if bf else y, bits(last) if bf else last, argv)
+    nb, length, nh, p_dim = x.shape
+    seconds = nb * length * nh * p_dim * (b.shape[3] + 1) * SECONDS_PER_STATE_STEP
+    return jobs.job(task, argv, seconds, nb * nh * -(-p_dim // PBLOCK))
+
+
+def ssd_chunk_scan_job(inputs: list[np.ndarray], out: Any, params: Any) -> jobs.Jobs | None:
+    """f32, f64 and bf16: read as stored, float64 state, each output rounded once into its slot. An
+    empty state (N = 0 or an empty batch, head or P) serves no job: the kernel zeroes y itself."""
     y, last = out
-    if last.size == 0:  # no state (N = 0 or an empty batch, head or P): y is all zeros
+    if last.size == 0:
+        return None if y.size else ()
+    return _forward_job(inputs, y, last)
+
+
+def _run(inputs: list[np.ndarray], y: np.ndarray, last: np.ndarray) -> None:
+    if last.size == 0:  # no state: y is all zeros
         y[...] = 0
         return
-    if inputs[0].dtype == DType.BF16.np:
-        _forward(*(bits(v) for v in inputs), bits(y), bits(last))
-    else:
-        _forward(*inputs, y, last)
+    found = _forward_job(inputs, y, last)
+    if found is None:
+        raise RuntimeError("ssd_chunk_scan: no task for a call its impl is registered for")
+    jobs.run(found)
 
 
 def ssd_chunk_scan_f32(inputs: list[np.ndarray], out: tuple[np.ndarray, ...], params: Any) -> None:
-    """f32, f64 and bf16: read as stored, float64 state, each output rounded once into its slot."""
-    _run(inputs, out)
+    """f32, f64 and bf16: the job (which native replay posts too)."""
+    _run(inputs, *out)
+
+
+jobs.replays(ssd_chunk_scan_f32)(ssd_chunk_scan_job)
+ssd_chunk_scan_f64 = ssd_chunk_scan_f32
+ssd_chunk_scan_bf16 = ssd_chunk_scan_f32
 
 
 def ssd_chunk_scan_f16(inputs: list[np.ndarray], out: tuple[np.ndarray, ...], params: Any) -> None:
     """f16: inputs widened exactly to f32, results in float64 buffers, one correctly rounded cast."""
     wide = tuple(np.empty(o.shape, np.float64) for o in out)
-    _run([v.astype(np.float32) for v in inputs], wide)
+    _run([v.astype(np.float32) for v in inputs], *wide)
     for o, w in zip(out, wide, strict=True):
         np.copyto(o, w, casting="unsafe")
 
 
-ssd_chunk_scan_f64 = ssd_chunk_scan_f32
-ssd_chunk_scan_bf16 = ssd_chunk_scan_f32
 
 
 # --- gradient -------------------------------------------------------------------------------------
@@ -135,14 +214,31 @@ def _step(prev: Any, nxt: Any, e: float, u: Any, bt: Any) -> None:
             nxt[n, j] = e * prev[n, j] + bn * u[j]
 
 
-@row_kernel(fastmath=FASTMATH)
-def _backward(x: Any, dt: Any, a: Any, b: Any, c: Any, dy: Any, dlast: Any, dx: Any, ddt: Any, db: Any,
-              dc: Any, da_part: Any, k: int) -> None:
-    """All float64. da_part[b, h] = Σ_t dL/da_h of batch b (time descending)."""
-    nb, length, nh, p_dim = x.shape
-    n_dim = b.shape[3]
+SSD_GRAD_ARGS = jobs.record(x=ADDRESS, dt=ADDRESS, a=ADDRESS, b=ADDRESS, c=ADDRESS, dy=ADDRESS, dlast=ADDRESS,
+                            dx=ADDRESS, ddt=ADDRESS, db=ADDRESS, dc=ADDRESS, da_part=ADDRESS, batch=INT, length=INT,
+                            heads=INT, p=INT, n=INT, checkpoint=INT)
+
+
+@pool.task(fastmath=FASTMATH)
+def _backward_part(part: int, parts: int, argv: int) -> None:
+    """Units [part·U/parts, (part+1)·U/parts) of the U = B·H (batch, head) units, all float64.
+    da_part[b, h] = Σ_t dL/da_h of batch b (time descending)."""
+    r = record_at(argv, SSD_GRAD_ARGS)
+    nb, length, nh, p_dim, n_dim, k = r.batch, r.length, r.heads, r.p, r.n, r.checkpoint
+    x = carray(pointer(r.x, np.float64), (nb, length, nh, p_dim))
+    dt = carray(pointer(r.dt, np.float64), (nb, length, nh))
+    a = carray(pointer(r.a, np.float64), (nh,))
+    b = carray(pointer(r.b, np.float64), (nb, length, nh, n_dim))
+    c = carray(pointer(r.c, np.float64), (nb, length, nh, n_dim))
+    dy = carray(pointer(r.dy, np.float64), (nb, length, nh, p_dim))
+    dlast = carray(pointer(r.dlast, np.float64), (nb, nh, p_dim, n_dim))
+    dx = carray(pointer(r.dx, np.float64), (nb, length, nh, p_dim))
+    ddt = carray(pointer(r.ddt, np.float64), (nb, length, nh))
+    db = carray(pointer(r.db, np.float64), (nb, length, nh, n_dim))
+    dc = carray(pointer(r.dc, np.float64), (nb, length, nh, n_dim))
+    da_part = carray(pointer(r.da_part, np.float64), (nb, nh))
     segments = (length + k - 1) // k
-    for unit in prange(nb * nh):
+    for unit in range(part * nb * nh // parts, (part + 1) * nb * nh // parts):
         bi, hi = unit // nh, unit % nh
         ah = a[hi]
         ck = np.empty((segments, n_dim, p_dim))
@@ -205,6 +301,16 @@ def _backward(x: Any, dt: Any, a: Any, b: Any, c: Any, dy: Any, dlast: Any, dx: 
 
 
 @njit(cache=True)
+def _fill_grad(x: Any, dt: Any, a: Any, b: Any, c: Any, dy: Any, dlast: Any, dx: Any, ddt: Any, db: Any, dc: Any,
+               da_part: Any, k: int, argv: Any) -> None:
+    r = argv[0]
+    r.x, r.dt, r.a, r.b, r.c = x.ctypes.data, dt.ctypes.data, a.ctypes.data, b.ctypes.data, c.ctypes.data
+    r.dy, r.dlast, r.dx, r.ddt = dy.ctypes.data, dlast.ctypes.data, dx.ctypes.data, ddt.ctypes.data
+    r.db, r.dc, r.da_part = db.ctypes.data, dc.ctypes.data, da_part.ctypes.data
+    r.batch, r.length, r.heads, r.p, r.n, r.checkpoint = x.shape[0], x.shape[1], x.shape[2], x.shape[3], b.shape[3], k
+
+
+@njit(cache=True)
 def _round_bf16(src: Any, dst: Any) -> None:
     for i in range(src.shape[0]):
         dst[i] = f64_to_bf16(src[i])
@@ -227,14 +333,16 @@ def ssd_chunk_scan_grad(inputs: list[np.ndarray], params: Any) -> tuple[np.ndarr
     dtype = inputs[0].dtype
     x, dt, a, b, c, dy, dlast = (np.ascontiguousarray(v, dtype=np.float64) for v in inputs)
     nb, length, nh, _ = x.shape
-    grads = [np.zeros(v.shape) for v in (x, dt, b, c)]
+    dx, ddt, db, dc = (np.zeros(v.shape) for v in (x, dt, b, c))
     da_part = np.zeros((nb, nh))
     if length and x.size and b.size:  # otherwise every gradient is 0 (or empty)
-        _backward(x, dt, a, b, c, dy, dlast, *grads, da_part, max(1, min(CHECKPOINT, length)))
+        argv = jobs.argv_of(SSD_GRAD_ARGS)
+        _fill_grad(x, dt, a, b, c, dy, dlast, dx, ddt, db, dc, da_part, max(1, min(CHECKPOINT, length)), argv)
+        seconds = 3 * x.size * b.shape[3] * SECONDS_PER_STATE_STEP
+        jobs.run(jobs.job(_backward_part, argv, seconds, nb * nh))
     da = np.zeros(nh)
     for bi in range(nb):  # batch ascending, a fixed order
         da += da_part[bi]
-    dx, ddt, db, dc = grads
     return tuple(_narrow_to(g, dtype) for g in (dx, ddt, da, db, dc))
 
 
