@@ -31,7 +31,7 @@ projection it would throw away, nor reads every weight again for a separate one-
 128-token prefill: ~8% of its time). Other chunks stop after the last layer's cache writes.
 
 **Token embedding** rows are dequantised outside the graph with the QMatMul decoders
-(`gguf_blocks.dequantize_rows_into`): a lookup of a few rows of a quantized table is not a graph op
+(`fuel.quant.dequantize_rows_into`): a lookup of a few rows of a quantized table is not a graph op
 (a gather over block bytes would need a dequantising gather kernel), and the rows are the step's input.
 
 **Rope layout.** llama.cpp's converter permutes the rows of Q and K inside each head for its pair-rotating
@@ -54,7 +54,6 @@ from typing import Any
 import numpy as np
 
 import fuel as fl
-from fuel.cpu.quant.gguf_blocks import dequantize_rows_into, weight_rows
 from fuel.errors import ParamError
 from fuel.graph.tensor import Tensor
 from fuel.io.gguf import GGUFFile, open_gguf
@@ -68,7 +67,7 @@ from fuel.models.llama_weights import (
     check_ids,
     rope_tables,
 )
-from fuel.runtime.threads import serial
+from fuel.quant import dequantize_rows_into, weight_rows
 
 __all__ = ["ARCHITECTURES", "KVSequence", "LlamaConfig", "LlamaModel", "ModelError", "load", "rope_tables"]
 
@@ -273,7 +272,7 @@ class LlamaModel:
         out = np.empty((len(ids), self.cfg.hidden), np.float32)
         # One row is a microsecond of work: in this thread, not Numba's pool (waking it beside the spinning
         # pool's worker cost ~1.5 ms a decode token).
-        with serial():
+        with fl.serial():
             for r, t in enumerate(ids):
                 if not 0 <= int(t) < self.cfg.vocab:
                     raise ModelError(f"model: token id {t} is outside the vocabulary [0, {self.cfg.vocab})")
