@@ -85,9 +85,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     # Numba's and torch's OpenMP pools spin while idle and slow each other down in one process;
-    # passive waiting gives both their fair speed side by side. Set before either pool starts. With
-    # torch spinning, the latency benchmark's torch decode took 79 ms instead of 45, and fuel's
-    # prefill, interleaved with it, 690 ms instead of 180.
+    # passive waiting gives both their fair speed side by side. Set before either pool starts (see
+    # docs/models.md, "Measurements": "OpenMP's wait policy in fuel bench").
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     root = Path(__file__).resolve().parents[2]

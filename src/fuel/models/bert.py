@@ -193,7 +193,7 @@ class MiniLM:
             q, k, v = (heads(qkv, j, m) for j, m in enumerate(("query", "key", "value")))
             o = fl.ops.flash_attn(q, k, v, softmax_scale=1 / math.sqrt(d), causal=False)
             # contiguous(): the head-to-row copy goes to the capture's arena (a reshape's copy is a fresh
-            # array per call, which page-faulted: 1.2-1.5 ms a layer against 0.1)
+            # array per call, which page-faults; docs/models.md, "Measurements": "BERT's head-to-row copy")
             o = o[..., :d].permute(0, 2, 1, 3).contiguous().reshape(n, c.hidden).index_select(0, to_packed)
             h = self._norm(self._linear(o, p + "attention.output.dense") + h, p + "attention.output.LayerNorm")
             f = self._ffn(h, p)

@@ -27,8 +27,8 @@ one capture), padded at the end: the causal mask keeps real rows from seeing the
 rows lie past the live length and are overwritten by later tokens. In the last chunk's capture the last
 layer, past its cache writes, runs for the last live row only (an `index_select` of an input row index;
 its keys end at DynScalar `last_len`), which gives the logits: prefill never computes the `[S, vocab]`
-projection it would throw away, nor reads every weight again for a separate one-token step (Gemma-3's
-128-token prefill: ~8% of its time). Other chunks stop after the last layer's cache writes.
+projection it would throw away, nor reads every weight again for a separate one-token step (docs/models.md,
+"Measurements": "the last row's logits"). Other chunks stop after the last layer's cache writes.
 
 **Token embedding** rows are dequantised outside the graph with the QMatMul decoders
 (`fuel.quant.dequantize_rows_into`): a lookup of a few rows of a quantized table is not a graph op
@@ -270,8 +270,8 @@ class LlamaModel:
     def embed(self, ids: Sequence[int]) -> np.ndarray:
         """The embedding rows of `ids`, float32 `[len(ids), hidden]`."""
         out = np.empty((len(ids), self.cfg.hidden), np.float32)
-        # One row is a microsecond of work: in this thread, not Numba's pool (waking it beside the spinning
-        # pool's worker cost ~1.5 ms a decode token).
+        # A row is tiny work: in this thread, never waking a pool beside the spinning pool's worker
+        # (docs/models.md, "Measurements": "embedding rows in the calling thread").
         with fl.serial():
             for r, t in enumerate(ids):
                 if not 0 <= int(t) < self.cfg.vocab:
