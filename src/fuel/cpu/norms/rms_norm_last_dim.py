@@ -1,9 +1,9 @@
 """RmsNorm over the last axis (entry 3) and its backward (entry 9): one task over rows per dtype.
 
-The row functions, and how they survive rows whose squares overflow, are in norm_rows; the row tasks
-(f32 and f64 in place, bf16 through f32 scratch rows rounded once) in row_tasks. A row is computed by
-one thread in a fixed order, so the bytes are the same for any thread count and on every path (eager,
-native replay). f16 runs the f32 kernel on a widened copy.
+The row functions, and how they survive rows whose squares overflow, are in norm_rows; the tasks (f32
+and f64 in place, bf16 through f32 scratch rows rounded once), shared by the four norms, in norm_tasks.
+A row is computed by one thread in a fixed order, so the bytes are the same for any thread count and on
+every path (eager, native replay). f16 runs the f32 kernel on a widened copy.
 """
 
 from __future__ import annotations
@@ -11,85 +11,26 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit
 
-from fuel.cpu.norms.norm_rows import rms_bwd_row, rms_bwd_row_rescaled, rms_row, rms_row_rescaled
-from fuel.cpu.norms.row_tasks import BF16, bf16_rows, native_rows, norm_cost, norm_precision, rows_job
-from fuel.cpu.simd.half import via_f32
-from fuel.dispatch.impls import CONTIGUOUS_ONLY, BackendImpl, FusedKernelRegistry, revision_of
-from fuel.dtype import FLOAT_DTYPES, DType
+from fuel.cpu.norms.norm_tasks import NORM_TASKS, RMS, RMS_BACKWARD, register_norm
+from fuel.cpu.norms.row_tasks import rows_job
+from fuel.dispatch.impls import FusedKernelRegistry
+from fuel.dtype import DType
 from fuel.graph.registry import FusedOps
-from fuel.runtime import jobs, pool
+from fuel.runtime import jobs
 
 SECONDS_PER_VALUE = 0.5e-9  # one core's time a value of the forward, for the part count
 BACKWARD_SECONDS_PER_VALUE = 1e-9  # the backward reads two rows and makes two passes
 
 
-@njit(inline="always", cache=True)
-def _rms(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
-    return rms_row(x, o, eps, inv_n, one)
-
-
-@njit(inline="always", cache=True)
-def _rms_redo(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
-    rms_row_rescaled(x, o, eps, inv_n, one)
-    return True
-
-
-@njit(inline="always", cache=True)
-def _rms_bwd(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
-    return rms_bwd_row(x, g, o, eps, inv_n, one, True)
-
-
-@njit(inline="always", cache=True)
-def _rms_bwd_redo(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool:
-    rms_bwd_row_rescaled(x, g, o, eps, inv_n, one)
-    return True
-
-
-@pool.task(error_model="numpy")
-def _rms_f32_part(part: int, parts: int, argv: int) -> None:
-    native_rows(part, parts, argv, np.float32, _rms, _rms_redo)
-
-
-@pool.task(error_model="numpy")
-def _rms_f64_part(part: int, parts: int, argv: int) -> None:
-    native_rows(part, parts, argv, np.float64, _rms, _rms_redo)
-
-
-@pool.task(error_model="numpy")
-def _rms_bf16_part(part: int, parts: int, argv: int) -> None:
-    bf16_rows(part, parts, argv, _rms, _rms_redo)
-
-
-@pool.task(error_model="numpy")
-def _rms_bwd_f32_part(part: int, parts: int, argv: int) -> None:
-    native_rows(part, parts, argv, np.float32, _rms_bwd, _rms_bwd_redo)
-
-
-@pool.task(error_model="numpy")
-def _rms_bwd_f64_part(part: int, parts: int, argv: int) -> None:
-    native_rows(part, parts, argv, np.float64, _rms_bwd, _rms_bwd_redo)
-
-
-@pool.task(error_model="numpy")
-def _rms_bwd_bf16_part(part: int, parts: int, argv: int) -> None:
-    bf16_rows(part, parts, argv, _rms_bwd, _rms_bwd_redo)
-
-
-_TASKS = {np.dtype(np.float32): _rms_f32_part, np.dtype(np.float64): _rms_f64_part, BF16: _rms_bf16_part}
-_BACKWARD_TASKS = {np.dtype(np.float32): _rms_bwd_f32_part, np.dtype(np.float64): _rms_bwd_f64_part,
-                   BF16: _rms_bwd_bf16_part}
-
-
 def rms_norm_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
     """x and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
-    return rows_job(_TASKS, inputs, out, params.eps, SECONDS_PER_VALUE)
+    return rows_job(NORM_TASKS, inputs, out, params.eps, SECONDS_PER_VALUE, RMS)
 
 
 def rms_norm_backward_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
     """x, g and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
-    return rows_job(_BACKWARD_TASKS, inputs, out, params.eps, BACKWARD_SECONDS_PER_VALUE)
+    return rows_job(NORM_TASKS, inputs, out, params.eps, BACKWARD_SECONDS_PER_VALUE, RMS_BACKWARD)
 
 
 rms_norm_kernel = jobs.kernel(rms_norm_job)
@@ -108,12 +49,6 @@ RMS_BACKWARD_BOUNDS = {DType.F32: (1.5e-6, 8.1e-7, 0.50), DType.F64: (2.8e-15, 3
 
 
 def register(registry: FusedKernelRegistry) -> None:
-    rev = revision_of(native_rows, bf16_rows, rms_row, rms_bwd_row)
-    forward, backward = norm_precision(RMS_BOUNDS), norm_precision(RMS_BACKWARD_BOUNDS)
-    for dt in FLOAT_DTYPES:
-        fwd = via_f32(rms_norm_kernel) if dt == DType.F16 else rms_norm_kernel
-        bwd = via_f32(rms_norm_backward_kernel) if dt == DType.F16 else rms_norm_backward_kernel
-        registry.register(BackendImpl(FusedOps.RMS_NORM_LAST_DIM, "cpu", fwd, (dt, dt), norm_cost(3),
-                                      forward[dt], CONTIGUOUS_ONLY, rev))
-        registry.register(BackendImpl(FusedOps.RMS_NORM_LAST_DIM_BACKWARD, "cpu", bwd, (dt, dt, dt),
-                                      norm_cost(7), backward[dt], CONTIGUOUS_ONLY, rev))
+    register_norm(registry, (FusedOps.RMS_NORM_LAST_DIM, FusedOps.RMS_NORM_LAST_DIM_BACKWARD),
+                  (rms_norm_kernel, rms_norm_backward_kernel),
+                  (3, 7), (RMS_BOUNDS, RMS_BACKWARD_BOUNDS))

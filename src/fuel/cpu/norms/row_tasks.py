@@ -23,14 +23,13 @@ import numpy as np
 from numba import carray, njit
 
 from fuel.cpu.simd.half import bits, narrow_bf16_row, widen_bf16_row
-from fuel.dispatch.impls import CostEstimate, CostFn, PrecisionGuarantee
 from fuel.dtype import DType
-from fuel.graph.node import Shape
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, REAL, record_at
 
-ROW_ARGS = jobs.record(x=ADDRESS, g=ADDRESS, out=ADDRESS, rows=INT, cols=INT, inputs=INT, eps=REAL)
+# `kind` tells a task serving several kernels which one a job runs (norm_tasks)
+ROW_ARGS = jobs.record(x=ADDRESS, g=ADDRESS, out=ADDRESS, rows=INT, cols=INT, inputs=INT, kind=INT, eps=REAL)
 BF16 = DType.BF16.np
 
 
@@ -77,17 +76,17 @@ def bf16_rows(part: int, parts: int, argv: int, row: Any, redo: Any) -> None:
 
 
 @njit(cache=True)
-def _fill(x: Any, g: Any, out: Any, inputs: int, eps: float, argv: Any) -> None:
+def _fill(x: Any, g: Any, out: Any, inputs: int, kind: int, eps: float, argv: Any) -> None:
     a = argv[0]
     a.x, a.g, a.out = x.ctypes.data, g.ctypes.data, out.ctypes.data
     a.cols = out.shape[-1] if out.ndim else 1
     a.rows = out.size // a.cols
-    a.inputs = inputs
+    a.inputs, a.kind = inputs, kind
     a.eps = eps
 
 
 def rows_job(tasks: Mapping[Any, pool.Task], inputs: Sequence[np.ndarray], out: np.ndarray, eps: float,
-             seconds_per_value: float) -> jobs.Jobs | None:
+             seconds_per_value: float, kind: int = 0) -> jobs.Jobs | None:
     """The job of a row kernel: `tasks` by out's dtype, every input of out's shape and dtype, all
     C-contiguous (None otherwise: no task serves the call); `()` for an empty out."""
     if not out.size:
@@ -98,30 +97,5 @@ def rows_job(tasks: Mapping[Any, pool.Task], inputs: Sequence[np.ndarray], out: 
         return None
     x, g, o = (bits(a) if out.dtype == BF16 else a for a in (inputs[0], inputs[-1], out))
     argv = jobs.argv_of(ROW_ARGS)
-    _fill(x, g, o, len(inputs), float(eps), argv)
+    _fill(x, g, o, len(inputs), kind, float(eps), argv)
     return jobs.job(task, argv, out.size * seconds_per_value, int(argv[0]["rows"]))
-
-
-def norm_cost(flops_per_element: int) -> CostFn:
-    """k flops per element plus one rsqrt per row; every input and the output move once."""
-
-    def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -> CostEstimate:
-        out = shapes[-1]
-        n = int(np.prod(out))
-        rows = n // out[-1] if out and out[-1] else 0
-        moved = sum(int(np.prod(s)) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
-        return CostEstimate(flops=flops_per_element * n + 4 * rows, bytes_moved=moved)
-
-    return cost
-
-
-_ACCUMULATION = {DType.F32: "f32 accumulation", DType.F64: "f64 accumulation",
-                 DType.BF16: "f32 compute, one RNE store", DType.F16: "f32 compute, one RNE store"}
-
-
-def norm_precision(bounds: Mapping[DType, tuple[float, float, float]]) -> dict[DType, PrecisionGuarantee]:
-    """A norm's guarantee per dtype from (max_relative, max_absolute, measured): `measured` is the worst
-    error the contract check saw over seeds 0-199, as a fraction of the bound."""
-    return {dt: PrecisionGuarantee(True, None, rel, abs_, f"{_ACCUMULATION[dt]}; worst measured error "
-                                   f"{seen:.2f} of this bound (seeds 0-199)")
-            for dt, (rel, abs_, seen) in bounds.items()}
