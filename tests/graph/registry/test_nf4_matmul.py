@@ -318,6 +318,38 @@ def test_jit_decode_step_replays_without_a_dequantised_tile(monkeypatch: pytest.
     np.testing.assert_array_equal(second, fl.ops.nf4_matmul(x2, packed, absmax).numpy())
 
 
+@pytest.mark.parametrize(("rows", "bs", "table"), [(2, 64, True), (3, 32, True), (4, 128, True), (1, 64, False)],
+                         ids=str)
+def test_few_row_decode_steps_replay_natively(rows: int, bs: int, table: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode-sized f32 step (up to DECODE_MAX_ROWS rows, one row without the table too) replays as the
+    two jobs the eager kernel runs (the activations split by k's parity into the jobs' scratch, then the
+    fused dots): the Python replay's bytes, and float64 dequantise-then-matmul's values for new
+    activations at every call."""
+    from fuel.runtime import replay
+
+    monkeypatch.setattr(nf4_kernels, "USE_TABLE", table and LUT32)
+    rng = np.random.default_rng(rows)
+    n, k = 40, 256
+    packed, absmax = _weight(rng, n, k, bs)
+    xs = [_act(rng, (rows, k), DType.F32) for _ in range(3)]
+
+    def fn(x: fl.Tensor) -> fl.Tensor:
+        return fl.ops.nf4_matmul(x, fl.tensor(packed), fl.tensor(absmax), bs)
+
+    with monkeypatch.context() as m:
+        m.setattr(replay, "prepare", lambda *a, **kw: None)
+        python = fl.jit(fn)
+        want = [python(x).numpy() for x in xs]
+    f = fl.jit(fn)
+    got = [f(x).numpy() for x in xs]
+    assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+    cap = f.capture_for(xs[0])
+    assert cap is not None and cap.native is not None and len(cap.native.program.jobs) == 2
+    for x, g in zip(xs, got, strict=True):
+        check(g, x, packed, absmax, bs, DType.F32)
+
+
 def test_cost_counts_real_bytes() -> None:
     impl = fl.kernels().lookup(FusedOps.NF4_MATMUL, "cpu", (DType.BF16, DType.U8, DType.F32, DType.BF16))
     assert impl is not None and impl.precision.bit_stable_on_same_hardware
