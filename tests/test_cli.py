@@ -25,6 +25,17 @@ def test_inventory_lists_every_id(capsys: pytest.CaptureFixture[str]) -> None:
     assert "## 1. SoftmaxLastDim" in md and "reserved" in md
 
 
+def test_inventory_points_each_kernel_at_its_kernel_module(capsys: pytest.CaptureFixture[str]) -> None:
+    """A kernel's source is its own module under fuel/cpu/, not a runtime wrapper that runs its jobs."""
+    assert main(["inventory", "--json"]) == 0
+    records = [r for r in json.loads(capsys.readouterr().out) if r["status"] == "complete"]
+    assert len(records) == 24
+    for r in records:
+        assert r["kernel_source"] and all(s.startswith("fuel/cpu/") for s in r["kernel_source"]), r["name"]
+    rope = next(r for r in records if r["name"] == "Rope")
+    assert all(s.startswith("fuel/cpu/rope.py:") for s in rope["kernel_source"])
+
+
 def test_inventory_keeps_backward_metadata_apart_from_whether_a_gradient_exists(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inventory", "--json"]) == 0

@@ -129,6 +129,7 @@ def kernel(build: JobBuilder) -> Callable[[list[np.ndarray], np.ndarray, Any], N
     run_kernel.__name__ = run_kernel.__qualname__ = build.__name__.removesuffix("_job") + "_kernel"
     run_kernel.__module__ = build.__module__
     run_kernel.__doc__ = build.__doc__
+    run_kernel.__wrapped__ = build  # type: ignore[attr-defined]  # its source is the builder's (inventory)
     _BUILDERS[run_kernel] = build
     return run_kernel
 
