@@ -22,7 +22,7 @@ from fuel.cpu.quant.nibble_tables import (
     lookup64,
     nibble_codes32,
 )
-from fuel.cpu.simd.simd16 import _I8, _VF, vstore
+from fuel.cpu.simd.simd16 import IR_I8, IR_VF, vstore
 
 ORDERS = {"shifted": SHIFTED_LANES, "element": ELEMENT_LANES, "split": nf4_intrinsics.SPLIT_LANES}
 
@@ -37,11 +37,11 @@ def _looked_up(lanes: list[tuple[int, int]] | None) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
             t = signature.args
             data = context.make_array(t[0])(context, builder, args[0]).data
-            at = builder.bitcast(builder.gep(data, [args[1]]), _I8.as_pointer())
+            at = builder.bitcast(builder.gep(data, [args[1]]), IR_I8.as_pointer())
             tdata = context.make_array(t[2])(context, builder, args[2]).data
-            vec = builder.load(builder.bitcast(tdata, _VF.as_pointer()), align=4)
+            vec = builder.load(builder.bitcast(tdata, IR_VF.as_pointer()), align=4)
             odata = context.make_array(t[3])(context, builder, args[3]).data
-            dst = builder.bitcast(builder.gep(odata, [args[4]]), _VF.as_pointer())
+            dst = builder.bitcast(builder.gep(odata, [args[4]]), IR_VF.as_pointer())
             vectors = lookup32(builder, at, vec, lanes) if lanes else lookup64(builder, at, vec)
             for i, v in enumerate(vectors):
                 builder.store(v, builder.gep(dst, [ir.Constant(ir.IntType(32), i)]), align=4)

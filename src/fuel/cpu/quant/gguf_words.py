@@ -40,17 +40,17 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from fuel.cpu.quant.gguf_gemv import block_sums, gemv_args, pair_supers, part_chunks, rows_one
-from fuel.cpu.simd.simd16 import _F32, _I32, _VF, _W, VEC, _ptr, fma, hi8, hsum, vadd, vload, vmul
+from fuel.cpu.simd.simd16 import IR_F32, IR_I32, IR_VF, LANES, VEC, element_pointer, fma, hi8, hsum, vadd, vload, vmul
 
 GROUP = 128  # weights one load of words holds: 16 lanes, 8 nibbles each
 
 # Position 16t + L of each 128 activations holds element ORDER[16t + L] of them, times SCALE[16t + L].
-ORDER = [(2 * (lane // 8) + t % 2) * 32 + 4 * (lane % 8) + t // 2 for t in range(8) for lane in range(_W)]
-SCALE = [2.0 ** (-4 * t) if t < 7 else 1.0 for t in range(8) for _ in range(_W)]
+ORDER = [(2 * (lane // 8) + t % 2) * 32 + 4 * (lane % 8) + t // 2 for t in range(8) for lane in range(LANES)]
+SCALE = [2.0 ** (-4 * t) if t < 7 else 1.0 for t in range(8) for _ in range(LANES)]
 # Q6_K (`_super_q6k`): position 16v + L of each half super-block's 128 holds element 64(v // 4) + 4L + v % 4
 # times 2^(-8(v % 4)): byte v % 4 of lane L's word in the codes of the half's first (v < 4) or last 64.
-ORDER_Q6K = [64 * (v // 4) + 4 * lane + v % 4 for v in range(8) for lane in range(_W)]
-SCALE_Q6K = [2.0 ** (-8 * (v % 4)) for v in range(8) for _ in range(_W)]
+ORDER_Q6K = [64 * (v // 4) + 4 * lane + v % 4 for v in range(8) for lane in range(LANES)]
+SCALE_Q6K = [2.0 ** (-8 * (v % 4)) for v in range(8) for _ in range(LANES)]
 Q4K_LAYOUT, Q6K_LAYOUT = 0, 1
 LAYOUTS = ((ORDER, SCALE), (ORDER_Q6K, SCALE_Q6K))
 
@@ -65,14 +65,14 @@ def _permute128(typingctx: Any, x: Any, at: Any, out: Any, e: Any, layout: Any) 
     order, scale = LAYOUTS[int(layout.literal_value)]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        vt = ir.VectorType(_F32, GROUP)
-        v = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], vt), align=4)
+        vt = ir.VectorType(IR_F32, GROUP)
+        v = builder.load(element_pointer(context, builder, signature.args[0], args[0], args[1], vt), align=4)
         undef = ir.Constant(vt, ir.Undefined)
-        splat = builder.shuffle_vector(builder.insert_element(undef, args[3], ir.Constant(_I32, 0)), undef,
-                                       ir.Constant(ir.VectorType(_I32, GROUP), [0] * GROUP))
-        p = builder.fmul(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, GROUP), order)),
+        splat = builder.shuffle_vector(builder.insert_element(undef, args[3], ir.Constant(IR_I32, 0)), undef,
+                                       ir.Constant(ir.VectorType(IR_I32, GROUP), [0] * GROUP))
+        p = builder.fmul(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(IR_I32, GROUP), order)),
                          builder.fmul(ir.Constant(vt, scale), splat))
-        builder.store(p, _ptr(context, builder, signature.args[2], args[2], args[1], vt), align=4)
+        builder.store(p, element_pointer(context, builder, signature.args[2], args[2], args[1], vt), align=4)
         return context.get_dummy_value()
 
     return types.void(x, at, out, types.float32, layout), codegen
@@ -83,9 +83,9 @@ def _words(typingctx: Any, row: Any, off: Any) -> Any:
     """The 16 little-endian 32-bit words at row[off:off + 64] (uint8 row, unchecked) as a vector's bits."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        v = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_I32, _W)),
-                         align=1)
-        return builder.bitcast(v, _VF)
+        addr = element_pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(IR_I32, LANES))
+        v = builder.load(addr, align=1)
+        return builder.bitcast(v, IR_VF)
 
     return VEC(row, off), codegen
 
@@ -98,13 +98,13 @@ def _nibble(typingctx: Any, v: Any, t: Any) -> Any:
     at = int(t.literal_value)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        vt = ir.VectorType(_I32, _W)
+        vt = ir.VectorType(IR_I32, LANES)
         bits = builder.bitcast(args[0], vt)
         if at < 7:
-            code = builder.and_(bits, ir.Constant(vt, [15 << 4 * at] * _W))
+            code = builder.and_(bits, ir.Constant(vt, [15 << 4 * at] * LANES))
         else:
-            code = builder.lshr(bits, ir.Constant(vt, [28] * _W))
-        return builder.sitofp(code, _VF)
+            code = builder.lshr(bits, ir.Constant(vt, [28] * LANES))
+        return builder.sitofp(code, IR_VF)
 
     return VEC(v, t), codegen
 
@@ -113,7 +113,7 @@ def _nibble(typingctx: Any, v: Any, t: Any) -> Any:
 EVEN_PAIRS = 0  # Q4_K's even nibbles: scale 0 in lanes 0-7, scale 2 in lanes 8-15
 ODD_PAIRS = 1  # its odd nibbles: scales 1 and 3
 QUADS = 2  # Q6_K: scale t // 4 in lane t
-_SPREADS = ([0] * 8 + [2] * 8, [1] * 8 + [3] * 8, [t // 4 for t in range(_W)])
+_SPREADS = ([0] * 8 + [2] * 8, [1] * 8 + [3] * 8, [t // 4 for t in range(LANES)])
 
 
 @intrinsic(prefer_literal=True)
@@ -124,9 +124,9 @@ def _spread(typingctx: Any, sc: Any, i: Any, pattern: Any) -> Any:
     lanes = _SPREADS[int(pattern.literal_value)]
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        four = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_F32, 4)),
-                            align=4)
-        return builder.shuffle_vector(four, four, ir.Constant(ir.VectorType(_I32, _W), lanes))
+        addr = element_pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(IR_F32, 4))
+        four = builder.load(addr, align=4)
+        return builder.shuffle_vector(four, four, ir.Constant(ir.VectorType(IR_I32, LANES), lanes))
 
     return VEC(sc, i, pattern), codegen
 
@@ -139,20 +139,21 @@ def _q6k_words(typingctx: Any, row: Any, lo: Any, hi: Any) -> Any:
     element 4L + b of the first 64, then of the last 64 (`ORDER_Q6K`)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        vt, at = ir.VectorType(_I32, _W), signature.args
+        vt, at = ir.VectorType(IR_I32, LANES), signature.args
 
         def const(values: list[int]) -> Any:
             return ir.Constant(vt, values)
 
-        low = builder.load(_ptr(context, builder, at[0], args[0], args[1], vt), align=1)
-        eight = builder.load(_ptr(context, builder, at[0], args[0], args[2], ir.VectorType(_I32, 8)), align=1)
+        low = builder.load(element_pointer(context, builder, at[0], args[0], args[1], vt), align=1)
+        eight = builder.load(element_pointer(context, builder, at[0], args[0], args[2], ir.VectorType(IR_I32, 8)),
+                             align=1)
         high = builder.shuffle_vector(eight, eight, ir.Constant(vt, list(range(8)) * 2))
-        nib, top = const([0x0F0F0F0F] * _W), const([0x30303030] * _W)
+        nib, top = const([0x0F0F0F0F] * LANES), const([0x30303030] * LANES)
         first = builder.or_(builder.and_(low, nib), builder.and_(builder.shl(high, const([4] * 8 + [2] * 8)), top))
-        last = builder.or_(builder.and_(builder.lshr(low, const([4] * _W)), nib),
+        last = builder.or_(builder.and_(builder.lshr(low, const([4] * LANES)), nib),
                            builder.and_(builder.lshr(high, const([0] * 8 + [2] * 8)), top))
         return context.make_tuple(builder, types.UniTuple(VEC, 2),
-                                  [builder.bitcast(first, _VF), builder.bitcast(last, _VF)])
+                                  [builder.bitcast(first, IR_VF), builder.bitcast(last, IR_VF)])
 
     return types.UniTuple(VEC, 2)(row, lo, hi), codegen
 
@@ -166,9 +167,9 @@ def _code6(typingctx: Any, v: Any, b: Any) -> Any:
     at = int(b.literal_value)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        vt = ir.VectorType(_I32, _W)
-        code = builder.and_(builder.bitcast(args[0], vt), ir.Constant(vt, [0x3F << 8 * at] * _W))
-        return builder.sitofp(builder.sub(code, ir.Constant(vt, [32 << 8 * at] * _W)), _VF)
+        vt = ir.VectorType(IR_I32, LANES)
+        code = builder.and_(builder.bitcast(args[0], vt), ir.Constant(vt, [0x3F << 8 * at] * LANES))
+        return builder.sitofp(builder.sub(code, ir.Constant(vt, [32 << 8 * at] * LANES)), IR_VF)
 
     return VEC(v, b), codegen
 

@@ -26,7 +26,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fuel.cpu.simd.simd16 import _F32, _I8, _I32, _V8, _VF, _W, VEC, _ptr
+from fuel.cpu.simd.simd16 import IR_F32, IR_I8, IR_I32, IR_V8, IR_VF, LANES, VEC, element_pointer
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, record_at
@@ -39,7 +39,7 @@ LUT32 = LUT16 or BYTE_LUT  # `nibble_lookup32` is a few vector operations a code
 
 def nibble_lanes() -> list[tuple[int, int]]:
     """`nibble_codes`' lane j as (byte, nibble): which of the 8 bytes, and its low (0) or high (1) nibble."""
-    return [(4 * (j % 2) + j // 4, (j // 2) % 2) for j in range(_W)]
+    return [(4 * (j % 2) + j // 4, (j // 2) % 2) for j in range(LANES)]
 
 
 @njit(inline="always", cache=True)
@@ -92,24 +92,24 @@ def permute_job(a: np.ndarray, order: np.ndarray) -> tuple[jobs.Job, np.ndarray,
 def _nibble_index(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:
     """The 16 nibbles of the 8 bytes at ary[off] in the low 4 bits of 32-bit lanes, `nibble_lanes` order:
     the two 32-bit words spread over the lanes, lane j shifted right by 4·(j // 2)."""
-    v16 = ir.VectorType(_I32, _W)
-    words = builder.load(_ptr(context, builder, aryty, ary, off, ir.VectorType(_I32, 2)), align=1)
-    spread = builder.shuffle_vector(words, words, ir.Constant(v16, [j % 2 for j in range(_W)]))
-    return builder.lshr(spread, ir.Constant(v16, [4 * (j // 2) for j in range(_W)]))
+    v16 = ir.VectorType(IR_I32, LANES)
+    words = builder.load(element_pointer(context, builder, aryty, ary, off, ir.VectorType(IR_I32, 2)), align=1)
+    spread = builder.shuffle_vector(words, words, ir.Constant(v16, [j % 2 for j in range(LANES)]))
+    return builder.lshr(spread, ir.Constant(v16, [4 * (j // 2) for j in range(LANES)]))
 
 
 def permute16(builder: Any, table: Any, index: Any) -> Any:
     """table[index & 15] per lane for a 16-float table and 16 32-bit indices: one vpermps on AVX-512, else
     a build-vector of extracts (scalar code: AVX2 hosts look codes up by `lookup32`)."""
-    v16 = ir.VectorType(_I32, _W)
+    v16 = ir.VectorType(IR_I32, LANES)
     if LUT16:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, v16]),
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(IR_VF, [IR_VF, v16]),
                                             "llvm.x86.avx512.permvar.sf.512")
         return builder.call(fn, [table, index])
-    masked = builder.and_(index, ir.Constant(v16, [15] * _W))
-    out = ir.Constant(_VF, [0.0] * _W)
-    for lane in range(_W):
-        at = ir.Constant(_I32, lane)
+    masked = builder.and_(index, ir.Constant(v16, [15] * LANES))
+    out = ir.Constant(IR_VF, [0.0] * LANES)
+    for lane in range(LANES):
+        at = ir.Constant(IR_I32, lane)
         out = builder.insert_element(out, builder.extract_element(table, builder.extract_element(masked, at)), at)
     return out
 
@@ -125,7 +125,7 @@ def _nibble_codes(typingctx: Any, src: Any, off: Any, sub: Any) -> Any:
     less = int(sub.literal_value)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        table = ir.Constant(_VF, [float(i - less) for i in range(16)])
+        table = ir.Constant(IR_VF, [float(i - less) for i in range(16)])
         return permute16(builder, table, _nibble_index(context, builder, signature.args[0], args[0], args[1]))
 
     return VEC(src, off, sub), codegen
@@ -151,8 +151,8 @@ def lookup32(builder: Any, at: Any, table: Any, lanes: list[tuple[int, int]]) ->
     whose lane j holds the nibble lanes[j] names (`_lookup_index`). `SHIFTED_LANES` builds the index from the
     16 bytes in both 128-bit halves, the upper shifted right by 4 (two operations); any other order picks
     and duplicates bytes by one more vpshufb and selects each position's nibble (four)."""
-    v32, i32x8, sel = ir.VectorType(_I8, 32), ir.VectorType(_I32, 8), ir.VectorType(_I32, 32)
-    raw = builder.load(builder.bitcast(at, _V8.as_pointer()), align=1)
+    v32, i32x8, sel = ir.VectorType(IR_I8, 32), ir.VectorType(IR_I32, 8), ir.VectorType(IR_I32, 32)
+    raw = builder.load(builder.bitcast(at, IR_V8.as_pointer()), align=1)
     if lanes == SHIFTED_LANES:
         both = builder.bitcast(builder.shuffle_vector(raw, raw, ir.Constant(sel, list(range(16)) * 2)), i32x8)
         index = builder.and_(builder.bitcast(builder.lshr(both, ir.Constant(i32x8, [0] * 4 + [4] * 4)), v32),
@@ -175,7 +175,7 @@ def lookup64(builder: Any, at: Any, table: Any) -> tuple[Any, Any, Any, Any]:
     vectors in `LOOKUP64_LANES` order: the bytes loaded once, their low nibbles one index and their high
     ones another (a shift and two masks), where `lookup32` builds each 32 nibbles' index from a broadcast
     and a variable shift (one Zen 3 core, 4096² NF4 at block 64: 1.33-1.36 ms against 1.48-1.51)."""
-    v32 = ir.VectorType(_I8, 32)
+    v32 = ir.VectorType(IR_I8, 32)
     raw = builder.load(builder.bitcast(at, v32.as_pointer()), align=1)
     low = ir.Constant(v32, [15] * 32)
     first = _lookup_index(builder, builder.and_(raw, low), table)
@@ -191,8 +191,8 @@ def _unpack(builder: Any, a: Any, b: Any, size: int, high: int) -> Any:
     a, b = builder.bitcast(a, vt), builder.bitcast(b, vt)
     mask = [x for half in (0, units) for u in range(units // 2)
             for x in (half + high * units // 2 + u, 2 * units + half + high * units // 2 + u)]
-    return builder.bitcast(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 2 * units), mask)),
-                           ir.VectorType(_I8, 32))
+    return builder.bitcast(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(IR_I32, 2 * units), mask)),
+                           ir.VectorType(IR_I8, 32))
 
 
 def _pshufb(builder: Any, table: Any, index: Any) -> Any:
@@ -207,14 +207,14 @@ def _lookup_index(builder: Any, index: Any, table: Any) -> tuple[Any, Any]:
     vectors are interleaved into floats by two rounds of unpacks: 12 shuffles for 32 floats, where two
     vpermps, a mask, a compare and a blend per 8 floats took 20 (4096² one row, one core: 1.5 against
     2.5 ms)."""
-    sel = ir.VectorType(_I32, 32)
-    fbytes = builder.bitcast(table, ir.VectorType(_I8, 4 * _W))
+    sel = ir.VectorType(IR_I32, 32)
+    fbytes = builder.bitcast(table, ir.VectorType(IR_I8, 4 * LANES))
     planes = [_pshufb(builder, builder.shuffle_vector(fbytes, fbytes, ir.Constant(
         sel, [4 * c + j for c in range(16)] * 2)), index) for j in range(4)]
     floats = [builder.bitcast(_unpack(builder, _unpack(builder, planes[0], planes[1], 1, hi),
-                                      _unpack(builder, planes[2], planes[3], 1, hi), 2, h), ir.VectorType(_F32, 8))
+                                      _unpack(builder, planes[2], planes[3], 1, hi), 2, h), ir.VectorType(IR_F32, 8))
               for hi in (0, 1) for h in (0, 1)]
-    whole = ir.Constant(ir.VectorType(_I32, _W), list(range(_W)))
+    whole = ir.Constant(ir.VectorType(IR_I32, LANES), list(range(LANES)))
     return builder.shuffle_vector(floats[0], floats[1], whole), builder.shuffle_vector(floats[2], floats[3], whole)
 
 
@@ -232,7 +232,8 @@ def _nibble_lookup32(typingctx: Any, src: Any, off: Any, table: Any) -> Any:
             vs = [permute16(builder, args[2], _nibble_index(context, builder, aryty, args[0], o))
                   for o in (args[1], later)]
         else:
-            vs = list(lookup32(builder, _ptr(context, builder, aryty, args[0], args[1], _I8), args[2], SHIFTED_LANES))
+            table = element_pointer(context, builder, aryty, args[0], args[1], IR_I8)
+            vs = list(lookup32(builder, table, args[2], SHIFTED_LANES))
         return context.make_tuple(builder, pair, vs)
 
     return pair(src, off, table), codegen
@@ -245,7 +246,7 @@ def _nibble_lookup64(typingctx: Any, src: Any, off: Any, table: Any) -> Any:
     quad = types.UniTuple(VEC, 4)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        at = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        at = element_pointer(context, builder, signature.args[0], args[0], args[1], IR_I8)
         return context.make_tuple(builder, quad, list(lookup64(builder, at, args[2])))
 
     return quad(src, off, table), codegen
@@ -256,9 +257,10 @@ def _pair_scales(typingctx: Any, sc: Any, i: Any) -> Any:
     """sc[i] in the lanes `nibble_codes` fills from low nibbles, sc[i + 1] in those from high nibbles."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        two = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.VectorType(_F32, 2)),
-                           align=4)
-        return builder.shuffle_vector(two, two, ir.Constant(ir.VectorType(_I32, _W), [h for _, h in nibble_lanes()]))
+        addr = element_pointer(context, builder, signature.args[0], args[0], args[1], ir.VectorType(IR_F32, 2))
+        two = builder.load(addr, align=4)
+        halves = ir.Constant(ir.VectorType(IR_I32, LANES), [h for _, h in nibble_lanes()])
+        return builder.shuffle_vector(two, two, halves)
 
     return VEC(sc, i), codegen
 
@@ -280,10 +282,10 @@ def codes32(builder: Any, at: Any, sub: int) -> tuple[Any, Any]:
     into 16-bit units by one round of unpacks; a 32-bit lane then holds two codes' bfloat16 bits, which are
     floats as they stand: the high one masked, the low one shifted up. No widening of bytes to 32-bit lanes
     and no int-to-float convert (`simd16.codes`' way)."""
-    v16, v32, i32x8 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32), ir.VectorType(_I32, 8)
+    v16, v32, i32x8 = ir.VectorType(IR_I8, 16), ir.VectorType(IR_I8, 32), ir.VectorType(IR_I32, 8)
     raw = builder.load(builder.bitcast(at, v16.as_pointer()), align=1)
-    both = builder.bitcast(builder.shuffle_vector(raw, raw, ir.Constant(ir.VectorType(_I32, 32), list(range(16)) * 2)),
-                           i32x8)
+    twice = ir.Constant(ir.VectorType(IR_I32, 32), list(range(16)) * 2)
+    both = builder.bitcast(builder.shuffle_vector(raw, raw, twice), i32x8)
     index = builder.and_(builder.bitcast(builder.lshr(both, ir.Constant(i32x8, [0] * 4 + [4] * 4)), v32),
                          ir.Constant(v32, [15] * 32))
     bits = [_bf16(c - sub) for c in range(16)]
@@ -291,9 +293,9 @@ def codes32(builder: Any, at: Any, sub: int) -> tuple[Any, Any]:
     floats = []
     for high in (0, 1):
         units = builder.bitcast(_unpack(builder, planes[0], planes[1], 1, high), i32x8)
-        floats += [builder.bitcast(builder.shl(units, ir.Constant(i32x8, [16] * 8)), ir.VectorType(_F32, 8)),
-                   builder.bitcast(builder.and_(units, ir.Constant(i32x8, [-65536] * 8)), ir.VectorType(_F32, 8))]
-    whole = ir.Constant(ir.VectorType(_I32, _W), list(range(_W)))
+        floats += [builder.bitcast(builder.shl(units, ir.Constant(i32x8, [16] * 8)), ir.VectorType(IR_F32, 8)),
+                   builder.bitcast(builder.and_(units, ir.Constant(i32x8, [-65536] * 8)), ir.VectorType(IR_F32, 8))]
+    whole = ir.Constant(ir.VectorType(IR_I32, LANES), list(range(LANES)))
     return builder.shuffle_vector(floats[0], floats[1], whole), builder.shuffle_vector(floats[2], floats[3], whole)
 
 
@@ -307,7 +309,7 @@ def _nibble_codes32(typingctx: Any, src: Any, off: Any, sub: Any) -> Any:
     pair = types.UniTuple(VEC, 2)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        at = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
+        at = element_pointer(context, builder, signature.args[0], args[0], args[1], IR_I8)
         return context.make_tuple(builder, pair, list(codes32(builder, at, less)))
 
     return pair(src, off, sub), codegen

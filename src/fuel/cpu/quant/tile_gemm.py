@@ -37,13 +37,13 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fuel.cpu.simd.simd16 import _F32, _VF, _W, _fma, _ptr, _splat
+from fuel.cpu.simd.simd16 import IR_F32, IR_VF, LANES, element_pointer, fma_lanes, splat_lanes
 
 _FEATURES = binding.get_host_cpu_features()
 WIDE = bool(_FEATURES.get("avx512f"))  # the host's geometry (module docstring)
 AVAILABLE = WIDE or bool(_FEATURES.get("avx2") and _FEATURES.get("fma"))
-WIDE_ROWS, WIDE_PANEL = 4, 4 * _W
-NARROW_ROWS, NARROW_PANEL = 6, _W
+WIDE_ROWS, WIDE_PANEL = 4, 4 * LANES
+NARROW_ROWS, NARROW_PANEL = 6, LANES
 ROWS_PER_BLOCK, PANEL = (WIDE_ROWS, WIDE_PANEL) if WIDE else (NARROW_ROWS, NARROW_PANEL)
 KC = 256  # k per pass over C
 MC = 256  # activations per pass over the tile rows (a [KC, MC] block of Aᵀ is 256 KiB, in L2)
@@ -56,7 +56,7 @@ def _f32_c(*tys: Any) -> bool:
 
 def _vec_at(builder: ir.IRBuilder, base: Any, offset: Any) -> Any:
     """A 16-float vector pointer at element `offset` of the float pointer base."""
-    return builder.bitcast(builder.gep(base, [offset]), _VF.as_pointer())
+    return builder.bitcast(builder.gep(base, [offset]), IR_VF.as_pointer())
 
 
 def _make_block(n: int, mv: int) -> Any:
@@ -73,26 +73,26 @@ def _make_block(n: int, mv: int) -> Any:
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
             t = signature.args
             i64 = ir.IntType(64)
-            wp = _ptr(context, builder, t[0], args[0], args[1], _F32)
-            ap = _ptr(context, builder, t[3], args[3], args[4], _F32)
-            cp = _ptr(context, builder, t[6], args[6], args[7], _F32)
+            wp = element_pointer(context, builder, t[0], args[0], args[1], IR_F32)
+            ap = element_pointer(context, builder, t[3], args[3], args[4], IR_F32)
+            cp = element_pointer(context, builder, t[6], args[6], args[7], IR_F32)
             ldw, ldat, ldc, kc = (context.cast(builder, args[i], t[i], types.int64) for i in (2, 5, 8, 9))
 
             def c_at(i: int, j: int) -> Any:
-                offset = builder.add(builder.mul(ldc, ir.Constant(i64, i)), ir.Constant(i64, _W * j))
+                offset = builder.add(builder.mul(ldc, ir.Constant(i64, i)), ir.Constant(i64, LANES * j))
                 return _vec_at(builder, cp, offset)
 
-            zero = ir.Constant(_VF, [0.0] * _W)
+            zero = ir.Constant(IR_VF, [0.0] * LANES)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(mv)] for _ in range(n)]
             rows = [builder.gep(wp, [builder.mul(ldw, ir.Constant(i64, i))]) for i in range(n)]
             with cgutils.for_range(builder, kc) as loop:
                 k = loop.index
                 arow = builder.gep(ap, [builder.mul(k, ldat)])
-                a = [builder.load(_vec_at(builder, arow, ir.Constant(i64, _W * j)), align=4) for j in range(mv)]
+                a = [builder.load(_vec_at(builder, arow, ir.Constant(i64, LANES * j)), align=4) for j in range(mv)]
                 for i in range(n):
-                    b = _splat(builder, builder.load(builder.gep(rows[i], [k])), _VF)
+                    b = splat_lanes(builder, builder.load(builder.gep(rows[i], [k])), IR_VF)
                     for j in range(mv):
-                        builder.store(_fma(builder, b, a[j], builder.load(accs[i][j])), accs[i][j])
+                        builder.store(fma_lanes(builder, b, a[j], builder.load(accs[i][j])), accs[i][j])
             for i in range(n):
                 for j in range(mv):
                     at_c = c_at(i, j)
@@ -119,25 +119,26 @@ def _transpose16_ir(typingctx: Any, src: Any, s_off: Any, lds: Any, dst: Any, d_
     def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: Any) -> Any:
         t = signature.args
         i64 = ir.IntType(64)
-        sp = _ptr(context, builder, t[0], args[0], args[1], _F32)
-        dp = _ptr(context, builder, t[3], args[3], args[4], _F32)
+        sp = element_pointer(context, builder, t[0], args[0], args[1], IR_F32)
+        dp = element_pointer(context, builder, t[3], args[3], args[4], IR_F32)
         lds, ldd = (context.cast(builder, args[i], t[i], types.int64) for i in (2, 5))
 
         def row(base: Any, ld: Any, i: int) -> Any:
             return _vec_at(builder, base, builder.mul(ld, ir.Constant(i64, i)))
 
-        rows = [builder.load(row(sp, lds, i), align=4) for i in range(_W)]
-        mask = ir.VectorType(ir.IntType(32), _W)
+        rows = [builder.load(row(sp, lds, i), align=4) for i in range(LANES)]
+        mask = ir.VectorType(ir.IntType(32), LANES)
         for b in (1, 2, 4, 8):
-            low = ir.Constant(mask, [c if not c & b else _W + c - b for c in range(_W)])  # the row with bit b clear
-            high = ir.Constant(mask, [c + b if not c & b else _W + c for c in range(_W)])  # its partner, bit b set
+            # the row with bit b clear, and its partner, bit b set
+            low = ir.Constant(mask, [c if not c & b else LANES + c - b for c in range(LANES)])
+            high = ir.Constant(mask, [c + b if not c & b else LANES + c for c in range(LANES)])
             nxt = list(rows)
-            for i in range(_W):
+            for i in range(LANES):
                 if not i & b:
                     nxt[i] = builder.shuffle_vector(rows[i], rows[i + b], low)
                     nxt[i + b] = builder.shuffle_vector(rows[i], rows[i + b], high)
             rows = nxt
-        for i in range(_W):
+        for i in range(LANES):
             builder.store(rows[i], row(dp, ldd, i), align=4)
         return context.get_dummy_value()
 
@@ -152,11 +153,11 @@ def transpose_into(src: Any, s_off: int, lds: int, rows: int, cols: int, dst: An
     """dst[d_off + j·ldd + i] <- src[s_off + i·lds + j] for i < rows, j < cols (flat offsets into C-contiguous
     f32 arrays), by 16 x 16 blocks transposed in registers. Element by element down a column, rows 6-16 KiB
     apart share a few cache sets and missed on every read: 0.42 / 0.73 ms at [128, 1536] / [64, 4096]."""
-    r16, c16 = rows // _W * _W, cols // _W * _W
-    for i0 in range(0, r16, _W):
-        for j0 in range(0, c16, _W):
+    r16, c16 = rows // LANES * LANES, cols // LANES * LANES
+    for i0 in range(0, r16, LANES):
+        for j0 in range(0, c16, LANES):
             _transpose16(src, s_off + i0 * lds + j0, lds, dst, d_off + j0 * ldd + i0, ldd)
-        for i in range(i0, i0 + _W):
+        for i in range(i0, i0 + LANES):
             for j in range(c16, cols):
                 dst[d_off + j * ldd + i] = src[s_off + i * lds + j]
     for i in range(r16, rows):
@@ -190,7 +191,7 @@ def pack_activations(a: Any, ap: Any, rp: int, panel: int) -> None:
 
 def padded_width(rows: int) -> int:
     """Packed Aᵀ's width for R = rows: the next multiple of 16."""
-    return -(-rows // _W) * _W
+    return -(-rows // LANES) * LANES
 
 
 @njit(inline="always", cache=True)
@@ -256,7 +257,7 @@ def tile_times_at_checked(tile: np.ndarray, rows: int, ap: np.ndarray, c: np.nda
     host's by default, packed Aᵀ's panels of its width): the same kernel without the GIL, its
     preconditions asserted."""
     assert tile.dtype == ap.dtype == c.dtype == np.float32 and ap.ndim == 1
-    assert ap.size == tile.shape[1] * c.shape[1] and c.shape[1] % _W == 0
+    assert ap.size == tile.shape[1] * c.shape[1] and c.shape[1] % LANES == 0
     assert rows <= tile.shape[0] and c.shape[0] >= tile.shape[0]
     if wide:
         assert tile.shape[0] % WIDE_ROWS == 0

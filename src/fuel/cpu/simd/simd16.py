@@ -25,15 +25,15 @@ from numba.extending import intrinsic
 
 from fuel.cpu.simd.vecmath import f16_bits_to_f32
 
-_W = 16  # lanes
+LANES = 16  # lanes of a vector value
 _HOST = binding.get_host_cpu_features()  # Numba compiles for the host CPU
 _F16C = bool(_HOST.get("f16c"))
 # `codes` works in 32-bit lanes without AVX-512: two vpmovzxbd straight from memory and the shifts on
-# whole lanes, where 8-bit lanes took a shift, a mask, two shuffles and four widenings per 16 bytes (Zen 3,
-# one row of 1536 x 576: Q4_1 105 -> 77 µs, Q4_0 4096² 1.72 -> 1.30 ms, Q5_0 133 -> 126 µs, one core).
+# whole lanes, where 8-bit lanes take a shift, a mask, two shuffles and four widenings per 16 bytes
+# (docs/performance/runtime.md, "simd16").
 _CODE_BITS = 8 if _HOST.get("avx512f") else 32
-_I8, _I32, _F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
-_V8, _VF = ir.VectorType(_I8, _W), ir.VectorType(_F32, _W)
+IR_I8, IR_I32, IR_F32 = ir.IntType(8), ir.IntType(32), ir.FloatType()
+IR_V8, IR_VF = ir.VectorType(IR_I8, LANES), ir.VectorType(IR_F32, LANES)
 
 
 class F32x16(types.Type):
@@ -49,37 +49,37 @@ VEC = F32x16()
 @register_default(F32x16)
 class _F32x16Model(models.PrimitiveModel):
     def __init__(self, dmm: Any, fe_type: Any) -> None:
-        super().__init__(dmm, fe_type, _VF)
+        super().__init__(dmm, fe_type, IR_VF)
 
 
-def _ptr(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, ty: Any) -> Any:
+def element_pointer(context: Any, builder: Any, aryty: Any, ary: Any, off: Any, ty: Any) -> Any:
     """A ty* at element `off` of the array."""
     data = context.make_array(aryty)(context, builder, ary).data
     return builder.bitcast(builder.gep(data, [off]), ty.as_pointer())
 
 
-def _splat(builder: Any, v: Any, vty: Any) -> Any:
+def splat_lanes(builder: Any, v: Any, vty: Any) -> Any:
     """v in every lane of a vty."""
     undef = ir.Constant(vty, ir.Undefined)
-    one = builder.insert_element(undef, v, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+    one = builder.insert_element(undef, v, ir.Constant(IR_I32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(IR_I32, vty.count), [0] * vty.count))
 
 
 def _s8(context: Any, builder: Any, v: Any, ty: Any) -> Any:
-    return _splat(builder, context.cast(builder, v, ty, types.int8), _V8)
+    return splat_lanes(builder, context.cast(builder, v, ty, types.int8), IR_V8)
 
 
 def _sf(context: Any, builder: Any, v: Any, ty: Any) -> Any:
-    return _splat(builder, context.cast(builder, v, ty, types.float32), _VF)
+    return splat_lanes(builder, context.cast(builder, v, ty, types.float32), IR_VF)
 
 
-def _fma(builder: Any, a: Any, b: Any, c: Any) -> Any:
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF] * 3), "llvm.fma.v16f32")
+def fma_lanes(builder: Any, a: Any, b: Any, c: Any) -> Any:
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(IR_VF, [IR_VF] * 3), "llvm.fma.v16f32")
     return builder.call(fn, [a, b, c])
 
 
 def _xload(context: Any, builder: Any, aryty: Any, ary: Any, off: Any) -> Any:
-    return builder.load(_ptr(context, builder, aryty, ary, off, _VF), align=4)
+    return builder.load(element_pointer(context, builder, aryty, ary, off, IR_VF), align=4)
 
 
 def _code_ints(context: Any, builder: Any, at: Any, args: Any, flags: int, lanes: int, bits: int = 8) -> Any:
@@ -88,10 +88,11 @@ def _code_ints(context: Any, builder: Any, at: Any, args: Any, flags: int, lanes
     wide = bits > 8
 
     def splat(i: int) -> Any:
-        return _splat(builder, context.cast(builder, args[i], at[i], types.int32 if wide else types.int8), vt)
+        return splat_lanes(builder, context.cast(builder, args[i], at[i], types.int32 if wide else types.int8), vt)
 
     def load(i: int, signed: bool = False) -> Any:
-        x = builder.load(_ptr(context, builder, at[0], args[0], args[i], ir.VectorType(_I8, lanes)), align=1)
+        at_i = element_pointer(context, builder, at[0], args[0], args[i], ir.VectorType(IR_I8, lanes))
+        x = builder.load(at_i, align=1)
         return (builder.sext if signed else builder.zext)(x, vt) if wide else x
 
     x = load(1, signed=bool(flags & 1))
@@ -104,12 +105,12 @@ def _code_ints(context: Any, builder: Any, at: Any, args: Any, flags: int, lanes
         word = builder.lshr(context.cast(builder, args[4], at[4], types.uint32),
                             context.cast(builder, args[5], at[5], types.uint32))
         if wide:
-            bit = builder.and_(builder.lshr(_splat(builder, word, vt), ir.Constant(vt, list(range(lanes)))),
+            bit = builder.and_(builder.lshr(splat_lanes(builder, word, vt), ir.Constant(vt, list(range(lanes)))),
                                ir.Constant(vt, [1] * lanes))
         else:  # byte t >> 3 of the word, bit t & 7
-            by = builder.bitcast(word, ir.VectorType(_I8, 4))
-            spread = builder.shuffle_vector(by, ir.Constant(ir.VectorType(_I8, 4), ir.Undefined),
-                                            ir.Constant(ir.VectorType(_I32, lanes), [t >> 3 for t in range(lanes)]))
+            by = builder.bitcast(word, ir.VectorType(IR_I8, 4))
+            spread = builder.shuffle_vector(by, ir.Constant(ir.VectorType(IR_I8, 4), ir.Undefined),
+                                            ir.Constant(ir.VectorType(IR_I32, lanes), [t >> 3 for t in range(lanes)]))
             on = builder.and_(spread, ir.Constant(vt, [1 << (t & 7) for t in range(lanes)]))
             bit = builder.zext(builder.icmp_unsigned("!=", on, ir.Constant(vt, [0] * lanes)), vt)
         x = builder.or_(x, builder.shl(bit, splat(7)))
@@ -129,7 +130,7 @@ def _codes(typingctx: Any, src: Any, off: Any, sh: Any, mask: Any, hi: Any, hsh:
     flags = int(mode.literal_value)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.sitofp(_code_ints(context, builder, signature.args, args, flags, _W, _CODE_BITS), _VF)
+        return builder.sitofp(_code_ints(context, builder, signature.args, args, flags, LANES, _CODE_BITS), IR_VF)
 
     return VEC(src, off, sh, mask, hi, hsh, hmask, hshl, sub, mode), codegen
 
@@ -146,10 +147,10 @@ def _codes2(typingctx: Any, src: Any, off: Any, sh: Any, mask: Any, hi: Any, hsh
     pair = types.UniTuple(VEC, 2)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        x = _code_ints(context, builder, signature.args, args, flags, 2 * _W)
-        halves = [builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, _W), list(range(h, h + _W))))
-                  for h in (0, _W)]
-        return context.make_tuple(builder, pair, [builder.sitofp(v, _VF) for v in halves])
+        x = _code_ints(context, builder, signature.args, args, flags, 2 * LANES)
+        halves = [builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(IR_I32, LANES), list(range(h, h + LANES))))
+                  for h in (0, LANES)]
+        return context.make_tuple(builder, pair, [builder.sitofp(v, IR_VF) for v in halves])
 
     return pair(src, off, sh, mask, hi, hsh, hmask, hshl, sub, mode), codegen
 
@@ -159,12 +160,12 @@ def _bytes16(typingctx: Any, w0: Any, w1: Any, w2: Any, w3: Any, sub: Any) -> An
     """The 16 bytes of four little-endian 32-bit words, each less sub, as exact floats (8-bit lanes)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        words = ir.Constant(ir.VectorType(_I32, 4), ir.Undefined)
+        words = ir.Constant(ir.VectorType(IR_I32, 4), ir.Undefined)
         for i in range(4):
             words = builder.insert_element(words, context.cast(builder, args[i], signature.args[i], types.uint32),
-                                           ir.Constant(_I32, i))
-        x = builder.sub(builder.bitcast(words, _V8), _s8(context, builder, args[4], signature.args[4]))
-        return builder.sitofp(x, _VF)
+                                           ir.Constant(IR_I32, i))
+        x = builder.sub(builder.bitcast(words, IR_V8), _s8(context, builder, args[4], signature.args[4]))
+        return builder.sitofp(x, IR_VF)
 
     return VEC(w0, w1, w2, w3, sub), codegen
 
@@ -177,10 +178,11 @@ def _f16_intrinsic(typingctx: Any, row: Any, off: Any) -> Any:
     quiet bit."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        h16 = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], ir.IntType(16)), align=1)
+        h16 = builder.load(element_pointer(context, builder, signature.args[0], args[0], args[1], ir.IntType(16)),
+                           align=1)
         if _F16C:
-            return builder.fpext(builder.bitcast(h16, ir.HalfType()), _F32)
-        return f16_bits_to_f32(builder, builder.zext(h16, _I32))
+            return builder.fpext(builder.bitcast(h16, ir.HalfType()), IR_F32)
+        return f16_bits_to_f32(builder, builder.zext(h16, IR_I32))
 
     return types.float32(row, off), codegen
 
@@ -191,7 +193,7 @@ def _u32_intrinsic(typingctx: Any, row: Any, off: Any) -> Any:
     one load, where four indexed byte reads cost a wraparound test each (Q5_0's high bits, per block)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        word = builder.load(_ptr(context, builder, signature.args[0], args[0], args[1], _I32), align=1)
+        word = builder.load(element_pointer(context, builder, signature.args[0], args[0], args[1], IR_I32), align=1)
         return builder.zext(word, ir.IntType(64))
 
     return types.int64(row, off), codegen
@@ -214,9 +216,9 @@ def _muls2(typingctx: Any, v: Any, s0: Any, s1: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         at = signature.args
         a, b = (context.cast(builder, args[i], at[i], types.float32) for i in (1, 2))
-        s = ir.Constant(_VF, ir.Undefined)
-        for t in range(_W):
-            s = builder.insert_element(s, a if t < 8 else b, ir.Constant(_I32, t))
+        s = ir.Constant(IR_VF, ir.Undefined)
+        for t in range(LANES):
+            s = builder.insert_element(s, a if t < 8 else b, ir.Constant(IR_I32, t))
         return builder.fmul(args[0], s)
 
     return VEC(v, s0, s1), codegen
@@ -237,7 +239,7 @@ def _fmas(typingctx: Any, s: Any, v: Any, acc: Any) -> Any:
     """acc + s * v (s a scalar), fused."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return _fma(builder, _sf(context, builder, args[0], signature.args[0]), args[1], args[2])
+        return fma_lanes(builder, _sf(context, builder, args[0], signature.args[0]), args[1], args[2])
 
     return VEC(s, v, acc), codegen
 
@@ -247,7 +249,7 @@ def _fma_intrinsic(typingctx: Any, a: Any, b: Any, acc: Any) -> Any:
     """acc + a * b, fused."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return _fma(builder, args[0], args[1], args[2])
+        return fma_lanes(builder, args[0], args[1], args[2])
 
     return VEC(a, b, acc), codegen
 
@@ -257,7 +259,7 @@ def _fmax(typingctx: Any, w: Any, x: Any, xoff: Any, acc: Any) -> Any:
     """acc + w * x[xoff:xoff + 16], fused."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return _fma(builder, args[0], _xload(context, builder, signature.args[1], args[1], args[2]), args[3])
+        return fma_lanes(builder, args[0], _xload(context, builder, signature.args[1], args[1], args[2]), args[3])
 
     return VEC(w, x, xoff, acc), codegen
 
@@ -287,8 +289,8 @@ def _hi8(typingctx: Any, v: Any) -> Any:
     """v with lanes 0-7 zero (exactly: a lane select, no arithmetic)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        idx = ir.Constant(ir.VectorType(_I32, _W), [_W + t if t < 8 else t for t in range(_W)])
-        return builder.shuffle_vector(args[0], ir.Constant(_VF, [0.0] * _W), idx)
+        idx = ir.Constant(ir.VectorType(IR_I32, LANES), [LANES + t if t < 8 else t for t in range(LANES)])
+        return builder.shuffle_vector(args[0], ir.Constant(IR_VF, [0.0] * LANES), idx)
 
     return VEC(v), codegen
 
@@ -298,10 +300,10 @@ def _prefetch(typingctx: Any, a: Any, off: Any) -> Any:
     """A read prefetch of the cache line holding a[off] into L1 (a hint: no fault, no effect on any value)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = _ptr(context, builder, signature.args[0], args[0], args[1], _I8)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32,
-                                            _I32, _I32]), "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        ptr = element_pointer(context, builder, signature.args[0], args[0], args[1], IR_I8)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [IR_I8.as_pointer(), IR_I32,
+                                            IR_I32, IR_I32]), "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(IR_I32, 0), ir.Constant(IR_I32, 3), ir.Constant(IR_I32, 1)])
         return context.get_dummy_value()
 
     return types.void(a, off), codegen
@@ -310,7 +312,7 @@ def _prefetch(typingctx: Any, a: Any, off: Any) -> Any:
 @intrinsic
 def _zero(typingctx: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return ir.Constant(_VF, [0.0] * _W)
+        return ir.Constant(IR_VF, [0.0] * LANES)
 
     return VEC(), codegen
 
@@ -330,7 +332,7 @@ def _store(typingctx: Any, a: Any, off: Any, v: Any) -> Any:
     """a[off:off + 16] = v (float32 a)."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        builder.store(args[2], _ptr(context, builder, signature.args[0], args[0], args[1], _VF), align=4)
+        builder.store(args[2], element_pointer(context, builder, signature.args[0], args[0], args[1], IR_VF), align=4)
         return context.get_dummy_value()
 
     return types.void(a, off, v), codegen
@@ -341,14 +343,14 @@ def _hsum(typingctx: Any, v: Any) -> Any:
     """Σ of the lanes, a fixed tree: lanes t and t + 8 added, then t and t + 4, t + 2, t + 1."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        x, n = args[0], _W
+        x, n = args[0], LANES
         while n > 1:
             n //= 2
-            ty = ir.VectorType(_I32, n)
+            ty = ir.VectorType(IR_I32, n)
             lo = builder.shuffle_vector(x, x, ir.Constant(ty, list(range(n))))
             hi = builder.shuffle_vector(x, x, ir.Constant(ty, list(range(n, 2 * n))))
             x = builder.fadd(lo, hi)
-        return builder.extract_element(x, ir.Constant(_I32, 0))
+        return builder.extract_element(x, ir.Constant(IR_I32, 0))
 
     return types.float32(v), codegen
 
@@ -364,7 +366,7 @@ def _stack_f32_intrinsic(typingctx: Any, size: Any) -> Any:
     count = int(size.literal_value)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = cgutils.alloca_once(builder, _F32, size=count)
+        ptr = cgutils.alloca_once(builder, IR_F32, size=count)
         opaque = ir.InlineAsm(ir.FunctionType(ptr.type, [ptr.type]), "", "=r,0")
         return builder.call(opaque, [ptr])
 
