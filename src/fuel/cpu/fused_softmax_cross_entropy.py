@@ -54,7 +54,8 @@ FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
 SECONDS_PER_VALUE = 1.5e-9  # one core's time a logit (a max pass and an exp pass), for the part count
 # logits x [rows, cols] (bf16 as uint16 bits, f16 as int16 bits), flat i64 targets t, the f64 per-row
 # losses or scales, out [rows, cols] (the gradient's; unused by the forward)
-CE_ARGS = jobs.record(x=ADDRESS, t=ADDRESS, rowwise=ADDRESS, out=ADDRESS, rows=INT, cols=INT, ignore=INT)
+CE_ARGS = jobs.record(x=ADDRESS, t=ADDRESS, rowwise=ADDRESS, out=ADDRESS, rows=INT, cols=INT, ignore=INT,
+                      gradient=INT)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -162,66 +163,55 @@ def _grad_in_place(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> No
             o[tr] = cast_like(-others / total * scales[r], m)
 
 
-# The forward's tasks by logits dtype, the gradient's by (logits, out) dtype: bf16 computes its
-# exponentials twice and rounds once on store, f16 goes into an f32 scratch.
+# One task per logits dtype; a job's `gradient` field picks the forward's losses (0) or the gradient (1).
+# bf16 computes the gradient's exponentials twice and rounds once on store, f16's gradient goes into an
+# f32 scratch.
 @pool.task(fastmath=FASTMATH, error_model="numpy")
-def _losses_f32_part(part: int, parts: int, argv: int) -> None:
-    _losses(part, parts, argv, np.float32)
-
-
-@pool.task(fastmath=FASTMATH, error_model="numpy")
-def _losses_f64_part(part: int, parts: int, argv: int) -> None:
-    _losses(part, parts, argv, np.float64)
-
-
-@pool.task(fastmath=FASTMATH, error_model="numpy")
-def _losses_bf16_part(part: int, parts: int, argv: int) -> None:
-    _losses(part, parts, argv, np.uint16)
+def _f32_part(part: int, parts: int, argv: int) -> None:
+    if record_at(argv, CE_ARGS).gradient:
+        _grad_in_place(part, parts, argv, np.float32, np.float32)
+    else:
+        _losses(part, parts, argv, np.float32)
 
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
-def _losses_f16_part(part: int, parts: int, argv: int) -> None:
-    _losses(part, parts, argv, np.int16)
+def _f64_part(part: int, parts: int, argv: int) -> None:
+    if record_at(argv, CE_ARGS).gradient:
+        _grad_in_place(part, parts, argv, np.float64, np.float64)
+    else:
+        _losses(part, parts, argv, np.float64)
 
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
-def _grad_f32_part(part: int, parts: int, argv: int) -> None:
-    _grad_in_place(part, parts, argv, np.float32, np.float32)
+def _f16_part(part: int, parts: int, argv: int) -> None:
+    if record_at(argv, CE_ARGS).gradient:
+        _grad_in_place(part, parts, argv, np.int16, np.float32)
+    else:
+        _losses(part, parts, argv, np.int16)
 
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
-def _grad_f64_part(part: int, parts: int, argv: int) -> None:
-    _grad_in_place(part, parts, argv, np.float64, np.float64)
+def _bf16_part(part: int, parts: int, argv: int) -> None:
+    if record_at(argv, CE_ARGS).gradient:
+        _grad(part, parts, argv, np.uint16)
+    else:
+        _losses(part, parts, argv, np.uint16)
 
 
-@pool.task(fastmath=FASTMATH, error_model="numpy")
-def _grad_f16_part(part: int, parts: int, argv: int) -> None:
-    _grad_in_place(part, parts, argv, np.int16, np.float32)
+_TASKS = {DType.F32.np: _f32_part, DType.F64.np: _f64_part, DType.BF16.np: _bf16_part, DType.F16.np: _f16_part}
 
 
-@pool.task(fastmath=FASTMATH, error_model="numpy")
-def _grad_bf16_part(part: int, parts: int, argv: int) -> None:
-    _grad(part, parts, argv, np.uint16)
-
-
-_LOSS_TASKS = {DType.F32.np: _losses_f32_part, DType.F64.np: _losses_f64_part, DType.BF16.np: _losses_bf16_part,
-               DType.F16.np: _losses_f16_part}
-_GRAD_TASKS = {DType.F32.np: _grad_f32_part, DType.F64.np: _grad_f64_part, DType.BF16.np: _grad_bf16_part,
-               DType.F16.np: _grad_f16_part}
-
-
-def _run(tasks: dict[Any, pool.Task], logits: np.ndarray, t: np.ndarray, ignore: int, rowwise: np.ndarray,
-         out: np.ndarray) -> None:
-    """Run the task for the logits' dtype over rows: x the logits as [rows, V] (bf16/f16 as their bits),
-    t the flat targets, rowwise f64 per row, out [rows, V] (or rowwise again for the forward)."""
+def _run(gradient: bool, logits: np.ndarray, t: np.ndarray, ignore: int, rowwise: np.ndarray, out: np.ndarray) -> None:
+    """Run the losses or the gradient over rows: x the logits as [rows, V] (bf16/f16 as their bits), t the
+    flat targets, rowwise f64 per row, out [rows, V] (or rowwise again for the forward)."""
     v = logits.shape[-1]
     x = np.ascontiguousarray(logits.reshape(-1, v).view(_BITS.get(logits.dtype, logits.dtype)))
     t = np.ascontiguousarray(t, np.int64)
     argv = jobs.argv_of(CE_ARGS)
     row = argv[0]
     row["x"], row["t"], row["rowwise"], row["out"] = x.ctypes.data, t.ctypes.data, rowwise.ctypes.data, out.ctypes.data
-    row["rows"], row["cols"], row["ignore"] = x.shape[0], v, ignore
-    jobs.run(jobs.job(tasks[logits.dtype], argv, x.size * SECONDS_PER_VALUE, x.shape[0]))
+    row["rows"], row["cols"], row["ignore"], row["gradient"] = x.shape[0], v, ignore, gradient
+    jobs.run(jobs.job(_TASKS[logits.dtype], argv, x.size * SECONDS_PER_VALUE, x.shape[0]))
 
 
 _BITS = {DType.BF16.np: np.dtype(np.uint16), DType.F16.np: np.dtype(np.int16)}
@@ -271,7 +261,7 @@ def cross_entropy(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> Non
     check_targets(targets, v, ignore)
     losses = np.zeros(flat_t.size, np.float64)
     if flat_t.size and v:  # with V = 0 every target is ignored (else check_targets raised): all zero
-        _run(_LOSS_TASKS, logits, flat_t, ignore, losses, losses)
+        _run(False, logits, flat_t, ignore, losses, losses)
     if params.reduction == "none":
         out[...] = losses.reshape(out.shape)
     else:
@@ -302,7 +292,7 @@ def cross_entropy_grad(inputs: list[np.ndarray], params: Any) -> np.ndarray:
     flat_t = targets.reshape(-1)
     half = logits.dtype == DType.F16.np  # no f16 store in Numba: f32 scratch, rounded once by NumPy
     dst = POOL.empty(logits.shape, np.dtype(np.float32)) if half else out
-    _run(_GRAD_TASKS, logits, flat_t, params.ignore_index, scales, dst)
+    _run(True, logits, flat_t, params.ignore_index, scales, dst)
     if half:
         np.copyto(out, dst, casting="unsafe")
     return out
