@@ -249,7 +249,7 @@ _SERIAL_NOW: dict[tuple[Any, ...], tuple[bool, bool]] = {}
 def _copy_with(obj: Any, changes: dict[str, Any]) -> Any:
     """A copy of a frozen dataclass instance with `changes`, without `dataclasses.replace`'s __init__ (its
     fields were validated when the graph was built; a bound DynScalar is checked where it is used). A decode
-    step binds one per cache write and attention: 1.3 µs here against 3-4 µs."""
+    step binds one per cache write and attention (docs/performance/runtime.md, "executor")."""
     new = object.__new__(type(obj))
     fields = dict(obj.__dict__)
     fields.update(changes)

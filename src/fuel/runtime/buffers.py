@@ -1,6 +1,7 @@
 """A pool of large output buffers, reused once nothing refers to them.
 
-A fresh large array costs page faults (tens of ms per 128 MiB here), more than a memory-bound kernel.
+A fresh large array costs page faults, more than a memory-bound kernel (docs/performance/runtime.md,
+"buffers").
 A pooled buffer is handed out again only when its reference count shows that no array (a returned
 output, a view of one, an executor slot) still points at it.
 """

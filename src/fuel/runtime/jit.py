@@ -133,7 +133,7 @@ class Capture:
             (r.step.prim, r.step.inputs, r.step.spec, r.out, r.step.output) if r.step.prim is not None
             and not r.step.dyn_fields else (None, r.step.inputs, r, r.out, r.step.output) for r in self.runs]
         # NumPy's primitives may warn on inf/NaN (silenced, as the executor does); fused kernels never do,
-        # and entering np.errstate costs ~1.5 µs, a tenth of a one-op replay.
+        # and np.errstate costs a tenth of a one-op replay (docs/performance/runtime.md, "jit").
         self._numpy_steps = any(r.step.prim is not None for r in self.runs)
         # Each output is a slot of the plan, an argument fn returned as it is, or a captured value.
         self.output_slots = tuple(plan.outputs)

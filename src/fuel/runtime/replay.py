@@ -129,7 +129,7 @@ def program(jobs: Sequence[Job]) -> Program:
 
 STAGE_MAX_BYTES = 4 << 20  # arguments up to this size are copied into the capture's own buffers
 # Fresh outputs up to this size are written by native steps into the capture's own buffers and copied out:
-# a copy took 1 µs at 16 KiB and 9 at 256 KiB (1 MiB: 57), a step left in Python ~15 µs (`stage_output`).
+# below it a copy costs less than a step left in Python (docs/performance/runtime.md, "replay").
 OUT_STAGE_MAX_BYTES = 256 << 10
 
 
@@ -228,8 +228,8 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
 def stage_output(step: Step, xs: list[np.ndarray]) -> tuple[np.ndarray | None, Jobs | None]:
     """(a buffer for a fresh output's step, its job writing it), or (None, None) where the output is over
     `OUT_STAGE_MAX_BYTES` or the step has no job. The copy out is a memcpy; the Python step it spares
-    costs the replay's loop, the kernel's entry and its checks (a jitted one-row QMatMul [64, 4096]: 62 µs
-    a call with its step in Python, 46 staged, interleaved on a 2-core Xeon). A fresh output's step is
+    costs the replay's loop, the kernel's entry and its checks (docs/performance/runtime.md, "replay"). A
+    fresh output's step is
     never a view, a destructive step nor a multi-output one: those own no buffer (`jit._arena`)."""
     nbytes = math.prod(step.spec.shape) * step.spec.dtype.np.itemsize
     if nbytes > OUT_STAGE_MAX_BYTES:

@@ -1,6 +1,6 @@
 """The ERF primitive's kernels: the error function, elementwise, in one vectorised pass.
 
-NumPy has no erf, and BERT's exact GELU, x·(1 + erf(x/√2))/2, written without one took about twenty
+NumPy has no erf, and BERT's exact GELU, x·(1 + erf(x/√2))/2, written without one is about twenty
 elementwise passes (a polynomial for erfc, an exp, the products). Here:
 
 - f32 (and bf16/f16, computed in f32 and rounded once on store): each value is widened to f64 and
@@ -11,9 +11,9 @@ elementwise passes (a polynomial for erfc, an exp, the products). Here:
   on every seventh f32 bit pattern of [2^-30, 4]). Branch-free, so LLVM vectorises the loop.
 - f64: libm's erf per element (`math.erf`), which the rational function is not accurate enough for.
 
-NaN stays NaN, ±inf gives ±1, and −0 gives −0. One pass, cut into fixed pieces of `PIECE` values
-that the spinning pool's threads share when the array is large (BERT's FFN: [768, 1536] values, about a
-millisecond on one core); each value is computed alone, so the bytes never depend on the cut.
+NaN stays NaN, ±inf gives ±1, and −0 gives −0. One pass, a job whose parts hold at least `PIECE` values
+each (docs/performance/runtime.md, "erf"); each value is computed alone, so the bytes never depend on the
+cut.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The SIGMOID and SILU primitives' f32 kernels: one vectorised pass, never an overflowing exponential.
 
-NumPy's spelling, x / (1 + e^-x), is four passes over the tensor (negate, exp, add, divide): on a
-prefill's [128, 1536] f32 that was 174 µs, against 120-138 µs for one pass here (the exponential's
-polynomial is most of it). Each value v uses
+NumPy's spelling, x / (1 + e^-x), is four passes over the tensor (negate, exp, add, divide); this is one
+(docs/performance/runtime.md, "logistic"). Each value v uses
 e = e^-|v| in (0, 1] (the Cephes expf polynomial of `vecmath`, ~1 ulp), so nothing overflows:
 - sigmoid(v) = 1 / (1 + e) for v >= 0 and e / (1 + e) below,
 - silu(v) = v / (1 + e) for v >= 0 and (v·e) / (1 + e) below,
@@ -51,8 +50,8 @@ def _exp_and_scaled(t: Any) -> tuple[Any, Any]:
 # A NaN input is returned as it is: computed, it would be v·e with e NaN too, and x86 returns the NaN of
 # whichever operand LLVM placed first, which differs between this kernel's compiled copies (the eager call's
 # and the native replay's task), so the same input bytes would give NaNs of either sign.
-# Rows by slices: indexing x[r * stride + c] directly kept LLVM from vectorising (a possibly negative
-# index gets a wraparound test), 3x slower.
+# Rows by slices: indexing x[r * stride + c] directly keeps LLVM from vectorising (a possibly negative
+# index gets a wraparound test; docs/performance/runtime.md, "logistic").
 @njit(cache=True, error_model="numpy")
 def _silu_f32(x: Any, rows: int, cols: int, stride: int, out: Any) -> None:
     for r in range(rows):
@@ -85,8 +84,9 @@ def _one_row(x: np.ndarray) -> tuple[np.ndarray, int, int, int]:
 
 def rows_of(x: np.ndarray) -> tuple[np.ndarray, int, int, int]:
     """x as (flat, rows, cols, row stride): itself flattened when contiguous; a 1-D view from its first
-    element over whole rows of unit stride that are not adjacent (a stacked projection's half: a copy of
-    it was a fresh allocation, 3x the kernel's time in a prefill); else one row of a contiguous copy."""
+    element over whole rows of unit stride that are not adjacent (a stacked projection's half, whose copy
+    would cost more than the kernel: docs/performance/runtime.md, "logistic"); else one row of a contiguous
+    copy."""
     if x.flags.c_contiguous or x.size == 0 or x.ndim == 0:
         return _one_row(x)
     v = x.view()

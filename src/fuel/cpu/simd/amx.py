@@ -62,7 +62,7 @@ def config() -> np.ndarray:
 
 def aligned_empty(count: int, dtype: type, align: int = 64) -> np.ndarray:
     """An uninitialised 1-D array whose data starts on an `align`-byte boundary: tile loads and stores of
-    rows that straddle cache lines took 7x the time of aligned ones (4 tile loads: 79 against 11 ns). Large
+    rows that straddle cache lines are several times slower (docs/performance/runtime.md, "amx"). Large
     ones come from the buffer pool, so a call's scratch does not fault in fresh pages each time."""
     size = np.dtype(dtype).itemsize
     raw = POOL.empty((count * size + align,), np.dtype(np.uint8))

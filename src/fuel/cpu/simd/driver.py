@@ -58,7 +58,6 @@ PF = 4096
 @njit(inline="always", cache=True)
 def ahead_of(pair_bytes: int) -> int:
     """How far on from a pair of adjacent W rows (pair_bytes long) the pair a one-row decoder prefetches
-    starts: the next pair, or the first whole pair at least PF bytes on. The next pair of short rows was
-    too near: at K = 576 it took 1.1x (Q4_1 [1536, 576], Q8_0 [576, 576]) and 1.26x (Q8_0 [49152, 576])
-    the time of two streams 4 KiB ahead (weight evicted, two threads, interleaved on a Xeon)."""
+    starts: the next pair, or the first whole pair at least PF bytes on: the next pair of short rows is too
+    near (docs/performance/runtime.md, "driver")."""
     return pair_bytes * max(1, -(-PF // pair_bytes))

@@ -2,10 +2,10 @@
 
 A Numba loop over a 16- or 32-element block is either unrolled to scalar code (its stores may alias its
 loads, which the SLP vectoriser does not check at run time) or vectorised behind alias checks run for every
-block; for GGUF decoding that was 2.7x slower than straight-line vector code. Here a vector is a value of
-its own Numba type, an LLVM `<16 x float>`: a kernel keeps its accumulators in local variables (registers:
-no store and reload between blocks) and builds each block's codes straight from the packed bytes. LLVM
-lowers the 16 lanes to one zmm or two ymm registers, whichever the host has.
+block; both are slower than straight-line vector code (docs/performance/runtime.md, "simd16"). Here a
+vector is a value of its own Numba type, an LLVM `<16 x float>`: a kernel keeps its accumulators in local
+variables (registers: no store and reload between blocks) and builds each block's codes straight from the
+packed bytes. LLVM lowers the 16 lanes to one zmm or two ymm registers, whichever the host has.
 
 Arrays are addressed by element offset, unchecked: the caller keeps every lane inside the array.
 Arithmetic is plain IEEE f32, each operation rounded once in the order its docstring gives (`fma` and
@@ -359,8 +359,8 @@ def _hsum(typingctx: Any, v: Any) -> Any:
 def _stack_f32_intrinsic(typingctx: Any, size: Any) -> Any:
     """A pointer to `size` (a literal) float32 on the calling function's stack (its entry block), passed
     through an empty asm statement: LLVM then keeps the scratch in memory rather than promoting it to
-    registers, so a scalar read from it is a broadcast load folded into its FMA ({1to16}); promoted, each
-    constant-index read was 2-3 shuffles (extract, permute, broadcast) on the vector pipes."""
+    registers, so a scalar read from it is a broadcast load folded into its FMA ({1to16}) rather than a few
+    shuffles (docs/performance/runtime.md, "simd16")."""
     if not isinstance(size, types.IntegerLiteral):
         return None
     count = int(size.literal_value)

@@ -216,7 +216,8 @@ def _cast_like(x: Any, like: Any) -> Any:
 @intrinsic
 def _maxnum_intrinsic(typingctx: Any, a: Any, b: Any) -> Any:
     """llvm.maxnum: the larger of a and b, the other one where one is NaN. LLVM vectorises a row max
-    written with it; a `x > m` select does not vectorise without nnan (5x slower on a 512-key row).
+    written with it; a `x > m` select does not vectorise without nnan (docs/performance/runtime.md,
+    "vecmath").
     It agrees with `x if x > m else m` from m = -inf: a NaN never becomes the max."""
     if a != b or a not in (types.float32, types.float64):
         return None
