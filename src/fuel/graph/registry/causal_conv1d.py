@@ -26,16 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.errors import ParamError, ShapeError
 from fuel.graph.functions import concat, pad
 from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.registry.common import float_like_first, operand_nodes
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
 NAME = "causal_conv1d"
@@ -70,12 +65,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: CausalConv1dParams) -> Shape:
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: CausalConv1dParams) -> DType:
-    x, w, bias = dtypes
-    if not x.is_float:
-        raise DTypeError(f"causal_conv1d: x must be a float tensor, got {x.value}")
-    if w != x or bias != x:
-        raise DTypeError(f"causal_conv1d: w and bias must have x's dtype {x.value}, got {w.value} and {bias.value}")
-    return x
+    return float_like_first(NAME, ("x", "w", "bias"), dtypes)
 
 
 def decompose(inputs: list[Tensor], params: CausalConv1dParams) -> Tensor:
@@ -114,8 +104,7 @@ def vjp(inputs: list[Tensor], params: CausalConv1dParams, out: Tensor, grad_out:
 
 def causal_conv1d(x: TensorLike, w: TensorLike, bias: TensorLike, use_silu: bool = False) -> Tensor:
     """Depthwise causal conv over a left-padded x `[B, C, seq + K − 1]`, w `[C, 1, K]`, bias `[C]`."""
-    tx = as_tensor(x)
-    nodes = [tx.node, as_tensor(w, tx).node, as_tensor(bias, tx).node]
+    nodes = operand_nodes(x, w, bias)
     return Tensor(fused_node(FusedOps.CAUSAL_CONV1D, nodes, CausalConv1dParams(use_silu)))
 
 

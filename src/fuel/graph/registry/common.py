@@ -1,5 +1,6 @@
-"""Pieces several entry modules share: a builder's operand nodes, the dtype rule of ops whose inputs
-all take the first one's float dtype, and the entry of a gradient op only autograd emits.
+"""Pieces several entry modules share: a builder's operand nodes, the dtype rules of ops whose inputs
+all take the first one's float dtype and of gradient ops, and the entry of a gradient op only autograd
+emits.
 
 Not an entry module (it defines no ENTRY).
 """
@@ -49,6 +50,18 @@ def float_like_first(op: str, names: Sequence[str], dtypes: Sequence[DType]) -> 
     if any(d != first for d in rest):
         raise DTypeError(f"{op}: {spoken(names[1:])} must have {names[0]}'s dtype {first.value}, "
                          f"got {spoken([d.value for d in rest])}")
+    return first
+
+
+def gradient_dtype(op: str, dtypes: Sequence[DType], names: tuple[str, str]) -> DType:
+    """The dtype rule of a gradient op: its forward operand (`names[0]`, the forward's input or output) is
+    a float tensor and the upstream gradient (`names[1]`) shares its dtype: "g is f64, x is f32"."""
+    first = dtypes[0]
+    if not first.is_float:
+        raise DTypeError(f"{op}: {names[0]} must be a float tensor, got {first.value}")
+    for d in dtypes[1:]:
+        if d != first:
+            raise DTypeError(f"{op}: {names[1]} is {d.value}, {names[0]} is {first.value}")
     return first
 
 

@@ -25,27 +25,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.functions import pad
 from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.registry.common import operand_nodes
 from fuel.graph.registry.conv_geometry import (
     Padding,
     Pair,
-    as_groups,
-    as_padding,
-    as_pair,
+    canonicalise,
+    check_extents,
+    check_ranks,
     conv_out,
     conv_rest,
+    tap_positions,
 )
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
@@ -63,14 +57,7 @@ class Conv2DParams:
     groups: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stride", as_pair(NAME, "stride", self.stride, 1))
-        object.__setattr__(self, "padding", as_padding(NAME, self.padding))
-        object.__setattr__(self, "dilation", as_pair(NAME, "dilation", self.dilation, 1))
-        object.__setattr__(self, "groups", as_groups(NAME, self.groups))
-
-
-def _s(shape: Shape) -> str:
-    return str(list(shape))
+        canonicalise(self, NAME)
 
 
 def output_hw(x: Shape, w: Shape, p: Conv2DParams) -> tuple[int, int]:
@@ -81,10 +68,7 @@ def output_hw(x: Shape, w: Shape, p: Conv2DParams) -> tuple[int, int]:
 
 def shape_rule(shapes: tuple[Shape, ...], params: Conv2DParams) -> Shape:
     x, w = shapes[0], shapes[1]
-    if len(x) != 4:
-        raise ShapeError(f"conv2d: x must be [N, Cin, H, W], got {_s(x)}")
-    if len(w) != 4:
-        raise ShapeError(f"conv2d: w must be [Cout, Cin/groups, Kh, Kw], got {_s(w)}")
+    check_ranks(NAME, x, w, "[Cout, Cin/groups, Kh, Kw]")
     n, cin, h, wd = x
     cout, cg, kh, kw = w
     g = params.groups
@@ -95,12 +79,9 @@ def shape_rule(shapes: tuple[Shape, ...], params: Conv2DParams) -> Shape:
                          f"/ {g} groups")
     if cout % g:
         raise ShapeError(f"conv2d: w has {cout} output channels, which {g} groups do not divide")
-    if kh < 1 or kw < 1:
-        raise ShapeError(f"conv2d: the kernel must be at least 1x1, w is {_s(w)}")
-    if h < 1 or wd < 1:
-        raise ShapeError(f"conv2d: x's spatial size must be at least 1x1, x is {_s(x)}")
+    check_extents(NAME, x, w)
     if len(shapes) == 3 and shapes[2] != (cout,):
-        raise ShapeError(f"conv2d: bias must be [Cout] = [{cout}], got {_s(shapes[2])}")
+        raise ShapeError(f"conv2d: bias must be [Cout] = [{cout}], got {list(shapes[2])}")
     (pt, pb), (pl, pr) = params.padding
     (dh, dw) = params.dilation
     for axis, size, lo, hi, k, d in (("height", h, pt, pb, kh, dh), ("width", wd, pl, pr, kw, dw)):
@@ -121,14 +102,6 @@ def dtype_rule(dtypes: tuple[DType, ...], params: Conv2DParams) -> DType:
     return x
 
 
-def window_index(hp: int, wp: int, kh: int, kw: int, ho: int, wo: int, params: Conv2DParams) -> np.ndarray:
-    """Flat positions in the padded [hp, wp] plane of every (kh, kw, oh, ow) tap, in that order."""
-    (sh, sw), (dh, dw) = params.stride, params.dilation
-    rows = (np.arange(kh)[:, None, None, None] * dh + np.arange(ho)[None, None, :, None] * sh) * wp
-    cols = np.arange(kw)[None, :, None, None] * dw + np.arange(wo)[None, None, None, :] * sw
-    return (rows + cols).reshape(-1).astype(np.int64)
-
-
 def decompose(inputs: list[Tensor], params: Conv2DParams) -> Tensor:
     """im2col: pad, gather every window with one IndexSelect, one MatMul per (batch, group)."""
     x, w = inputs[0], inputs[1]
@@ -139,7 +112,7 @@ def decompose(inputs: list[Tensor], params: Conv2DParams) -> Tensor:
     (pt, pb), (pl, pr) = params.padding
     xp = pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr))) if pt or pb or pl or pr else x
     hp, wp = h + pt + pb, wd + pl + pr
-    idx = as_tensor(window_index(hp, wp, kh, kw, ho, wo, params))
+    idx = as_tensor(tap_positions((kh, kw), (ho, wo), wp, params.stride, params.dilation))
     cols = xp.reshape(n, cin, hp * wp).index_select(2, idx).reshape(n, g, cg * kh * kw, ho * wo)
     out = (w.reshape(g, cout // g, cg * kh * kw) @ cols).reshape(n, cout, ho, wo)
     if len(inputs) == 3:
@@ -204,10 +177,7 @@ def conv2d(x: TensorLike, w: TensorLike, bias: TensorLike | None = None, stride:
     `((top, bottom), (left, right))` (asymmetric); bias `[Cout]` or None.
     """
     params = Conv2DParams(stride, padding, dilation, groups)
-    tx = as_tensor(x)
-    nodes = [tx.node, as_tensor(w, tx).node]
-    if bias is not None:
-        nodes.append(as_tensor(bias, tx).node)
+    nodes = operand_nodes(x, w) if bias is None else operand_nodes(x, w, bias)
     return Tensor(fused_node(FusedOps.CONV2D, nodes, params))
 
 

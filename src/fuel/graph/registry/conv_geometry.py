@@ -14,8 +14,10 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from fuel.errors import ParamError
-from fuel.graph.node import DynScalar
+import numpy as np
+
+from fuel.errors import ParamError, ShapeError
+from fuel.graph.node import DynScalar, Shape
 
 Pair = tuple[int, int]
 Padding = tuple[Pair, Pair]
@@ -75,6 +77,34 @@ def as_groups(op: str, v: Any) -> int:
     return g
 
 
+def canonicalise(params: Any, op: str) -> None:
+    """A convolution params' __post_init__ (a frozen dataclass): stride, padding, output_padding (where
+    the op has one), dilation and groups replaced by their canonical forms, each checked in that order."""
+    settle = object.__setattr__
+    settle(params, "stride", as_pair(op, "stride", params.stride, 1))
+    settle(params, "padding", as_padding(op, params.padding))
+    if hasattr(params, "output_padding"):
+        settle(params, "output_padding", as_pair(op, "output_padding", params.output_padding, 0))
+    settle(params, "dilation", as_pair(op, "dilation", params.dilation, 1))
+    settle(params, "groups", as_groups(op, params.groups))
+
+
+def check_ranks(op: str, x: Shape, w: Shape, w_layout: str) -> None:
+    """x `[N, Cin, H, W]` and a rank-4 w (`w_layout` names its axes in the message)."""
+    if len(x) != 4:
+        raise ShapeError(f"{op}: x must be [N, Cin, H, W], got {list(x)}")
+    if len(w) != 4:
+        raise ShapeError(f"{op}: w must be {w_layout}, got {list(w)}")
+
+
+def check_extents(op: str, x: Shape, w: Shape) -> None:
+    """A kernel of at least 1x1 taps and an x of at least 1x1 positions (rank-4 shapes)."""
+    if w[2] < 1 or w[3] < 1:
+        raise ShapeError(f"{op}: the kernel must be at least 1x1, w is {list(w)}")
+    if x[2] < 1 or x[3] < 1:
+        raise ShapeError(f"{op}: x's spatial size must be at least 1x1, x is {list(x)}")
+
+
 def conv_out(size: int, lo: int, hi: int, k: int, s: int, d: int) -> int:
     """Output length of a cross-correlation along one axis (the padded input holds the dilated kernel)."""
     return (size + lo + hi - d * (k - 1) - 1) // s + 1
@@ -84,6 +114,16 @@ def conv_rest(size: int, lo: int, hi: int, k: int, s: int, d: int) -> int:
     """Padded positions past the last window along one axis (0 <= rest < s): the output padding that
     makes the transposed convolution give back `size`."""
     return (size + lo + hi - d * (k - 1) - 1) % s
+
+
+def tap_positions(kernel: Pair, grid: Pair, width: int, stride: Pair, dilation: Pair) -> np.ndarray:
+    """Flat int64 positions in a plane `width` wide of every (kh, kw, i, j) tap, in that order: row
+    kh·dh + i·sh, column kw·dw + j·sw, for each kernel tap and each (i, j) of `grid`. Conv2D gathers its
+    windows there (grid: the output), ConvTranspose2D scatters its input's products there (grid: x)."""
+    (kh, kw), (gh, gw), (sh, sw), (dh, dw) = kernel, grid, stride, dilation
+    rows = (np.arange(kh)[:, None, None, None] * dh + np.arange(gh)[None, None, :, None] * sh) * width
+    cols = np.arange(kw)[None, :, None, None] * dw + np.arange(gw)[None, None, None, :] * sw
+    return (rows + cols).reshape(-1).astype(np.int64)
 
 
 def transpose_out(size: int, lo: int, hi: int, k: int, s: int, d: int, extra: int) -> int:

@@ -23,25 +23,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.errors import ParamError, ShapeError
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.registry.common import float_like_first, operand_nodes
 from fuel.graph.registry.conv_geometry import (
     Padding,
     Pair,
-    as_groups,
-    as_padding,
-    as_pair,
+    canonicalise,
+    check_extents,
+    check_ranks,
+    tap_positions,
     transpose_out,
 )
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
@@ -60,19 +54,11 @@ class ConvTranspose2DParams:
     groups: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stride", as_pair(NAME, "stride", self.stride, 1))
-        object.__setattr__(self, "padding", as_padding(NAME, self.padding))
-        object.__setattr__(self, "output_padding", as_pair(NAME, "output_padding", self.output_padding, 0))
-        object.__setattr__(self, "dilation", as_pair(NAME, "dilation", self.dilation, 1))
-        object.__setattr__(self, "groups", as_groups(NAME, self.groups))
+        canonicalise(self, NAME)
         for axis, op, s, d in zip(("height", "width"), self.output_padding, self.stride, self.dilation, strict=True):
             if op >= max(s, d):
                 raise ParamError(f"conv_transpose2d: output_padding {op} along the {axis} must be smaller than "
                                  f"max(stride {s}, dilation {d})")
-
-
-def _s(shape: Shape) -> str:
-    return str(list(shape))
 
 
 def output_hw(x: Shape, w: Shape, p: ConvTranspose2DParams) -> tuple[int, int]:
@@ -83,43 +69,24 @@ def output_hw(x: Shape, w: Shape, p: ConvTranspose2DParams) -> tuple[int, int]:
 
 def shape_rule(shapes: tuple[Shape, ...], params: ConvTranspose2DParams) -> Shape:
     x, w = shapes
-    if len(x) != 4:
-        raise ShapeError(f"conv_transpose2d: x must be [N, Cin, H, W], got {_s(x)}")
-    if len(w) != 4:
-        raise ShapeError(f"conv_transpose2d: w must be [Cin, Cout/groups, Kh, Kw], got {_s(w)}")
-    n, cin, h, wd = x
-    wc, cog, kh, kw = w
+    check_ranks(NAME, x, w, "[Cin, Cout/groups, Kh, Kw]")
+    n, cin = x[0], x[1]
+    wc, cog = w[0], w[1]
     g = params.groups
     if wc != cin:
         raise ShapeError(f"conv_transpose2d: w has {wc} input channels (its first dim), x has {cin}")
     if cin % g:
         raise ShapeError(f"conv_transpose2d: x has {cin} channels, which {g} groups do not divide")
-    if kh < 1 or kw < 1:
-        raise ShapeError(f"conv_transpose2d: the kernel must be at least 1x1, w is {_s(w)}")
-    if h < 1 or wd < 1:
-        raise ShapeError(f"conv_transpose2d: x's spatial size must be at least 1x1, x is {_s(x)}")
+    check_extents(NAME, x, w)
     ho, wo = output_hw(x, w, params)
     if ho < 1 or wo < 1:
-        raise ShapeError(f"conv_transpose2d: padding {list(params.padding)} crops the whole output of x {_s(x)} "
-                         f"with w {_s(w)} (it would be {ho}x{wo})")
+        raise ShapeError(f"conv_transpose2d: padding {list(params.padding)} crops the whole output of x {list(x)} "
+                         f"with w {list(w)} (it would be {ho}x{wo})")
     return (n, cog * g, ho, wo)
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: ConvTranspose2DParams) -> DType:
-    x, w = dtypes
-    if not x.is_float:
-        raise DTypeError(f"conv_transpose2d: x must be a float tensor, got {x.value}")
-    if w != x:
-        raise DTypeError(f"conv_transpose2d: w must have x's dtype {x.value}, got {w.value}")
-    return x
-
-
-def scatter_index(h: int, wd: int, kh: int, kw: int, wbuf: int, params: ConvTranspose2DParams) -> np.ndarray:
-    """Flat position in the uncropped [hbuf, wbuf] plane of every (kh, kw, ih, iw) tap, in that order."""
-    (sh, sw), (dh, dw) = params.stride, params.dilation
-    rows = (np.arange(kh)[:, None, None, None] * dh + np.arange(h)[None, None, :, None] * sh) * wbuf
-    cols = np.arange(kw)[None, :, None, None] * dw + np.arange(wd)[None, None, None, :] * sw
-    return (rows + cols).reshape(-1).astype(np.int64)
+    return float_like_first(NAME, ("x", "w"), dtypes)
 
 
 def decompose(inputs: list[Tensor], params: ConvTranspose2DParams) -> Tensor:
@@ -137,7 +104,8 @@ def decompose(inputs: list[Tensor], params: ConvTranspose2DParams) -> Tensor:
     wbuf = max((wd - 1) * sw + dw * (kw - 1) + 1, pl + wo)
     wt = w.reshape(g, cin // g, cog * kh * kw).transpose(-2, -1)  # [g, Cout/g·Kh·Kw, Cin/g]
     cols = (wt @ x.reshape(n, g, cin // g, h * wd)).reshape(n, cout, kh * kw * h * wd)
-    idx = as_tensor(scatter_index(h, wd, kh, kw, wbuf, params))
+    # Every (kh, kw, ih, iw) tap's position in the uncropped [hbuf, wbuf] plane.
+    idx = as_tensor(tap_positions((kh, kw), (h, wd), wbuf, params.stride, params.dilation))
     base = zeros((n, cout, hbuf * wbuf), x.dtype)
     acc = Tensor(make(Op.INDEX_ADD, (base.node, idx.node, cols.node), 2)) if n and cout else base
     return acc.reshape(n, cout, hbuf, wbuf)[:, :, pt:pt + ho, pl:pl + wo]
@@ -167,8 +135,7 @@ def conv_transpose2d(x: TensorLike, w: TensorLike, stride: Any = 1, padding: Any
     `((top, bottom), (left, right))`, cropped from the output.
     """
     params = ConvTranspose2DParams(stride, padding, output_padding, dilation, groups)
-    tx = as_tensor(x)
-    return Tensor(fused_node(FusedOps.CONV_TRANSPOSE2D, [tx.node, as_tensor(w, tx).node], params))
+    return Tensor(fused_node(FusedOps.CONV_TRANSPOSE2D, operand_nodes(x, w), params))
 
 
 ENTRY = FusedOpEntry(

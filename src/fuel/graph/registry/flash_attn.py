@@ -20,13 +20,7 @@ from fuel.dtype import DType
 from fuel.errors import DTypeError, NoDecomposition, ParamError, ShapeError
 from fuel.graph.functions import where
 from fuel.graph.node import DynScalar, Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, tensor
 
 

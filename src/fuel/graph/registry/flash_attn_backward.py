@@ -16,14 +16,7 @@ from fuel.dtype import DType
 from fuel.errors import ShapeError
 from fuel.graph.functions import pad
 from fuel.graph.node import DynScalar, Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOpId,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOpId, FusedOps, fused_node
 from fuel.graph.registry.flash_attn import (
     FlashAttnParams,
     attention_inputs,

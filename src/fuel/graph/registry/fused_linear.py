@@ -17,14 +17,7 @@ from dataclasses import dataclass
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.node import Node, Op, Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    Match,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 

@@ -24,13 +24,7 @@ import numpy as np
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 NAME = "inplace_affine"

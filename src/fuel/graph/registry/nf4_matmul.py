@@ -30,13 +30,7 @@ from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.functions import concat
 from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, tensor
 from fuel.quant.nf4 import NF4
 

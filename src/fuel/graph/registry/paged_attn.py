@@ -23,13 +23,7 @@ from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.functions import where
 from fuel.graph.node import Shape
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    fused_node,
-)
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
 from fuel.graph.registry.flash_attn import alibi_dtype, check_dtypes, repeat_heads
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, tensor, zeros
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.errors import ParamError, ShapeError
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps, fused_node, vjp_by_decomposition
-from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.registry.common import gradient_dtype, gradient_entry, operand_nodes
 from fuel.graph.tensor import Tensor, TensorLike, zeros
 
 NAME = "powi_backward"
@@ -45,12 +45,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: PowIBackwardParams) -> Shape:
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: PowIBackwardParams) -> DType:
-    x, g = dtypes
-    if not x.is_float:
-        raise DTypeError(f"{NAME}: x must be a float tensor, got {x.value}")
-    if g != x:
-        raise DTypeError(f"{NAME}: g is {g.value}, x is {x.value}")
-    return x
+    return gradient_dtype(NAME, dtypes, ("x", "g"))
 
 
 def decompose(inputs: list[Tensor], params: PowIBackwardParams) -> Tensor:

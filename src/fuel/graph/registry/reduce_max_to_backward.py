@@ -21,11 +21,11 @@ import math
 from dataclasses import dataclass
 
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ShapeError
+from fuel.errors import ShapeError
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make
 from fuel.graph.registry import FusedOps, fused_node, vjp_by_decomposition
-from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.registry.common import gradient_dtype, gradient_entry, operand_nodes
 from fuel.graph.shapes import reduce_to_axes
 from fuel.graph.tensor import Tensor, TensorLike
 
@@ -57,12 +57,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: ReduceMaxToBackwardParams) -> 
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: ReduceMaxToBackwardParams) -> DType:
-    x, g = dtypes
-    if not x.is_float:
-        raise DTypeError(f"{NAME}: x must be a float tensor, got {x.value}")
-    if g != x:
-        raise DTypeError(f"{NAME}: g is {g.value}, x is {x.value}")
-    return x
+    return gradient_dtype(NAME, dtypes, ("x", "g"))
 
 
 def decompose(inputs: list[Tensor], params: ReduceMaxToBackwardParams) -> Tensor:

@@ -14,10 +14,11 @@ from typing import ClassVar
 import numpy as np
 
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.errors import ParamError, ShapeError
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import keepdim_last, only_used_once, unbroadcast
 from fuel.graph.registry import BackwardKind, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
+from fuel.graph.registry.common import gradient_dtype
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 # ---- shared by the norm family ---------------------------------------------------------------
@@ -67,14 +68,8 @@ def norm_shape_rule(shapes: tuple[Shape, ...], params: NormParams) -> Shape:
 
 
 def norm_dtype_rule(dtypes: tuple[DType, ...], params: NormParams) -> DType:
-    """Float x; every other input of x's dtype."""
-    op, x = params.OP, dtypes[0]
-    if not x.is_float:
-        raise DTypeError(f"{op}: x must be a float tensor, got {x.value}")
-    for d in dtypes[1:]:
-        if d != x:
-            raise DTypeError(f"{op}: upstream gradient is {d.value}, x is {x.value}")
-    return x
+    """Float x; the backward entries' upstream gradient of x's dtype."""
+    return gradient_dtype(params.OP, dtypes, ("x", "upstream gradient"))
 
 
 def square_of(sq: Node, v: Node) -> bool:

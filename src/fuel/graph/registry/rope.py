@@ -12,19 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ShapeError
+from fuel.errors import ShapeError
 from fuel.graph.functions import concat
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import unbroadcast
-from fuel.graph.registry import (
-    NOT_DIFFERENTIABLE,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    Match,
-    fused_node,
-)
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
+from fuel.graph.registry.common import float_like_first, operand_nodes
+from fuel.graph.tensor import Tensor, TensorLike
 
 
 @dataclass(frozen=True)
@@ -46,12 +40,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: RopeParams) -> Shape:
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: RopeParams) -> DType:
-    x, cos, sin = dtypes
-    if not x.is_float:
-        raise DTypeError(f"rope: x must be a float tensor, got {x.value}")
-    if cos != x or sin != x:
-        raise DTypeError(f"rope: cos and sin must have x's dtype {x.value}, got {cos.value} and {sin.value}")
-    return x
+    return float_like_first("rope", ("x", "cos", "sin"), dtypes)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -144,9 +133,7 @@ def vjp(inputs: list[Tensor], params: RopeParams, out: Tensor, grad_out: Tensor)
 
 def rope(x: TensorLike, cos: TensorLike, sin: TensorLike) -> Tensor:
     """x·cos + rotate_half(x)·sin; x `[..., S, D]`, cos and sin `[S, D]` in x's dtype."""
-    tx = as_tensor(x)
-    nodes = [tx.node, as_tensor(cos, tx).node, as_tensor(sin, tx).node]
-    return Tensor(fused_node(FusedOps.ROPE, nodes, RopeParams()))
+    return Tensor(fused_node(FusedOps.ROPE, operand_nodes(x, cos, sin), RopeParams()))
 
 
 ENTRY = FusedOpEntry(

@@ -28,7 +28,8 @@ from fuel.graph.functions import concat, where
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make, views
 from fuel.graph.registry import DECOMPOSE, FusedOpEntry, FusedOpFamily, FusedOps, fused_views
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
+from fuel.graph.registry.common import operand_nodes
+from fuel.graph.tensor import Tensor, TensorLike, zeros
 
 NAME = "selective_scan"
 
@@ -120,8 +121,7 @@ def vjp(inputs: list[Tensor], params: SelectiveScanParams, outs: tuple[Tensor, .
 def selective_scan(u: TensorLike, delta: TensorLike, a: TensorLike, b: TensorLike, c: TensorLike,
                    delta_softplus: bool = False) -> tuple[Tensor, Tensor]:
     """Mamba-1 selective scan: `(y [B, L, dim], last_state [B, dim, dstate])`."""
-    tu = as_tensor(u)
-    nodes = [tu.node, *(as_tensor(x, tu).node for x in (delta, a, b, c))]
+    nodes = operand_nodes(u, delta, a, b, c)
     y, last = fused_views(FusedOps.SELECTIVE_SCAN, nodes, SelectiveScanParams(delta_softplus))
     return y, last
 

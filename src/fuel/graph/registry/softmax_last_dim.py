@@ -9,14 +9,7 @@ from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
-from fuel.graph.registry import (
-    BackwardKind,
-    FusedOpEntry,
-    FusedOpFamily,
-    FusedOps,
-    Match,
-    fused_node,
-)
+from fuel.graph.registry import BackwardKind, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
 

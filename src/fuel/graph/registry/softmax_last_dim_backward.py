@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ShapeError
+from fuel.errors import ShapeError
 from fuel.graph.node import Node, Op, Shape
 from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
 from fuel.graph.registry import FusedOps, Match, fused_node, vjp_by_decomposition
-from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.registry.common import gradient_dtype, gradient_entry, operand_nodes
 from fuel.graph.tensor import Tensor, TensorLike
 
 
@@ -29,12 +29,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: SoftmaxLastDimBackwardParams) 
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: SoftmaxLastDimBackwardParams) -> DType:
-    y, g = dtypes
-    if not y.is_float:
-        raise DTypeError(f"softmax_last_dim_backward: y must be a float tensor, got {y.value}")
-    if g != y:
-        raise DTypeError(f"softmax_last_dim_backward: upstream gradient is {g.value}, y is {y.value}")
-    return y
+    return gradient_dtype("softmax_last_dim_backward", dtypes, ("y", "upstream gradient"))
 
 
 def decompose(inputs: list[Tensor], params: SoftmaxLastDimBackwardParams) -> Tensor:

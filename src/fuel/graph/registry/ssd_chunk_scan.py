@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from fuel.dtype import DType
-from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.errors import ParamError, ShapeError
 from fuel.graph.functions import concat
 from fuel.graph.node import Op, Shape
 from fuel.graph.prims import make, views
 from fuel.graph.registry import DECOMPOSE, FusedOpEntry, FusedOpFamily, FusedOps, fused_views
-from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
+from fuel.graph.registry.common import float_like_first, operand_nodes
+from fuel.graph.tensor import Tensor, TensorLike, zeros
 
 NAME = "ssd_chunk_scan"
 
@@ -65,13 +66,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: SsdChunkScanParams) -> Shape:
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: SsdChunkScanParams) -> DType:
-    x = dtypes[0]
-    if not x.is_float:
-        raise DTypeError(f"ssd_chunk_scan: x must be a float tensor, got {x.value}")
-    if any(d != x for d in dtypes[1:]):
-        raise DTypeError(f"ssd_chunk_scan: dt, a, b and c must have x's dtype {x.value}, got "
-                         f"{', '.join(d.value for d in dtypes[1:])}")
-    return x
+    return float_like_first(NAME, ("x", "dt", "a", "b", "c"), dtypes)
 
 
 def output_views(shapes: tuple[Shape, ...], dtypes: tuple[DType, ...],
@@ -113,8 +108,7 @@ def ssd_chunk_scan(x: TensorLike, dt: TensorLike, a: TensorLike, b: TensorLike, 
                    chunk_size: int) -> tuple[Tensor, Tensor]:
     """Mamba-2 SSD scan: x `[B, L, H, P]`, dt `[B, L, H]`, a `[H]`, b, c `[B, L, H, N]` ->
     `(y [B, L, H, P], last_state [B, H, P, N])`."""
-    tx = as_tensor(x)
-    nodes = [tx.node] + [as_tensor(t, tx).node for t in (dt, a, b, c)]
+    nodes = operand_nodes(x, dt, a, b, c)
     y, last = fused_views(FusedOps.SSD_CHUNK_SCAN, nodes, SsdChunkScanParams(chunk_size))
     return y, last
 
