@@ -1,7 +1,7 @@
 """LayerNormLastDimBackward (id 8): dx of LayerNormLastDim from its input x and the upstream g.
 
 With xhat = (x − mean)·istd, istd = rsqrt(var + eps): dx = istd·(g − mean(g) − xhat·mean(g·xhat)).
-Only autograd emits it; its own gradient differentiates the decomposition (higher-order grads).
+LayerNormLastDim's vjp emits it; its own gradient differentiates the decomposition (higher-order grads).
 """
 
 from __future__ import annotations

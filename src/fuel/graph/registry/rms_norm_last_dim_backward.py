@@ -1,7 +1,7 @@
 """RmsNormLastDimBackward (id 9): dx of RmsNormLastDim from its input x and the upstream gradient g.
 
 With r = rsqrt(mean(x²) + eps): dx = r·(g − x·Σ(g·x) / (n·(mean(x²) + eps))), n = x's last dim.
-Only autograd emits it; its own gradient differentiates the decomposition (higher-order grads).
+RmsNormLastDim's vjp emits it; its own gradient differentiates the decomposition (higher-order grads).
 """
 
 from __future__ import annotations
