@@ -236,38 +236,61 @@ def test_plan_cache_and_pool_serve_two_threads(rng: np.random.Generator) -> None
     assert not errors, errors[0]
 
 
-def test_small_work_runs_serially_and_large_work_in_parallel() -> None:
-    """Thresholds (threads.py): worker threads past 150 µs of estimated work, Numba's pool past 2 ms."""
-    sizes = [1, 512, 16384]  # rows of 576: ~0.2 µs, ~200 µs, ~6 ms
-    tensors = [fl.ops.rms_norm_last_dim(fl.tensor(np.ones((r, 576), np.float32)), 1e-6) for r in sizes]
-    executor.clear_plan_cache()
-    for t in tensors:
-        fl.realize(t)
-    steps = [p.steps[0] for p in executor._PLANS.values()]
-    assert [(s.serial, s.inline) for s in steps] == [(True, True), (True, False), (False, False)]
+def _parts_posted(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The part count of every job `jobs.run` posts from now on."""
+    from fuel.runtime import pool
+
+    seen: list[int] = []
+    run_address = pool.run_address
+    monkeypatch.setattr(pool, "run_address", lambda task, args, parts: (seen.append(parts),
+                                                                        run_address(task, args, parts))[1])
+    return seen
+
+
+def test_small_work_runs_in_the_calling_thread_and_large_work_in_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runtime picks each job's part count from its one-core estimate (`pool.parts_for`): one part for a
+    decode-sized row, several for many rows, the same bytes as one part."""
+    seen = _parts_posted(monkeypatch)
+    before = fl.get_num_threads()
+    try:
+        fl.set_num_threads(2)
+        outs = []
+        for rows in (1, 16384):
+            x = np.random.default_rng(rows).standard_normal((rows, 576)).astype(np.float32)
+            outs.append(fl.ops.rms_norm_last_dim(fl.tensor(x), 1e-6).numpy())
+            with fl.serial():
+                assert fl.ops.rms_norm_last_dim(fl.tensor(x), 1e-6).numpy().tobytes() == outs[-1].tobytes()
+    finally:
+        fl.set_num_threads(before)
+    assert seen[0] == 1 and seen[1] == 1 and seen[2] > 1 and seen[3] == 1
 
 
 def test_a_step_with_a_dyn_k_len_is_sized_with_the_bound_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Decode attention over a big cache: serial while few rows are live, parallel once many are, same
-    bytes either way (the serial path is the parallel kernel on one thread)."""
-    from fuel.runtime import threads
-
+    """Decode attention over a big cache: one part while few rows are live, several once many are, the same
+    bytes as one part either way."""
     rng = np.random.default_rng(0)
     cap = 8192
     q = rng.standard_normal((1, 8, 1, 64)).astype(np.float32)
     k, v = (rng.standard_normal((1, 8, cap, 64)).astype(np.float32) for _ in range(2))
-    step = fl.jit(lambda q, k, v: fl.ops.flash_attn(q, k, v, k_len=fl.dyn("n")))
-    seen: list[bool] = []
-    use_serial = threads.use_serial
-    monkeypatch.setattr(threads, "use_serial", lambda s, *rest: (seen.append(s), use_serial(s, *rest))[1])
-    few = step(q, k, v, n=4).numpy()
-    assert seen[0] is True
-    seen.clear()
-    many = step(q, k, v, n=cap).numpy()
-    assert seen[0] is False
-    with threads.serial():
-        assert np.array_equal(step(q, k, v, n=cap).numpy(), many)
-    assert np.array_equal(step(q, k, v, n=4).numpy(), few)
+
+    def attend(n: int) -> np.ndarray:
+        y = fl.ops.flash_attn(fl.tensor(q), fl.tensor(k), fl.tensor(v), k_len=fl.dyn("n"))
+        return fl.realize(y, env={"n": n})[0].numpy()
+
+    seen = _parts_posted(monkeypatch)
+    before = fl.get_num_threads()
+    try:
+        fl.set_num_threads(2)
+        few = attend(4)
+        assert seen == [1]
+        seen.clear()
+        many = attend(cap)
+        assert seen and seen[0] > 1
+        with fl.serial():
+            assert attend(cap).tobytes() == many.tobytes()
+            assert attend(4).tobytes() == few.tobytes()
+    finally:
+        fl.set_num_threads(before)
 
 
 def _softmax_plan() -> tuple[executor.Plan, list[np.ndarray]]:
