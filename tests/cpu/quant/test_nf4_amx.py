@@ -40,7 +40,8 @@ from fuel.testing.oracle import assert_close_contraction
 RAN = amx.available()  # what `forward` must return wherever its inputs qualify
 AVX512BW = bool(binding.get_host_cpu_features().get("avx512bw"))
 F32_TINY = np.float32(2.0**-126)  # the smallest normal f32: the tiles flush what lies below
-# nf4_amx's documented error against float64, as a fraction of |x| @ |dequant(W)|ᵀ, measured at K = 4096.
+# nf4_amx's measured error against float64, as a fraction of |x| @ |dequant(W)|ᵀ, at K = 4096
+# (docs/performance/nf4.md, "nf4_amx"); the guaranteed bound is `nf4_amx.error_bound`.
 DOCUMENTED_ERROR = {64: 4e-8, 256: 8.2e-8}
 
 
@@ -262,6 +263,21 @@ def test_the_documented_error_at_k_4096(bs: int) -> None:
     ref, scale = _oracle(x, w)
     worst = float(np.max(np.abs(got - ref) / scale))
     assert worst <= 1.5 * DOCUMENTED_ERROR[bs], f"{worst:.3g} of |x| @ |W|ᵀ"
+
+
+@pytest.mark.parametrize(("k", "bs"), [(256, 256), (4096, 64), (2048, 256)], ids=str)
+def test_the_guaranteed_bound_holds(k: int, bs: int) -> None:
+    """The emulated arithmetic within `nf4_amx.error_bound` of float64, per element: for activations of
+    random sign, and for activations whose signs match W row 0's codes (that row's products all positive,
+    so its rounded chains grow the longest in magnitude)."""
+    rng = np.random.default_rng(k + bs)
+    w = _weight(rng, 32, k, bs)
+    aligned = rng.uniform(0.5, 1.0, (16, k)) * np.where(w.units[0] < 0, -1.0, 1.0)
+    for x in (rng.standard_normal((16, k)).astype(np.float32), aligned.astype(np.float32)):
+        got = _emulate(x, w)
+        ref, scale = _oracle(x, w)
+        err = np.abs(got.astype(np.float64) - ref) / scale
+        assert (err <= nf4_amx.error_bound(k, bs)).all(), f"{float(err.max()):.3g} of |x| @ |W|ᵀ"
 
 
 @pytest.mark.parametrize(("dt", "pieces"), [(DType.F16, 2), (DType.BF16, 1)], ids=["f16", "bf16"])

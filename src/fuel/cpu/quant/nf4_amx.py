@@ -4,12 +4,21 @@
 block as `out[m, n] = Σ_b absmax[n, b] · Σ_{k in b} x[m, k] · NF4[code[n, k]]`. The inner sums run on the
 tiles in bf16 pieces with f32 sums: every f32 is the exact sum of three bf16 (`split3`: the nearest bf16,
 then the nearest bf16 to what is left, then the rest, which fits), so `x · t = Σ_{i,j} x_i · t_j` exactly,
-and the six products with i + j <= 2 are kept; the three dropped ones are below 2^-24 of |x·t| together.
-Each tile product adds exact bf16 x bf16 products into f32, rounding each sum, so an inner sum carries the
-rounding of an f32 FMA chain over its 6·bs products, and each block's sum is scaled by its absmax and
-added with one FMA (AVX-512) in block order. bf16 activations are one piece (three products), f16 two
-(five). Measured error against a float64 dequantise-then-matmul: at most 8.2e-8 of |x| @ |dequant(W)|ᵀ
-(bs = 256; 4e-8 at 64).
+and the six products with i + j <= 2 are kept. Each tile product adds exact bf16 x bf16 products into
+f32, rounding each sum, so a block's inner sum is one rounded f32 chain over its 6·bs products, and each
+block's sum is scaled by its absmax and added with one FMA (AVX-512) in block order. bf16 activations are
+one piece (three products), f16 two (five): their products are exact.
+
+The guaranteed bound, with u = 2^-24 and S = |x| @ |dequant(W)|ᵀ (dequant(W) unrounded, as bitsandbytes'
+f32 dequantisation rounds it once more, by at most u·S):
+    |out - x @ dequant(W)ᵀ| <= 1.02 · (6·bs + K/bs + 1) · u · S.
+Why: a dropped product x_i·t_j (i + j >= 3) has |x_1|, |t_1| <= 2^-8 and |x_2|, |t_2| <= 2^-16 of |x|, |t|,
+so the three together are at most (2 + 2^-8)·u·|x|·|t|; a rounded chain of L terms errs by at most
+γ(L-1)·Σ|terms| (γ(n) = n·u / (1 - n·u)), and the kept pieces' magnitudes sum to at most 1.016·|x|·|t|:
+(6·bs - 1)·u·1.016·S for the inner sums, K/bs·u·1.016·S for the FMA chain over the blocks; the factor
+1.02 covers these constants and the second-order terms. It holds where the tiles flush nothing, which
+is what the range checks below ensure. Typical errors are far smaller (docs/performance/nf4.md,
+"nf4_amx").
 
 The tiles treat denormal inputs and results as zero, so the path is taken only where every nonzero
 activation lies between `TINY` and `HUGE` in magnitude (`split_activations` reports it; NaN, Inf and
@@ -40,8 +49,9 @@ from fuel.cpu.simd import amx
 from fuel.cpu.simd.simd16 import fmas, prefetch, vload, vstore
 from fuel.cpu.simd.vecmath import bf16_to_f32, f32_to_bf16
 from fuel.quant.nf4 import NF4
-from fuel.runtime import pool
-from fuel.runtime.atomics import pointer
+from fuel.runtime import jobs, pool, threads
+from fuel.runtime.atomics import claim_slot, pointer, release_slot
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 PIECES = 3  # bf16 pieces of an f32
 GROUP = 64  # k per group: two tile steps of 32 (its even k, then its odd k)
@@ -51,11 +61,17 @@ HUGE = np.float32(2.0**100)  # and so do those above this
 _TILE = amx.ROWS * amx.ROW_BYTES // 2  # 16-bit elements in a tile
 _STEP = PIECES * 2 * _TILE  # a step's W tiles: pieces x two W tiles
 _A_GROUP = 2 * _STEP  # a group's W tiles: two steps
-MACS_PER_SECOND = 60e9  # about one core's rate at 4096 x 4096, 64 rows, f32 (for the split over threads)
+SPLIT_SECONDS_PER_VALUE = 2e-9  # one core's time to split an activation into its pieces
+MACS_PER_SECOND = 60e9  # about one core's rate on the tiles, f32 (for the part count)
 SKEW = 17 * 64  # bytes between scratch areas that would otherwise sit a multiple of 4 KiB apart
-# How far past the bytes it decodes a decoding prefetches its W row: two lines (at 64 bytes, the next line,
-# the products took 1.09x the time: 4096², 64 rows, two threads, interleaved in one process on a Xeon).
+# How far past the bytes it decodes a decoding prefetches its W row: two lines, not the next one
+# (docs/performance/nf4.md, "nf4_amx").
 W_AHEAD = 128
+
+
+def error_bound(k: int, bs: int) -> float:
+    """The module's guaranteed bound on |out - x @ dequant(W)ᵀ|, as a fraction of |x| @ |dequant(W)|ᵀ."""
+    return 1.02 * (6 * bs + k // bs + 1) * 2.0**-24
 
 
 def split3(v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -115,14 +131,18 @@ def _split_tile(x: Any, t: int, tiles: int, out: Any, loc: Any) -> bool:
     return True
 
 
+# `split_activations`' record: x [rows, k], the activation tiles and their count, a flag a tile.
+SPLIT_ARGS = jobs.record(x=ADDRESS, rows=INT, k=INT, out=ADDRESS, tiles=INT, flags=ADDRESS)
+
+
 @pool.task()
 def _split_part(part: int, parts: int, argv: int) -> None:
-    """Part `part` of `split_activations`' tiles (argv: x, its rows, K, the tiles, their count, flags)."""
-    v = carray(pointer(argv, np.int64), (6,))
-    x = carray(pointer(v[0], np.float32), (v[1], v[2]))
-    tiles = v[4]
-    out = carray(pointer(v[3], np.uint16), (v[2] // GROUP * 2 * PIECES * tiles * _TILE,))
-    flags = carray(pointer(v[5], np.int64), (tiles,))
+    """Part `part` of `split_activations`' tiles."""
+    v = record_at(argv, SPLIT_ARGS)
+    x = carray(pointer(v.x, np.float32), (v.rows, v.k))
+    tiles = v.tiles
+    out = carray(pointer(v.out, np.uint16), (v.k // GROUP * 2 * PIECES * tiles * _TILE,))
+    flags = carray(pointer(v.flags, np.int64), (tiles,))
     loc = np.empty((PIECES, amx.ROWS, GROUP), np.uint16)
     for t in range(part * tiles // parts, (part + 1) * tiles // parts):
         flags[t] = 0 if _split_tile(x, t, tiles, out, loc) else 1
@@ -133,8 +153,9 @@ def split_activations(x: np.ndarray, tiles: int, out: np.ndarray) -> bool:
     + s] (zero past x's rows), for `tiles` tiles of 16 rows, the tiles split over threads. False (out
     unfinished) where x holds a NaN or a nonzero value outside [`TINY`, `HUGE`] in magnitude."""
     flags = np.zeros(tiles, np.int64)
-    argv = np.array([x.ctypes.data, x.shape[0], x.shape[1], out.ctypes.data, tiles, flags.ctypes.data], np.int64)
-    pool.run(_split_part, argv, pool.parts_for(x.size * 2e-9, tiles))
+    argv = jobs.argv_of(SPLIT_ARGS)
+    argv[0] = (x.ctypes.data, x.shape[0], x.shape[1], out.ctypes.data, tiles, flags.ctypes.data)
+    jobs.run(jobs.job(_split_part, argv, x.size * SPLIT_SECONDS_PER_VALUE, tiles))
     return not flags.any()
 
 
@@ -170,10 +191,13 @@ def _decode_group(typingctx: Any, src: Any, dst: Any, tables: Any) -> Any:
 decode_group: Any = _decode_group
 
 
-# The job's argv fields.
-W_AT, N_ROWS, ROW_BYTES, ABSMAX_AT, BLOCKS, BLOCK, X_AT, X_TILES, M_ROWS, OUT_AT, SCRATCH_AT, PART_BYTES, \
-    TABLES_AT, CONFIG_AT, X_PIECES = range(15)
-_FIELDS = 15
+# The product job's record: W's packed rows (n of row_bytes), absmax [n, blocks], `block` codes a block; the
+# activation tiles (x_tiles of them, for m_rows rows of x_pieces pieces); out [m_rows, n]; the parts'
+# scratch slots (part_bytes each, claimed by a part while it runs); the decoding tables and the tile
+# configuration.
+AMX_ARGS = jobs.record(w=ADDRESS, n=INT, row_bytes=INT, absmax=ADDRESS, blocks=INT, block=INT, x=ADDRESS,
+                       x_tiles=INT, m_rows=INT, out=ADDRESS, scratch=ADDRESS, part_bytes=INT, tables=ADDRESS,
+                       config=ADDRESS, x_pieces=INT, claims=ADDRESS, slots=INT)
 
 
 @njit(inline="always", cache=True)
@@ -200,8 +224,8 @@ def _x_tile(x_at: int, tiles: int, step: int, pb: int, t: int) -> int:
 def _decode_row(v: Any, w_at: int, n0: int, b: int, groups: int, i: int, g: int) -> None:
     """The W tiles at w_at <- group g of block b of W row n0 + i (zero past W's rows)."""
     at = g * _A_GROUP + i * 32
-    if n0 + i < v[N_ROWS]:
-        decode_group(v[W_AT] + (n0 + i) * v[ROW_BYTES] + (b * v[BLOCK] + GROUP * g) // 2, w_at + 2 * at, v[TABLES_AT])
+    if n0 + i < v.n:
+        decode_group(v.w + (n0 + i) * v.row_bytes + (b * v.block + GROUP * g) // 2, w_at + 2 * at, v.tables)
         return
     tiles = carray(pointer(w_at, np.uint16), (groups * _A_GROUP,))
     for s in range(2):
@@ -236,12 +260,12 @@ def _side(v: Any, j: int, next_w: int, n0: int, b: int, groups: int, last_sums: 
     if j < ROWS * groups:
         i, g = j // groups, j % groups
         if b + 1 < nb:
-            at = ((b + 1) * v[BLOCK] + GROUP * g) // 2 + W_AHEAD
-            if at < v[ROW_BYTES] and n0 + i < v[N_ROWS]:
-                prefetch(wbytes, (n0 + i) * v[ROW_BYTES] + at)
+            at = ((b + 1) * v.block + GROUP * g) // 2 + W_AHEAD
+            if at < v.row_bytes and n0 + i < v.n:
+                prefetch(wbytes, (n0 + i) * v.row_bytes + at)
             _decode_row(v, next_w, n0, b + 1, groups, i, g)
     elif b > 0:
-        _scale_row(last_sums, absmax, n0, b - 1, v[X_TILES], acc, j - ROWS * groups)
+        _scale_row(last_sums, absmax, n0, b - 1, v.x_tiles, acc, j - ROWS * groups)
 
 
 @njit(inline="always", cache=True)
@@ -253,8 +277,8 @@ def _products(v: Any, w_at: int, b: int, groups: int, sums_at: int, next_w: int,
     waited behind the products in the reorder buffer and took their time on top. Each operand tile is
     loaded for the next product as soon as this product's last reader of it is issued, so its load
     overlaps the products still to run."""
-    tiles, x_pieces = v[X_TILES], v[X_PIECES]
-    x_at = v[X_AT] + b * groups * 2 * 2 * PIECES * tiles * _TILE
+    tiles, x_pieces = v.x_tiles, v.x_pieces
+    x_at = v.x + b * groups * 2 * 2 * PIECES * tiles * _TILE
     count = groups * 2 * (3 if x_pieces == 1 else 5 if x_pieces == 2 else 6)
     pairs = (tiles + 1) // 2
     sides = ROWS * groups + ROWS
@@ -318,19 +342,20 @@ def _part(part: int, parts: int, argv: int) -> None:
     block by block, software-pipelined so that the vector work overlaps the tile products: between block
     b's products, block b + 1 is decoded and block b - 1's sums are scaled by absmax into an f32
     accumulator (W rows x activation rows), written out transposed at the end."""
-    v = carray(pointer(argv, np.int64), (_FIELDS,))
-    n, nb, bs, tiles, m_rows = v[N_ROWS], v[BLOCKS], v[BLOCK], v[X_TILES], v[M_ROWS]
-    absmax = carray(pointer(v[ABSMAX_AT], np.float32), (n, nb))
-    out = carray(pointer(v[OUT_AT], np.float32), (m_rows, n))
+    v = record_at(argv, AMX_ARGS)
+    n, nb, bs, tiles, m_rows = v.n, v.blocks, v.block, v.x_tiles, v.m_rows
+    absmax = carray(pointer(v.absmax, np.float32), (n, nb))
+    out = carray(pointer(v.out, np.float32), (m_rows, n))
     groups = bs // GROUP
     width = amx.ROWS * tiles
     w_bytes, s_bytes, acc_at, _ = _layout(groups, tiles)
-    scratch = v[SCRATCH_AT] + part * v[PART_BYTES]
+    slot = claim_slot(v.claims, v.slots)
+    scratch = v.scratch + slot * v.part_bytes
     sums_at = scratch + 2 * w_bytes
     acc = carray(pointer(scratch + acc_at, np.float32), (ROWS * width,))
     pairs = (n + ROWS - 1) // ROWS
-    wbytes = carray(pointer(v[W_AT], np.uint8), (n * v[ROW_BYTES],))
-    amx.tile_config(v[CONFIG_AT])
+    wbytes = carray(pointer(v.w, np.uint8), (n * v.row_bytes,))
+    amx.tile_config(v.config)
     for q in range(part * pairs // parts, (part + 1) * pairs // parts):
         n0 = ROWS * q
         acc[:] = 0
@@ -342,10 +367,11 @@ def _part(part: int, parts: int, argv: int) -> None:
                       scratch + ((b + 1) % 2) * w_bytes, n0, sums_at + ((b + 1) % 2) * s_bytes, absmax, acc, wbytes)
         for i in range(ROWS):
             _scale_row(sums_at + ((nb - 1) % 2) * s_bytes, absmax, n0, nb - 1, tiles, acc, i)
-        for m in range(m_rows):  # each output row's 32 floats together (a column at a time took 1.04x the time)
+        for m in range(m_rows):  # each output row's 32 floats together: a column at a time is slower
             for i in range(min(ROWS, n - n0)):
                 out[m, n0 + i] = acc[i * width + m]
     amx.tile_release()
+    release_slot(v.claims, v.slots, slot)
 
 
 def forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray, x_pieces: int) -> bool:
@@ -361,11 +387,13 @@ def forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.n
     if not split_activations(x, tiles, x_tiles):
         return False
     pairs = -(-n // ROWS)
-    parts = pool.parts_for(rows * n * k / MACS_PER_SECOND, pairs)
     part_bytes = _layout(bs // GROUP, tiles)[3]
-    scratch = amx.aligned_empty(parts * part_bytes, np.uint8)
-    argv = np.array([w.ctypes.data, n, w.shape[1], absmax.ctypes.data, absmax.shape[1], bs, x_tiles.ctypes.data,
-                     tiles, rows, out.ctypes.data, scratch.ctypes.data, part_bytes, TABLES.ctypes.data,
-                     CONFIG.ctypes.data, x_pieces], np.int64)
-    pool.run(_part, argv, parts)
+    slots = min(pairs, threads.get_num_threads())  # a running part holds one; more parts at once wait for one
+    scratch = amx.aligned_empty(slots * part_bytes, np.uint8)
+    claims = np.zeros(slots, np.int64)
+    argv = jobs.argv_of(AMX_ARGS)
+    argv[0] = (w.ctypes.data, n, w.shape[1], absmax.ctypes.data, absmax.shape[1], bs, x_tiles.ctypes.data, tiles,
+               rows, out.ctypes.data, scratch.ctypes.data, part_bytes, TABLES.ctypes.data, CONFIG.ctypes.data, x_pieces,
+               claims.ctypes.data, slots)
+    jobs.run(jobs.job(_part, argv, rows * n * k / MACS_PER_SECOND, pairs, keep=(x_tiles, scratch, claims)))
     return True
