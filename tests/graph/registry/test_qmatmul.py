@@ -13,6 +13,7 @@ from fuel.cpu.quant import qmatmul as kernel_module
 from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
+from fuel.runtime import jobs, pool
 from fuel.testing.contract import numba_threads, thread_counts
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
@@ -238,17 +239,35 @@ def test_same_bytes_at_any_thread_count(qt: QuantType, m: int) -> None:
 @pytest.mark.parametrize("qt", [QuantType.Q4_1, QuantType.Q8_0, QuantType.Q4K], ids=lambda q: q.ggml_name)
 @pytest.mark.parametrize("m", [1, 3])
 def test_decode_kernel_same_bytes_on_any_threads(qt: QuantType, m: int) -> None:
-    """The decode kernel itself, called directly (no serial decision by the executor), on 1 and 2 Numba
-    threads: each row is one fixed sequence of operations, whichever chunk and pair it falls in."""
+    """The decode kernel itself, called directly (no serial decision by the executor), on 1 and 2 threads,
+    and its job cut into 1, 2, 3 and 7 parts: each row is one fixed sequence of operations, whichever
+    chunk, pair and part it falls in."""
     k, n = 512, 1001
-    raw, _, _ = weight(21, qt, n, k)
+    raw, _, deq = weight(21, qt, n, k)
     a = np.random.default_rng(22).standard_normal((m, k)).astype(np.float32)
     results = []
-    for threads in thread_counts():
-        with numba_threads(threads):
+    before = fl.get_num_threads()
+    try:
+        for threads in thread_counts():
+            fl.set_num_threads(threads)
             out = np.zeros((m, n), np.float32)
             kernel_module.gemv(qt, a, raw, out)
             results.append(out.tobytes())
+    finally:
+        fl.set_num_threads(before)
+    check(out, a, deq)
+    for parts in (1, 2, 3, 7):
+        out = np.zeros((m, n), np.float32)
+        if m > 1:
+            steps: tuple[jobs.Job, ...] = (gguf_decode.many_rows_job(qt, a, raw, out),)
+        elif (one := gguf_decode.one_row_job(qt, a, raw, out)) is not None:
+            steps = (one,)
+        else:
+            permute, table, _keep = gguf_decode.table_jobs(qt, a, raw, out)
+            steps = (permute, table)
+        for step in steps:
+            pool.run_address(step.task, step.args, parts if step is steps[-1] else 1)
+        results.append(out.tobytes())
     assert len(set(results)) == 1
 
 

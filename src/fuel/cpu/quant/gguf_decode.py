@@ -41,7 +41,7 @@ def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.J
     arrays (`fuel.runtime.jobs`); None otherwise (several rows, or a table kernel, which reads a per-call
     permuted copy of a)."""
     if a.shape[0] != 1:
-        jobs.run(_job(GGUF[qt].many, a, w, out))
+        jobs.run(many_rows_job(qt, a, w, out))
         return None
     launch = one_row_job(qt, a, w, out)
     if launch is None:  # a table kernel
@@ -72,6 +72,11 @@ def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) ->
     if USE_WORDS and qt in WORD_KERNELS:
         return _job(WORD_KERNELS[qt], a, w, out)
     return _job(GGUF[qt].one, a, w, out)
+
+
+def many_rows_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job:
+    """The job of 2 <= m <= DECODE_ROWS activation rows a [m, k] against w into out [m, n]."""
+    return _job(GGUF[qt].many, a, w, out)
 
 
 def _job(task: Any, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job:
