@@ -274,7 +274,7 @@ def _products(v: Any, w_at: int, b: int, groups: int, sums_at: int, next_w: int,
     """Block b's sums for the decoded W tiles at w_at against every pair of activation tiles, stored at
     sums_at (4 KiB a pair: W tile 0 x t, W tile 0 x t + 1, W tile 1 x t, W tile 1 x t + 1), with the side
     jobs (`_side`) spread between its tile products: issued after the products as whole loops, they
-    waited behind the products in the reorder buffer and took their time on top. Each operand tile is
+    would wait behind the products in the reorder buffer and add their time to theirs. Each operand tile is
     loaded for the next product as soon as this product's last reader of it is issued, so its load
     overlaps the products still to run."""
     tiles, x_pieces = v.x_tiles, v.x_pieces

@@ -2,39 +2,32 @@
 
 A weight value is `NF4[code] * absmax`, rounded once to f32 (bitsandbytes' dequantisation, bit for
 bit). The 16-entry table lookup is what makes NF4 slow in plain loops (a scalar load or a gather per
-element; measured 7 ms single-threaded for a 4096² GEMV): here the table is held in vector registers and
-looked up in LLVM IR, by one 16-lane `vpermps` on AVX-512 (`nibble_tables.permute16`) and by byte
-shuffles on AVX2 (`nibble_tables.lookup32`: LLVM's own lowering of a 16-lane variable permute there was
-one scalar extract per lane, 9.4 ms for a 4096² one-row product). Each step reads 16 packed bytes and
-looks up both nibbles: 16 weights of even k (high nibbles) and 16 of odd k, each scaled by its block's
-absmax (the tiles' dequantisation on AVX2 takes them in element order straight from the shuffles).
+element): here the table is held in vector registers and looked up in LLVM IR, by one 16-lane `vpermps`
+on AVX-512 (`nibble_tables.permute16`) and by byte shuffles on AVX2 (`nibble_tables.lookup32`: LLVM's own
+lowering of a 16-lane variable permute there is one scalar extract per lane). Each step reads 16 packed
+bytes and looks up both nibbles: 16 weights of even k (high nibbles) and 16 of odd k, each scaled by its
+block's absmax (the tiles' dequantisation on AVX2 takes them in element order straight from the
+shuffles). See docs/performance/nf4.md, "nf4_matmul", for the measurements.
 
-Three paths, chosen by shape and host:
-- decode (at most `DECODE_MAX_ROWS` activation rows, forward only): the activation rows are split
-  once into their even and odd k, then each output column streams its packed weight row once and
-  accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
-  tree. Nothing is dequantised to memory; rows are split over threads in a fixed number of chunks. One
-  activation row on AVX-512 and AVX2 hosts goes by table instead (`nf4_table`: 0.37 against 0.54 ms
-  warm on AVX-512).
+Three paths, chosen by shape and host, each a sequence of pool jobs:
+- decode (at most `DECODE_MAX_ROWS` activation rows, forward only, bs a multiple of 32): a job splits the
+  activation rows into their even and odd k, then each output column streams its packed weight row once
+  and accumulates every activation row against it in two 16-lane f32 FMA accumulators, summed by a fixed
+  tree; rows in a fixed number of chunks. Nothing is dequantised to memory. One activation row on
+  AVX-512 and AVX2 hosts goes by table instead (`nf4_table`: the row permuted, then looked up). These
+  jobs are what native replay posts (`nf4_job`).
 - AMX (more rows, K >= `AMX_MIN_K` and N·K >= `AMX_MIN_WEIGHTS`, on hosts with AMX tiles): `nf4_amx`,
-  the products on the tiles in bf16 pieces whose sums are exact f32 values (f32-accurate: at most 8.2e-8
-  of S measured). Declined (the tiles path runs) for blocks of other than a multiple of 64, non-finite
-  absmax and activations outside the tiles' range. 4096², 64 rows, two threads: 0.66-1.0x the tiles
-  path's time, by the host's phase (interleaved in one process on a Xeon VM whose two vCPUs share
-  their tile unit's throughput: two threads of tile products ran 1.1-1.5x one thread's rate).
+  the products on the tiles in bf16 pieces whose sums are exact f32 values (its bound: `nf4_amx`).
+  Declined (the tiles path runs) for blocks of other than a multiple of 64, non-finite absmax and
+  activations outside the tiles' range.
 - tiles (more rows): rows of W are dequantised in k order into a reused f32 tile, each tile multiplied
-  by fuel's tile kernel on AVX-512 and AVX2 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere, the
-  tiles split over fuel's threads (`weight_tiles`). The transposed product `g @ W` of the gradient
-  dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each multiplied as one-thread
-  GEMMs on fixed row blocks (`row_blocks`). Every product's sum for an output element is then fixed by
-  the shape, so the bytes do not depend on the thread count.
+  by fuel's tile kernel on AVX-512 and AVX2 hosts (`tile_gemm`) or one one-thread OpenBLAS GEMM elsewhere
+  (`weight_tiles`: a prep job and this module's tile task). The transposed product `g @ W` of the
+  gradient dequantises column blocks into `TILE_BYTES` tiles in the calling thread, each multiplied as
+  one-thread GEMMs on fixed row blocks (`row_blocks`). Every product's sum for an output element is then
+  fixed by the shape, so the bytes do not depend on the thread count.
 Block sizes that are not a multiple of 32 (no 16-byte step fits a block) take plain loops instead.
 bf16/f16 activations are widened exactly to f32 and the output is rounded once on store.
-
-Measured (2 cores, K = N = 4096, block 64, f32), on AVX-512 (Zen 4): one row 0.49 ms, 85% of the time
-to stream the packed weight and absmax (9.4 MB) at the 22.6 GB/s a NumPy copy reached; 64 rows 11.0-11.4
-ms (the tile kernel; 13.3-14.2 by OpenBLAS); torch's `dequantize_4bit` then matmul 23.5-26.2 ms. On AVX2
-(Zen 3): one row 0.8-1.0 ms, 64 rows 15-15.7 ms (OpenBLAS), torch 30 ms.
 """
 
 from __future__ import annotations
@@ -203,7 +196,7 @@ def _scratch(rows: int, cols: int, buf: np.ndarray | None) -> np.ndarray:
 
 USE_AMX = True  # large products on AMX tiles where the host has them (`nf4_amx`); tests turn it off
 AMX_MIN_K = 2048  # the smallest contraction, and
-AMX_MIN_WEIGHTS = 1 << 23  # the smallest weight (N·K), the AMX path takes (below, it measured 0.9-1.3x)
+AMX_MIN_WEIGHTS = 1 << 23  # the smallest weight (N·K), the AMX path takes (below, it is not faster)
 
 
 def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray,
@@ -211,8 +204,8 @@ def _forward(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.
     """out [R, N] <- x [R, K] @ dequant(W)ᵀ, all f32 and contiguous (x holding values of `x_pieces` bf16
     pieces, `nf4_amx.forward`): the decode path; large products on AMX tiles where the host has them;
     else tiles each dequantised and multiplied in one thread, the tiles split over fuel's threads
-    (`weight_tiles`, as QMatMul's). One serial dequantisation of 8 MiB tiles before a two-thread GEMM took
-    1.8x as long at 4096 x 4096, M = 64. Each output element's sum is fixed by the shape and the host,
+    (`weight_tiles`, as QMatMul's), rather than one serial dequantisation before a threaded GEMM
+    (docs/performance/nf4.md, "nf4_matmul"). Each output element's sum is fixed by the shape and the host,
     whatever the tiling and the thread count."""
     rows, k = x.shape
     n = w.shape[0]

@@ -1,15 +1,12 @@
-"""Nf4Matmul's one-row decode by table (AVX-512 and AVX2 hosts; `nf4` dispatches, the portable path is there).
+"""Nf4Matmul's one-row decode by table (AVX-512 and AVX2 hosts; `nf4_matmul` dispatches, the portable path is there).
 
 Each block's codes are looked up 16 bytes at a time (`nibble_tables.nibble_lookup32`: a vpermps of the
 NF4 table per 8 bytes on AVX-512, byte shuffles on AVX2), or on AVX2 32 bytes at a time where blocks hold
 a multiple of 64 codes (`decode_table64`, `nibble_lookup64`: one load and one index build for two
-lookups), dotted with the activations permuted once a call to the lanes' order, and the block's absmax
-applied once to their sum, where the portable path splits the codes by k's parity and scales every value.
-4096² at block 64, two threads: on AVX-512 0.37/0.44 ms warm/from memory against 0.54/0.59 (interleaved
-medians); on AVX2 (Zen 3) 0.7-1.0 ms warm against 1.2 (one thread: 1.30 by 32 bytes, 1.35 with the
-block as a loop, 1.48-1.51 by 16, 2.3 portable), where a scalar lookup per code had taken 9 ms. Each
-output is one row's fixed sequence of operations, in fixed chunks of rows, so its bytes never depend on
-the thread count.
+lookups), dotted with the activations permuted once a call to the lanes' order (a job of its own), and
+the block's absmax applied once to their sum, where the portable path splits the codes by k's parity and
+scales every value (docs/performance/nf4.md, "nf4_table"). Each output is one row's fixed sequence of
+operations, in fixed chunks of rows, so its bytes never depend on the thread count.
 """
 
 from __future__ import annotations
@@ -72,7 +69,7 @@ def _block32(w: Any, o: int, x: Any, xo: int, bs: int, table: Any) -> Any:
 @njit(inline="always", cache=True)
 def _block32_once(w: Any, o: int, x: Any, xo: int, bs: int, table: Any) -> Any:
     """`_block32` for bs = 64 (bitsandbytes' default) on AVX-512, in two chains of two products each, no loop
-    over the block: one core, L2-resident, interleaved in one process on a Xeon, 0.84x the time."""
+    over the block (docs/performance/nf4.md, "nf4_table")."""
     f0, s0 = nibble_lookup32(w, o, table)
     f1, s1 = nibble_lookup32(w, o + 16, table)
     low = fma(s0, vload(x, xo + 16), vmul(f0, vload(x, xo)))
@@ -95,8 +92,7 @@ def _block64(w: Any, o: int, x: Any, xo: int, bs: int, table: Any) -> Any:
 @njit(inline="always", cache=True)
 def _block64_once(w: Any, o: int, x: Any, xo: int, bs: int, table: Any) -> Any:
     """`_block64` for bs = 64 (bitsandbytes' default), in two chains of two products each: with no loop
-    over the block, LLVM keeps the row's accumulator in registers (one Zen 3 core, 4096²: 1.30 against
-    1.35 ms)."""
+    over the block, LLVM keeps the row's accumulator in registers."""
     v0, v1, v2, v3 = nibble_lookup64(w, o, table)
     low = fma(v1, vload(x, xo + 16), vmul(v0, vload(x, xo)))
     return vadd(low, fma(v3, vload(x, xo + 48), vmul(v2, vload(x, xo + 32))))
@@ -113,8 +109,7 @@ def _rows(block: Any, part: int, parts: int, argv: int, fixed_bs: int) -> None:
     """Part `part` of `parts` of the rows: each block's `block` sum times its absmax, the row's lanes summed.
     On AVX-512 hosts rows r and r + 1 go together (`_pair`); AVX2 hosts, whose 16 ymm registers the pair's
     blocks would overflow, take a row at a time. `fixed_bs`: the block size where the task is for one (a
-    constant, so its offsets and the pair's prefetch fold: 4096², bs 64, 0.86x the time on one thread,
-    0.93x on two, interleaved in one process on a Xeon), else 0 (read from argv)."""
+    constant, so its offsets and the pair's prefetch fold), else 0 (read from the record)."""
     v = record_at(argv, DECODE_ARGS)
     kh, n, nb = v.half_k, v.n, v.blocks
     bs = fixed_bs if fixed_bs else v.block
@@ -145,10 +140,8 @@ def _pair(block: Any, w: Any, absmax: Any, x: Any, table: Any, kh: int, nb: int,
           r1: int, ahead: int) -> tuple[Any, Any]:
     """Rows r and r1 (r + 1, or r for an odd last row) as `_rows` takes one, interleaved: two independent
     chains, each row's the same operations. Block b prefetches the bs bytes at r·kh + ahead + bs·b into
-    L1, a later pair's (`driver.ahead_of`: the next at K = 4096), one sequential stream: 4096² at block
-    64, two threads, weight evicted, 0.75x the time of a row at a time (interleaved in one process on a
-    Xeon), and 0.82x with rows r and r + h of the chunk paired and no prefetch; adjacent rows with no
-    prefetch took 1.6x."""
+    L1, a later pair's (`driver.ahead_of`: the next at K = 4096), one sequential stream, which the
+    hardware prefetchers alone do not keep up with (docs/performance/nf4.md, "nf4_table")."""
     a0 = vzero()
     a1 = vzero()
     for b in range(nb):
@@ -161,7 +154,7 @@ def _pair(block: Any, w: Any, absmax: Any, x: Any, table: Any, kh: int, nb: int,
 
 @pool.task()
 def decode_table(part: int, parts: int, argv: int) -> None:
-    """`nf4._decode` for one activation row by table (`nibble_tables`): each block's codes looked up 8 bytes
+    """`nf4_matmul._decode` for one activation row by table (`nibble_tables`): each block's codes looked up 8 bytes
     at a time on AVX-512, 16 on AVX2, dotted with the permuted activations, the block's absmax applied
     once to their sum (where the portable path scales every value)."""
     _rows(_block32, part, parts, argv, 0)

@@ -2,7 +2,8 @@
 hosts (`LUT16`), byte shuffles per 32 on AVX2 hosts (`BYTE_LUT`, `lookup32`).
 
 The portable decoders (`simd16.codes`) widen 16 code bytes to 32-bit lanes and convert them to floats: two
-512-bit operations per 16 codes, the two that bound one-row GGUF decoding on this machine's cores. Here
+512-bit operations per 16 codes, the two that bound one-row GGUF decoding (docs/performance/nf4.md,
+"nibble_tables"). Here
 the 8 bytes holding 16 nibbles are spread over the 16 lanes as their two 32-bit words, each lane shifted
 to bring its nibble to the low 4 bits, and one vpermps (which reads only those 4 bits) looks the codes up:
 one shift and one permute for 16 codes. The lanes then hold the nibbles in `nibble_lanes` order, not
@@ -45,8 +46,8 @@ def nibble_lanes() -> list[tuple[int, int]]:
 @njit(inline="always", cache=True)
 def permute_into(x: Any, order: Any, out: Any) -> None:
     """out [2, k] <- [the row x (k) with each order.size elements in `order` (order[t]: the element that
-    goes to place t); x as given]. Each group's elements through slices: 0.8x the time of indexing x and
-    out [2, k] in place (k = 4096, on a Xeon)."""
+    goes to place t); x as given]. Each group's elements through slices, which is faster than indexing x
+    and out [2, k] in place."""
     g = order.size
     first = out[0]
     for u in range(0, x.size, g):
@@ -174,7 +175,7 @@ def lookup64(builder: Any, at: Any, table: Any) -> tuple[Any, Any, Any, Any]:
     """AVX2: table[nibble] for the 64 nibbles of the 32 bytes at the i8 pointer `at`, as four 16-float
     vectors in `LOOKUP64_LANES` order: the bytes loaded once, their low nibbles one index and their high
     ones another (a shift and two masks), where `lookup32` builds each 32 nibbles' index from a broadcast
-    and a variable shift (one Zen 3 core, 4096² NF4 at block 64: 1.33-1.36 ms against 1.48-1.51)."""
+    and a variable shift (docs/performance/nf4.md, "nibble_tables")."""
     v32 = ir.VectorType(IR_I8, 32)
     raw = builder.load(builder.bitcast(at, v32.as_pointer()), align=1)
     low = ir.Constant(v32, [15] * 32)
@@ -205,8 +206,7 @@ def _lookup_index(builder: Any, index: Any, table: Any) -> tuple[Any, Any]:
     """table[index] for a 32-byte index of nibbles, as two 16-float vectors whose lane j holds index position
     _POSITIONS[j]. Each of the table floats' four bytes is looked up by one vpshufb, and the four byte
     vectors are interleaved into floats by two rounds of unpacks: 12 shuffles for 32 floats, where two
-    vpermps, a mask, a compare and a blend per 8 floats took 20 (4096² one row, one core: 1.5 against
-    2.5 ms)."""
+    vpermps, a mask, a compare and a blend per 8 floats take 20."""
     sel = ir.VectorType(IR_I32, 32)
     fbytes = builder.bitcast(table, ir.VectorType(IR_I8, 4 * LANES))
     planes = [_pshufb(builder, builder.shuffle_vector(fbytes, fbytes, ir.Constant(

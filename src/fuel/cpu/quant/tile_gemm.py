@@ -14,13 +14,8 @@ multiply-adds. Two geometries, by the host's registers:
 K is walked in blocks of `KC` (the panels' block stays in L2, the tile rows' block in L1); each block's
 sum is a chain from zero, added to C once.
 
-Measured, one core, 144-256 tile rows, GFLOP/s:
-- AVX-512 host: 114-116 at K = 576-1536, R = 128, and 105-113 at K = 4096, R = 64, where one-thread
-  OpenBLAS sgemm on the same tiles reached 70-95 (its better operand order). Two threads reach about 195
-  together (OpenBLAS's large sgemm: 200).
-- Zen 3 (AVX2, OpenBLAS's Haswell kernels): 88-94 at K = 4096, R = 64, 90-96 at K = 1536, R = 128, 87-89
-  at R = 256, where OpenBLAS reached 84 / 87 / 85-86 (its better operand order); the 6 × 16 block alone,
-  in L1, 99. The wide geometry there spilled its accumulators: 32.
+On the hosts measured it outruns a one-thread OpenBLAS sgemm on the same tiles (docs/performance/nf4.md,
+"tile_gemm"); the wide geometry on an AVX2 host spills its accumulators.
 
 Every C element is the same sequence of f32 operations whatever the geometry, tiling, padding or thread
 count: a sequential FMA chain over each block of KC k's, in order, the blocks' sums added in k order. Its
@@ -151,8 +146,8 @@ _transpose16: Any = intrinsic(_transpose16_ir)
 @njit(inline="always", cache=True)
 def transpose_into(src: Any, s_off: int, lds: int, rows: int, cols: int, dst: Any, d_off: int, ldd: int) -> None:
     """dst[d_off + j·ldd + i] <- src[s_off + i·lds + j] for i < rows, j < cols (flat offsets into C-contiguous
-    f32 arrays), by 16 x 16 blocks transposed in registers. Element by element down a column, rows 6-16 KiB
-    apart share a few cache sets and missed on every read: 0.42 / 0.73 ms at [128, 1536] / [64, 4096]."""
+    f32 arrays), by 16 x 16 blocks transposed in registers: element by element down a column, rows 6-16 KiB
+    apart share a few cache sets and miss on every read."""
     r16, c16 = rows // LANES * LANES, cols // LANES * LANES
     for i0 in range(0, r16, LANES):
         for j0 in range(0, c16, LANES):
