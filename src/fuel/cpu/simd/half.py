@@ -69,28 +69,32 @@ def via_f32(kernel: Callable[[list[np.ndarray], np.ndarray, Any], None]) -> Call
 CONVERT_ARGS = jobs.record(src=ADDRESS, dst=ADDRESS, size=INT)
 
 
-@pool.task()
-def widen_bf16_part(part: int, parts: int, argv: int) -> None:
-    """dst (uint32, flat) <- bf16 bits (uint16, flat) << 16 over this part's fixed chunks: exact."""
+@njit(inline="always", cache=True)
+def _convert_part(part: int, parts: int, argv: int, widen: bool) -> None:
+    """This part's fixed chunks of a `CONVERT_ARGS` job: widened (bf16 bits to f32 bits) or narrowed."""
     a = record_at(argv, CONVERT_ARGS)
     n = a.size
-    src, dst_bits = carray(pointer(a.src, np.uint16), (n,)), carray(pointer(a.dst, np.uint32), (n,))
     chunks = chunk_count(n)
     for c in range(part * chunks // parts, (part + 1) * chunks // parts):
         lo, hi = chunk_bounds(c, n, chunks)
-        widen_bf16_row(src[lo:hi], dst_bits[lo:hi])
+        if widen:
+            src, dst = carray(pointer(a.src, np.uint16), (n,)), carray(pointer(a.dst, np.uint32), (n,))
+            widen_bf16_row(src[lo:hi], dst[lo:hi])
+        else:
+            wide, bits16 = carray(pointer(a.src, np.uint32), (n,)), carray(pointer(a.dst, np.uint16), (n,))
+            narrow_bf16_row(wide[lo:hi], bits16[lo:hi])
+
+
+@pool.task()
+def widen_bf16_part(part: int, parts: int, argv: int) -> None:
+    """dst (uint32, flat) <- bf16 bits (uint16, flat) << 16: exact."""
+    _convert_part(part, parts, argv, True)
 
 
 @pool.task()
 def narrow_bf16_part(part: int, parts: int, argv: int) -> None:
-    """dst (bf16 bits, flat) <- nearest-even rounding of src (float32 bits as uint32, flat), by fixed chunks."""
-    a = record_at(argv, CONVERT_ARGS)
-    n = a.size
-    src_bits, dst = carray(pointer(a.src, np.uint32), (n,)), carray(pointer(a.dst, np.uint16), (n,))
-    chunks = chunk_count(n)
-    for c in range(part * chunks // parts, (part + 1) * chunks // parts):
-        lo, hi = chunk_bounds(c, n, chunks)
-        narrow_bf16_row(src_bits[lo:hi], dst[lo:hi])
+    """dst (bf16 bits, flat) <- nearest-even rounding of src (float32 bits as uint32, flat)."""
+    _convert_part(part, parts, argv, False)
 
 
 def convert_job(task: pool.Task, src: np.ndarray, dst: np.ndarray) -> jobs.Job:

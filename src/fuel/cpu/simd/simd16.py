@@ -199,14 +199,20 @@ def _u32_intrinsic(typingctx: Any, row: Any, off: Any) -> Any:
     return types.int64(row, off), codegen
 
 
-@intrinsic
-def _muls(typingctx: Any, v: Any, s: Any) -> Any:
-    """v * s (a scalar)."""
+def _with_scalar(op: str) -> Any:
+    """The intrinsic `v op s` (s a scalar, in every lane) for the IR builder's float operation `op`."""
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.fmul(args[0], _sf(context, builder, args[1], signature.args[1]))
+    def typer(typingctx: Any, v: Any, s: Any) -> Any:
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return getattr(builder, op)(args[0], _sf(context, builder, args[1], signature.args[1]))
 
-    return VEC(v, s), codegen
+        return VEC(v, s), codegen
+
+    return intrinsic(typer)
+
+
+_muls = _with_scalar("fmul")  # v * s
+_adds = _with_scalar("fadd")  # v + s
 
 
 @intrinsic
@@ -222,16 +228,6 @@ def _muls2(typingctx: Any, v: Any, s0: Any, s1: Any) -> Any:
         return builder.fmul(args[0], s)
 
     return VEC(v, s0, s1), codegen
-
-
-@intrinsic
-def _adds(typingctx: Any, v: Any, s: Any) -> Any:
-    """v + s (a scalar)."""
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.fadd(args[0], _sf(context, builder, args[1], signature.args[1]))
-
-    return VEC(v, s), codegen
 
 
 @intrinsic
