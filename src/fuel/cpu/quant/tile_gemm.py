@@ -190,30 +190,61 @@ def padded_width(rows: int) -> int:
 
 
 @njit(inline="always", cache=True)
+def _wide_block(tile: Any, w_off: int, k: int, ap: Any, a_off: int, width: int, c: Any, c_off: int, rp: int,
+                kc: int, left: int) -> None:
+    """One WIDE block: 4 tile rows against a panel of `width` (16-64) activations."""
+    if width == 64:
+        _block4(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    elif width == 48:
+        _block3(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    elif width == 32:
+        _block2(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    else:
+        _block1(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+
+
+@njit(inline="always", cache=True)
+def _narrow_block(tile: Any, w_off: int, k: int, ap: Any, a_off: int, width: int, c: Any, c_off: int, rp: int,
+                  kc: int, left: int) -> None:
+    """One NARROW block: min(6, left) tile rows against a panel of 16 activations."""
+    if left >= 6:
+        _rows6(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    elif left == 5:
+        _rows5(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    elif left == 4:
+        _rows4(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    elif left == 3:
+        _rows3(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    elif left == 2:
+        _rows2(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+    else:
+        _rows1(tile, w_off, k, ap, a_off, width, c, c_off, rp, kc)
+
+
+@njit(inline="always", cache=True)
+def _times_at(block: Any, tile: Any, row_end: int, ap: Any, c: Any, step: int, panel: int) -> None:
+    """c[:row_end] += tile[:row_end] @ Aᵀ by `block`s of `step` tile rows against panels of `panel`: K in
+    blocks of KC, activations in passes of MC, then tile rows, then panels."""
+    k, rp = tile.shape[1], c.shape[1]
+    for k0 in range(0, k, KC):
+        kc = min(KC, k - k0)
+        for m1 in range(0, rp, MC):
+            for n0 in range(0, row_end, step):
+                w_off, c_row = n0 * k + k0, n0 * rp
+                for m0 in range(m1, min(rp, m1 + MC), panel):
+                    width = min(panel, rp - m0)
+                    block(tile, w_off, k, ap, m0 * k + k0 * width, width, c, c_row + m0, rp, kc, row_end - n0)
+
+
+@njit(inline="always", cache=True)
 def wide_times_at(tile: Any, rows: int, ap: Any, c: Any) -> None:
     """c[:rows] <- tile[:rows] @ Aᵀ in the WIDE geometry (tile [t, K], ap Aᵀ's panels of WIDE_PANEL
     (`pack_activations`), c [t, Rp], f32 C-contiguous, t a multiple of 4 >= rows). Tile rows rows..(rows
     rounded up to 4) are zeroed, so the last block reads no garbage."""
-    k, rp = tile.shape[1], c.shape[1]
     r4 = -(-rows // WIDE_ROWS) * WIDE_ROWS
     tile[rows:r4] = 0.0
     c[:r4] = 0.0
-    for k0 in range(0, k, KC):
-        kc = min(KC, k - k0)
-        for m1 in range(0, rp, MC):
-            for n0 in range(0, r4, WIDE_ROWS):
-                w_off, c_row = n0 * k + k0, n0 * rp
-                for m0 in range(m1, min(rp, m1 + MC), WIDE_PANEL):
-                    width = min(WIDE_PANEL, rp - m0)
-                    a_off = m0 * k + k0 * width
-                    if width == 64:
-                        _block4(tile, w_off, k, ap, a_off, width, c, c_row + m0, rp, kc)
-                    elif width == 48:
-                        _block3(tile, w_off, k, ap, a_off, width, c, c_row + m0, rp, kc)
-                    elif width == 32:
-                        _block2(tile, w_off, k, ap, a_off, width, c, c_row + m0, rp, kc)
-                    else:
-                        _block1(tile, w_off, k, ap, a_off, width, c, c_row + m0, rp, kc)
+    _times_at(_wide_block, tile, r4, ap, c, WIDE_ROWS, WIDE_PANEL)
 
 
 @njit(inline="always", cache=True)
@@ -221,27 +252,8 @@ def narrow_times_at(tile: Any, rows: int, ap: Any, c: Any) -> None:
     """c[:rows] <- tile[:rows] @ Aᵀ in the NARROW geometry (tile [t, K], ap Aᵀ's panels of NARROW_PANEL
     (`pack_activations`), c [t, Rp], f32 C-contiguous, t >= rows): blocks of 6 rows, the last of 1-5, so
     no row past `rows` is read."""
-    k, rp = tile.shape[1], c.shape[1]
     c[:rows] = 0.0
-    for k0 in range(0, k, KC):
-        kc = min(KC, k - k0)
-        for m1 in range(0, rp, MC):
-            for n0 in range(0, rows, NARROW_ROWS):
-                w_off, c_row, left = n0 * k + k0, n0 * rp, rows - n0
-                for m0 in range(m1, min(rp, m1 + MC), NARROW_PANEL):
-                    a_off = m0 * k + k0 * NARROW_PANEL
-                    if left >= 6:
-                        _rows6(tile, w_off, k, ap, a_off, NARROW_PANEL, c, c_row + m0, rp, kc)
-                    elif left == 5:
-                        _rows5(tile, w_off, k, ap, a_off, NARROW_PANEL, c, c_row + m0, rp, kc)
-                    elif left == 4:
-                        _rows4(tile, w_off, k, ap, a_off, NARROW_PANEL, c, c_row + m0, rp, kc)
-                    elif left == 3:
-                        _rows3(tile, w_off, k, ap, a_off, NARROW_PANEL, c, c_row + m0, rp, kc)
-                    elif left == 2:
-                        _rows2(tile, w_off, k, ap, a_off, NARROW_PANEL, c, c_row + m0, rp, kc)
-                    else:
-                        _rows1(tile, w_off, k, ap, a_off, NARROW_PANEL, c, c_row + m0, rp, kc)
+    _times_at(_narrow_block, tile, rows, ap, c, NARROW_ROWS, NARROW_PANEL)
 
 
 tile_times_at = wide_times_at if WIDE else narrow_times_at  # the host's, called from the tile tasks
