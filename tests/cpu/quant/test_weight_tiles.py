@@ -1,5 +1,6 @@
 """The tiled product of a compressed weight's rows (QMatMul's and Nf4Matmul's many-row path), by fuel's own
-tile kernel and by OpenBLAS in both operand orders, on the spinning pool and on Python threads, against
+tile kernel and by OpenBLAS in both operand orders, as jobs of the spinning pool and tile by tile in the
+calling thread (`tiled_product`, for a Python fill), against
 torch float64. The own kernel runs on any host here (on one without AVX-512 only slower)."""
 
 from __future__ import annotations
@@ -130,3 +131,35 @@ def test_pool_tasks_and_python_threads_agree(qt: QuantType, rows: int, own: bool
     assert_close_contraction(threaded, want, scale, DType.F32)
     if own:
         assert threaded.tobytes() == outs[0]
+
+
+@pytest.mark.parametrize("rows", [20, 80], ids=str)
+def test_tile_jobs_rerun_with_any_part_count(rows: int, own: bool, rng: np.random.Generator) -> None:
+    """A product's prep and tile jobs (Nf4Matmul's tile task) posted again and again, as native replay
+    does, with any part count (one, fewer parts than tiles, more parts than threads, one a tile): every
+    tile is claimed once per run (the prep job resets the counter), so each run writes the whole output,
+    the same bytes each time, within the contraction bound of torch float64."""
+    from fuel.cpu.quant import nf4_matmul
+    from fuel.quant.nf4 import nf4_quantize
+    from fuel.runtime import pool
+    from fuel.testing.reference.nf4_matmul import dequant64
+
+    k, n, bs = 256, 1100, 64
+    packed, absmax = nf4_quantize(rng.standard_normal((n, k)).astype(np.float32), bs)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    out = np.full((rows, n), np.nan, np.float32)
+    found = nf4_matmul._tiles_jobs(x, packed, absmax, bs, out)
+    assert found is not None
+    prep, tiles = found
+    count = int(tiles.argv[0]["tiles"])
+    assert tiles.most == count > 3
+    outs = []
+    with threads.one_blas_thread():
+        for parts in (1, 2, 3, count, 1, 7):
+            out.fill(np.nan)
+            pool.run_address(prep.task, prep.args, 1)
+            pool.run_address(tiles.task, tiles.args, parts)
+            outs.append(out.tobytes())
+    assert len(set(outs)) == 1
+    x64, w64 = torch.from_numpy(x.astype(np.float64)), torch.from_numpy(dequant64(packed, absmax, bs))
+    assert_close_contraction(out, (x64 @ w64.T).numpy(), (x64.abs() @ w64.abs().T).numpy(), DType.F32)
