@@ -46,14 +46,14 @@ def test_gradient_dtype_is_the_forward_operands_float_dtype_shared_by_the_gradie
                                                                                   rest: list[DType]) -> None:
     if not first.is_float:
         with pytest.raises(fl.DTypeError) as info:
-            gradient_dtype("op", [first, *rest], ("y", "upstream gradient"))
+            gradient_dtype("op", ("y", "upstream gradient"), [first, *rest])
         assert str(info.value) == f"op: y must be a float tensor, got {first.value}"
     elif rest and rest[0] != first:
         with pytest.raises(fl.DTypeError) as info:
-            gradient_dtype("op", [first, *rest], ("y", "upstream gradient"))
+            gradient_dtype("op", ("y", "upstream gradient"), [first, *rest])
         assert str(info.value) == f"op: upstream gradient is {rest[0].value}, y is {first.value}"
     else:
-        assert gradient_dtype("op", [first, *rest], ("y", "upstream gradient")) is first
+        assert gradient_dtype("op", ("y", "upstream gradient"), [first, *rest]) is first
 
 
 def test_operand_nodes_give_a_bare_scalar_the_first_operands_dtype() -> None:

@@ -53,7 +53,7 @@ def float_like_first(op: str, names: Sequence[str], dtypes: Sequence[DType]) -> 
     return first
 
 
-def gradient_dtype(op: str, dtypes: Sequence[DType], names: tuple[str, str]) -> DType:
+def gradient_dtype(op: str, names: tuple[str, str], dtypes: Sequence[DType]) -> DType:
     """The dtype rule of a gradient op: its forward operand (`names[0]`, the forward's input or output) is
     a float tensor and the upstream gradient (`names[1]`) shares its dtype: "g is f64, x is f32"."""
     first = dtypes[0]

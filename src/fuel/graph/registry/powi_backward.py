@@ -45,7 +45,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: PowIBackwardParams) -> Shape:
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: PowIBackwardParams) -> DType:
-    return gradient_dtype(NAME, dtypes, ("x", "g"))
+    return gradient_dtype(NAME, ("x", "g"), dtypes)
 
 
 def decompose(inputs: list[Tensor], params: PowIBackwardParams) -> Tensor:

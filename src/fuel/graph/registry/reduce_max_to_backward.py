@@ -57,7 +57,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: ReduceMaxToBackwardParams) -> 
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: ReduceMaxToBackwardParams) -> DType:
-    return gradient_dtype(NAME, dtypes, ("x", "g"))
+    return gradient_dtype(NAME, ("x", "g"), dtypes)
 
 
 def decompose(inputs: list[Tensor], params: ReduceMaxToBackwardParams) -> Tensor:

@@ -69,7 +69,7 @@ def norm_shape_rule(shapes: tuple[Shape, ...], params: NormParams) -> Shape:
 
 def norm_dtype_rule(dtypes: tuple[DType, ...], params: NormParams) -> DType:
     """Float x; the backward entries' upstream gradient of x's dtype."""
-    return gradient_dtype(params.OP, dtypes, ("x", "upstream gradient"))
+    return gradient_dtype(params.OP, ("x", "upstream gradient"), dtypes)
 
 
 def square_of(sq: Node, v: Node) -> bool:

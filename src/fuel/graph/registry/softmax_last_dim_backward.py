@@ -29,7 +29,7 @@ def shape_rule(shapes: tuple[Shape, ...], params: SoftmaxLastDimBackwardParams) 
 
 
 def dtype_rule(dtypes: tuple[DType, ...], params: SoftmaxLastDimBackwardParams) -> DType:
-    return gradient_dtype("softmax_last_dim_backward", dtypes, ("y", "upstream gradient"))
+    return gradient_dtype("softmax_last_dim_backward", ("y", "upstream gradient"), dtypes)
 
 
 def decompose(inputs: list[Tensor], params: SoftmaxLastDimBackwardParams) -> Tensor:
