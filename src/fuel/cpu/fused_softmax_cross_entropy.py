@@ -108,10 +108,10 @@ def _losses(part: int, parts: int, argv: int, dt: Any) -> None:
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
-def _grad(part: int, parts: int, argv: int, dt: Any) -> None:
+def _grad(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> None:
     """out[r] = (softmax(x[r]) − onehot(t[r]))·scales[r], zero where t[r] == ignore (targets pre-checked);
-    at the target softmax_t − 1 = −Σ_{j≠t} e_j / Σ_j e_j, formed in f64. x and out of type dt."""
-    a, x, t, scales, out = _arrays(argv, dt, dt)
+    at the target softmax_t − 1 = −Σ_{j≠t} e_j / Σ_j e_j, formed in f64. x of type dt, out of out_dt."""
+    a, x, t, scales, out = _arrays(argv, dt, out_dt)
     ignore = a.ignore
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
@@ -166,36 +166,32 @@ def _grad_in_place(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> No
 # One task per logits dtype; a job's `gradient` field picks the forward's losses (0) or the gradient (1).
 # bf16 computes the gradient's exponentials twice and rounds once on store, f16's gradient goes into an
 # f32 scratch.
+@njit(inline="always", cache=True, fastmath=FASTMATH)
+def _rows(part: int, parts: int, argv: int, dt: Any, out_dt: Any, grad: Any) -> None:
+    if record_at(argv, CE_ARGS).gradient:
+        grad(part, parts, argv, dt, out_dt)
+    else:
+        _losses(part, parts, argv, dt)
+
+
 @pool.task(fastmath=FASTMATH, error_model="numpy")
 def _f32_part(part: int, parts: int, argv: int) -> None:
-    if record_at(argv, CE_ARGS).gradient:
-        _grad_in_place(part, parts, argv, np.float32, np.float32)
-    else:
-        _losses(part, parts, argv, np.float32)
+    _rows(part, parts, argv, np.float32, np.float32, _grad_in_place)
 
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
 def _f64_part(part: int, parts: int, argv: int) -> None:
-    if record_at(argv, CE_ARGS).gradient:
-        _grad_in_place(part, parts, argv, np.float64, np.float64)
-    else:
-        _losses(part, parts, argv, np.float64)
+    _rows(part, parts, argv, np.float64, np.float64, _grad_in_place)
 
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
 def _f16_part(part: int, parts: int, argv: int) -> None:
-    if record_at(argv, CE_ARGS).gradient:
-        _grad_in_place(part, parts, argv, np.int16, np.float32)
-    else:
-        _losses(part, parts, argv, np.int16)
+    _rows(part, parts, argv, np.int16, np.float32, _grad_in_place)
 
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
 def _bf16_part(part: int, parts: int, argv: int) -> None:
-    if record_at(argv, CE_ARGS).gradient:
-        _grad(part, parts, argv, np.uint16)
-    else:
-        _losses(part, parts, argv, np.uint16)
+    _rows(part, parts, argv, np.uint16, np.uint16, _grad)
 
 
 _TASKS = {DType.F32.np: _f32_part, DType.F64.np: _f64_part, DType.BF16.np: _bf16_part, DType.F16.np: _f16_part}

@@ -94,39 +94,32 @@ def _ln_bwd_redo(x: Any, g: Any, o: Any, eps: Any, inv_n: Any, one: Any) -> bool
 
 
 @njit(inline="always", cache=True)
-def _native(part: int, parts: int, argv: int, dt: Any) -> None:
+def _norm(part: int, parts: int, argv: int, driver: Any, dt: Any) -> None:
+    """The job's norm over its rows through `driver` (native_rows or bf16_rows)."""
     kind = record_at(argv, ROW_ARGS).kind
     if kind == RMS:
-        native_rows(part, parts, argv, dt, _rms, _rms_redo)
+        driver(part, parts, argv, dt, _rms, _rms_redo)
     elif kind == RMS_BACKWARD:
-        native_rows(part, parts, argv, dt, _rms_bwd, _rms_bwd_redo)
+        driver(part, parts, argv, dt, _rms_bwd, _rms_bwd_redo)
     elif kind == LAYER:
-        native_rows(part, parts, argv, dt, _ln, _ln_redo)
+        driver(part, parts, argv, dt, _ln, _ln_redo)
     else:
-        native_rows(part, parts, argv, dt, _ln_bwd, _ln_bwd_redo)
+        driver(part, parts, argv, dt, _ln_bwd, _ln_bwd_redo)
 
 
 @pool.task(error_model="numpy")
 def _norm_f32_part(part: int, parts: int, argv: int) -> None:
-    _native(part, parts, argv, np.float32)
+    _norm(part, parts, argv, native_rows, np.float32)
 
 
 @pool.task(error_model="numpy")
 def _norm_f64_part(part: int, parts: int, argv: int) -> None:
-    _native(part, parts, argv, np.float64)
+    _norm(part, parts, argv, native_rows, np.float64)
 
 
 @pool.task(error_model="numpy")
 def _norm_bf16_part(part: int, parts: int, argv: int) -> None:
-    kind = record_at(argv, ROW_ARGS).kind
-    if kind == RMS:
-        bf16_rows(part, parts, argv, _rms, _rms_redo)
-    elif kind == RMS_BACKWARD:
-        bf16_rows(part, parts, argv, _rms_bwd, _rms_bwd_redo)
-    elif kind == LAYER:
-        bf16_rows(part, parts, argv, _ln, _ln_redo)
-    else:
-        bf16_rows(part, parts, argv, _ln_bwd, _ln_bwd_redo)
+    _norm(part, parts, argv, bf16_rows, np.uint16)
 
 
 NORM_TASKS = {np.dtype(np.float32): _norm_f32_part, np.dtype(np.float64): _norm_f64_part, BF16: _norm_bf16_part}
@@ -168,7 +161,7 @@ def register_norm(registry: FusedKernelRegistry, ops: tuple[FusedOpId, FusedOpId
                   flops: tuple[int, int], bounds: tuple[Bounds, Bounds]) -> None:
     """A norm's forward and backward (`ops`, `kernels`, flops an element, bounds) for every float dtype:
     f16 runs the f32 kernel on a widened copy."""
-    rev = revision_of(_native)
+    rev = revision_of(_norm)
     for op_id, kernel, k, bound, arity in zip(ops, kernels, flops, bounds, (1, 2), strict=True):
         precision = norm_precision(bound)
         for dt in FLOAT_DTYPES:

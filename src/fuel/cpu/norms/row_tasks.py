@@ -54,9 +54,10 @@ def native_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) 
 
 
 @njit(inline="always", cache=True)
-def bf16_rows(part: int, parts: int, argv: int, row: Any, redo: Any) -> None:
-    """Rows of bf16 bits: widened into f32 scratch, computed by the f32 row function, rounded once."""
-    a, x, g, out = row_arrays(argv, np.uint16)
+def bf16_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) -> None:
+    """Rows of bf16 bits (dt is uint16): widened into f32 scratch, computed by the f32 row function,
+    rounded once. (native_rows' signature, so that a task can take either.)"""
+    a, x, g, out = row_arrays(argv, dt)
     n = a.cols
     one = np.float32(1)
     eps = np.float32(a.eps)

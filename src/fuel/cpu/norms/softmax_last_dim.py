@@ -123,7 +123,7 @@ def _softmax_f64_part(part: int, parts: int, argv: int) -> None:
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
 def _softmax_bf16_part(part: int, parts: int, argv: int) -> None:
-    bf16_rows(part, parts, argv, _softmax_f32, _never)
+    bf16_rows(part, parts, argv, np.uint16, _softmax_f32, _never)
 
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
@@ -138,7 +138,7 @@ def _backward_f64_part(part: int, parts: int, argv: int) -> None:
 
 @pool.task(fastmath=FASTMATH, error_model="numpy")
 def _backward_bf16_part(part: int, parts: int, argv: int) -> None:
-    bf16_rows(part, parts, argv, _softmax_backward_bf16, _never)
+    bf16_rows(part, parts, argv, np.uint16, _softmax_backward_bf16, _never)
 
 
 _TASKS = {np.dtype(np.float32): _softmax_f32_part, np.dtype(np.float64): _softmax_f64_part,
