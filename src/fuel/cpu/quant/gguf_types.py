@@ -98,29 +98,7 @@ the table of them by `QuantType`.
 
 from __future__ import annotations
 
-from fuel.cpu.quant.gguf_dequant import ({dequant}
-    dequant_rows,
-    dequant_tiles,
-)
-from fuel.cpu.quant.gguf_gemv import (
-    BIAS,
-    FACTOR_BIAS,
-    SHARED,
-    SUPER,
-    bpair,
-    kpair,
-    many_rows,
-    one_row,
-    one_row_permuted,
-)
-from fuel.cpu.quant.gguf_types import GGUFKernels
-from fuel.cpu.quant.gguf_units import ({units}
-)
-from fuel.cpu.quant.gguf_words import Q4K_LAYOUT, Q6K_LAYOUT, kpair_q4k, kpair_q6k, one_row_words
-from fuel.cpu.quant.nibble_tables import BYTE_LUT, LUT16
-from fuel.quant import QuantType
-from fuel.runtime.pool import task
-'''
+{imports}'''
 
 _TASKS = '''
 
@@ -188,13 +166,35 @@ def _table_entry(qt: QuantType) -> str:
     return "".join(f"(_{t}_one_{v.name}, {v.order}) if {v.host} else " for v in tables) + "None"
 
 
+def _imports() -> dict[str, set[str]]:
+    """The names the generated module imports, by module."""
+    kinds = {k.strip() for row in TYPES.values() for k in row.kind.split("|")}
+    units = {r.unit for r in TYPES.values()} | {r.prep for r in TYPES.values()} | {v.unit for v in VARIANTS}
+    return {
+        "fuel.cpu.quant.gguf_dequant": {f"dequant_{_lower(qt)}" for qt in TYPES} | {"dequant_rows", "dequant_tiles"},
+        "fuel.cpu.quant.gguf_gemv": kinds | {"bpair", "kpair", "many_rows", "one_row", "one_row_permuted"},
+        "fuel.cpu.quant.gguf_types": {"GGUFKernels"},
+        "fuel.cpu.quant.gguf_units": units | {v.order for v in VARIANTS if v.order} | {"kpair_q4k_table"},
+        "fuel.cpu.quant.gguf_words": {v.layout for v in VARIANTS if v.layout}
+        | {v.pair for v in VARIANTS if v.layout} | {"one_row_words"},
+        "fuel.cpu.quant.nibble_tables": {v.host for v in VARIANTS if v.host},
+        "fuel.quant": {"QuantType"},
+        "fuel.runtime.pool": {"task"},
+    }
+
+
+def _import(module: str, names: set[str]) -> str:
+    """`from module import names` as ruff formats it: one line where it fits, else one name a line."""
+    ordered = sorted(names, key=_import_order)
+    line = f"from {module} import {', '.join(ordered)}"
+    if len(line) <= 120:
+        return line + "\n"
+    return f"from {module} import (\n" + "".join(f"    {n},\n" for n in ordered) + ")\n"
+
+
 def render() -> str:
     """The text of `gguf_kernels`."""
-    names = [_lower(qt) for qt in TYPES]
-    units = sorted({r.unit for r in TYPES.values()} | {r.prep for r in TYPES.values()} | {v.unit for v in VARIANTS}
-                   | {v.order for v in VARIANTS if v.order} | {"kpair_q4k_table"}, key=_import_order)
-    text = _HEAD.format(dequant="".join(f"\n    dequant_{t}," for t in sorted(names, key=_import_order)),
-                        units="".join(f"\n    {u}," for u in units))
+    text = _HEAD.format(imports="".join(_import(module, names) for module, names in _imports().items()))
     for qt, row in TYPES.items():
         fields = dict(t=_lower(qt), blk=qt.block_elements, bpb=qt.block_bytes, unit=row.unit, prep=row.prep,
                       kind=row.kind, pair=row.pair)
