@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -207,13 +207,16 @@ def _conv(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
     return out.permute(0, 2, 1)
 
 
-class _Mixer:
+ConfigT = TypeVar("ConfigT", bound=Mamba1Config | Mamba2Config)
+
+
+class _Mixer(Generic[ConfigT]):
     """Shared loading and input checks; `weights` maps transformers' names to the leaves."""
 
-    config: Mamba1Config | Mamba2Config
-
-    def __init__(self, state: Mapping[str, Any], prefix: str, dtype: Any) -> None:
-        self.weights = _load(state, self.config.weight_shapes(), prefix, dtype)
+    def __init__(self, config: ConfigT, state: Mapping[str, Any], prefix: str = "", dtype: Any = np.float32) -> None:
+        """`state`: arrays by transformers' parameter names (`prefix` + name, e.g. "backbone.layers.0.mixer.")."""
+        self.config: ConfigT = config
+        self.weights = _load(state, config.weight_shapes(), prefix, dtype)
 
     def _check(self, x: Tensor) -> tuple[int, int]:
         h = self.config.hidden_size
@@ -222,16 +225,8 @@ class _Mixer:
         return x.shape[0], x.shape[1]
 
 
-class Mamba1Mixer(_Mixer):
+class Mamba1Mixer(_Mixer[Mamba1Config]):
     """transformers' `MambaMixer` (full-sequence form): `mixer(x [B, L, hidden]) -> [B, L, hidden]`."""
-
-    config: Mamba1Config
-
-    def __init__(self, config: Mamba1Config, state: Mapping[str, Any], prefix: str = "",
-                 dtype: Any = np.float32) -> None:
-        """`state`: arrays by transformers' parameter names (`prefix` + name, e.g. "backbone.layers.0.mixer.")."""
-        self.config = config
-        super().__init__(state, prefix, dtype)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(output `[B, L, hidden]`, the SSM state after the last token `[B, I, N]`)."""
@@ -256,16 +251,8 @@ class Mamba1Mixer(_Mixer):
         return self.forward(x)[0]
 
 
-class Mamba2Mixer(_Mixer):
+class Mamba2Mixer(_Mixer[Mamba2Config]):
     """transformers' `Mamba2Mixer` (`torch_forward`'s chunked form): `mixer(x [B, L, hidden]) -> [B, L, hidden]`."""
-
-    config: Mamba2Config
-
-    def __init__(self, config: Mamba2Config, state: Mapping[str, Any], prefix: str = "",
-                 dtype: Any = np.float32) -> None:
-        """`state`: arrays by transformers' parameter names (`prefix` + name, e.g. "backbone.layers.0.mixer.")."""
-        self.config = config
-        super().__init__(state, prefix, dtype)
 
     def _dt(self, dt: Tensor) -> Tensor:
         """softplus(dt + dt_bias), clamped to time_step_limit (a bound that cannot bind is skipped)."""
