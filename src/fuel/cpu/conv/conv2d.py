@@ -14,32 +14,33 @@ order first). The gather takes one of three forms:
 With few output channels per group (depthwise) or few taps, where the gather would cost as much as
 the product, a direct loop over (image, output channel) planes runs instead: the bias, then the taps.
 
-The blocks are independent tasks split over fuel's threads, each running a one-thread BLAS
-(`threads.split_work`). Every block size is a function of the shapes only, and OpenBLAS splits
-products over M and N, never K, so results are the same bytes at any thread count. bf16/f16 are
+The blocks are the items of one pool task (`conv2d_tasks`), each product a one-thread BLAS call made from
+jitted code; the padded-plane copy and the direct loop are tasks too. Every block size is a function of
+the shapes only, so results are the same bytes at any part count. bf16/f16 are
 widened exactly to f32 once, computed in f32 and rounded once on store; f64 runs in f64.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import prange
+from numba import njit
 
-from fuel.cpu.conv.conv2d_gather import (
-    im2col,
-    im2col_unit,
-    im2row,
-    pad_planes,
-    store_cols,
-    store_rows,
-    store_unit,
+from fuel.cpu.conv.conv2d_tasks import (
+    BLOCK_ARGS,
+    ROWS,
+    TRANSPOSED,
+    UNIT,
+    blocks_f32_part,
+    blocks_f64_part,
+    direct_f32_part,
+    direct_f64_part,
+    pad_f32_part,
+    pad_f64_part,
 )
-from fuel.cpu.simd.driver import row_kernel
 from fuel.cpu.simd.half import narrow_into, widened
 from fuel.dispatch.impls import (
     CONTIGUOUS_ONLY,
@@ -52,9 +53,8 @@ from fuel.dispatch.impls import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
-from fuel.runtime import threads
+from fuel.runtime import jobs, threads
 from fuel.runtime.buffers import POOL
-from fuel.runtime.threads import split_work
 
 BLOCK_BYTES = 1 << 20  # one gathered block (and its product) stays in L2 (measured best of 128 KiB-4 MiB)
 KB_MAX = 2048  # longest reduction run in one product; longer ones are summed block by block
@@ -64,6 +64,8 @@ MIN_BLOCKS = 8  # a product of this many PB_MIN columns or more is cut into at l
 UNIT_MAX_WASTE = 8  # the padded-plane form computes (Wp − Wo)/Wo extra columns: at most 1/8 of them
 DIRECT_MAX_M = 4  # output channels per group up to which the direct loop runs (no gather)
 DIRECT_MAX_K = 8  # taps (Cin/groups · Kh · Kw) up to which the direct loop runs
+SECONDS_PER_FLOP = 0.05e-9  # one core's time per flop of a block or the direct loop, for the part count
+COPY_BYTES_PER_SECOND = 10e9  # one core's rate copying x into padded planes, for the part count
 
 
 def acc_dtype(out: np.ndarray) -> np.dtype[Any]:
@@ -84,61 +86,18 @@ def block_columns(rows: int, itemsize: int, total: int) -> int:
     return max(1, min(pb, total))
 
 
-def run_tasks(fn: Callable[[Iterable[int]], None], total: int) -> None:
-    """Run `fn` over the task ids [0, total) on fuel's threads (`threads.split_work`), each thread taking
-    the next id when it is done with one (a core slowed by other work takes fewer), every product on a
-    one-thread BLAS, also when the tasks run inline (one task, a serial step): OpenBLAS splits one
-    product over its threads with other roundings for some shapes (a dgemm [16, 72] @ [72, 1678]
-    differed), so the bytes would otherwise depend on its thread count. A task's bytes never depend
-    on which thread runs it."""
-    ids = itertools.count()
-
-    def pull() -> Iterator[int]:
-        for t in ids:  # next() on a shared count is atomic under the GIL
-            if t >= total:
-                return
-            yield t
-
-    def part(_: range) -> None:
-        fn(pull())
-
-    with threads.one_blas_thread():  # also when split_work runs the parts inline
-        split_work(part, total)
+@njit(cache=True)
+def _fill(x: Any, src: Any, w: Any, bias: Any, out: Any, argv: Any) -> None:
+    a = argv[0]
+    a.x, a.src, a.w, a.bias, a.out = x.ctypes.data, src.ctypes.data, w.ctypes.data, bias.ctypes.data, out.ctypes.data
+    a.nb, a.cin, a.h, a.wd = x.shape[0], x.shape[1], x.shape[2], x.shape[3]
+    a.cout, a.cg, a.kh, a.kw = w.shape[0], w.shape[1], w.shape[2], w.shape[3]
+    a.ho, a.wo = out.shape[2], out.shape[3]
 
 
-@row_kernel()
-def _conv_direct(x: Any, w: Any, bias: Any, out: Any, sh: int, sw: int, dh: int, dw: int, pt: int, pl: int,
-                 groups: int) -> None:
-    """One (image, output channel) plane per row: the bias (zeros without one), then every tap in
-    (ci, kh, kw) order."""
-    nb, cout, ho, wo = out.shape
-    h, wd = x.shape[2], x.shape[3]
-    cg, kh, kw = w.shape[1], w.shape[2], w.shape[3]
-    m = cout // groups
-    for r in prange(nb * cout):
-        n = r // cout
-        co = r - n * cout
-        c0 = (co // m) * cg
-        o = out[n, co]
-        init = bias[co]
-        for oh in range(ho):
-            for ow in range(wo):
-                o[oh, ow] = init
-        for ci in range(cg):
-            for a in range(kh):
-                for oh in range(ho):
-                    ih = oh * sh + a * dh - pt
-                    if ih < 0 or ih >= h:
-                        continue
-                    src = x[n, c0 + ci, ih]
-                    orow = o[oh]
-                    for b in range(kw):
-                        wv = w[co, ci, a, b]
-                        iw0 = b * dw - pl
-                        lo = 0 if iw0 >= 0 else min(wo, (sw - 1 - iw0) // sw)
-                        hi = 0 if iw0 >= wd else min(wo, (wd - 1 - iw0) // sw + 1)
-                        for ow in range(lo, hi):
-                            orow[ow] += wv * src[iw0 + ow * sw]
+def _set(argv: np.ndarray, **fields: int) -> None:
+    for name, value in fields.items():
+        argv[0][name] = int(value)
 
 
 def uses_direct(x_shape: Shape, w_shape: Shape, groups: int) -> bool:
@@ -147,79 +106,71 @@ def uses_direct(x_shape: Shape, w_shape: Shape, groups: int) -> bool:
     return cout // groups <= DIRECT_MAX_M or cg * kh * kw <= DIRECT_MAX_K
 
 
-def conv2d_into(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray, g: int,
-            stride: tuple[int, int], dilation: tuple[int, int], pt: int, pl: int) -> None:
-    """out (f32/f64, contiguous) <- conv2d of x, w, bias in out's type; the top/left padding may be
-    negative (a crop: ConvTranspose2D's stride-1 form), the output size is out's."""
+def conv2d_jobs(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray, g: int,
+                stride: tuple[int, int], dilation: tuple[int, int], pt: int, pl: int) -> tuple[jobs.Job, ...]:
+    """The jobs of out (f32/f64, contiguous) <- conv2d of x, w, bias in out's type (kdim > 0): the direct
+    loop, or the padded-plane copy (unit stride) and the blocks. The top/left padding may be negative (a
+    crop: ConvTranspose2D's stride-1 form); the output size is out's. Run them under one BLAS thread."""
     nb, cout, ho, wo = out.shape
     cg, kh, kw = w.shape[1], w.shape[2], w.shape[3]
     (sh, sw), (dh, dw) = stride, dilation
-    has_bias = bias is not None
     b = bias if bias is not None else np.zeros(cout, out.dtype)
+    f64 = out.dtype == np.float64
     kdim = cg * kh * kw
-    if kdim == 0:
-        out[...] = b.reshape(1, cout, 1, 1)
-        return
+    argv = jobs.argv_of(BLOCK_ARGS)
+    keep: tuple[np.ndarray, ...] = (b,)
     if uses_direct(x.shape, w.shape, g):
-        _conv_direct(x, w, b, out, sh, sw, dh, dw, pt, pl, g)
-        return
+        _fill(x, x, w, b, out, argv)
+        _set(argv, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl, groups=g)
+        seconds = out.size * 2 * kdim * SECONDS_PER_FLOP
+        return (jobs.job(direct_f64_part if f64 else direct_f32_part, argv, seconds, nb * cout, keep=keep),)
     m = cout // g
-    wm = w.reshape(g, m, kdim)
     # Three forms of the gather: padded planes (unit stride, rows of cols are contiguous copies), runs
     # along output rows (other strides), or the transpose with runs along the kernel rows (a kernel
     # wider than the output: a weight gradient).
     unit = (sh, sw) == (1, 1) and dw * (kw - 1) * UNIT_MAX_WASTE <= wo
-    transposed = not unit and kw > wo
+    form = UNIT if unit else TRANSPOSED if kw > wo else ROWS
+    found: list[jobs.Job] = []
+    xp = x
+    hp = wp = qimg = 0
     if unit:  # padded planes: every row of a block is a contiguous copy (the padding is already there)
         hp, wp = ho + dh * (kh - 1), wo + dw * (kw - 1)
-        xp = x
         if (pt, pl, x.shape[2], x.shape[3]) != (0, 0, hp, wp):
             xp = POOL.empty((nb, x.shape[1], hp, wp), out.dtype)
-            pad_planes(x, xp, pt, pl)
-        src = xp.reshape(nb, x.shape[1], hp * wp)
+            keep = (b, xp)
+            pad = jobs.argv_of(BLOCK_ARGS)
+            _fill(x, xp, w, b, out, pad)
+            _set(pad, pt=pt, pl=pl, hp=hp, wp=wp)
+            found.append(jobs.job(pad_f64_part if f64 else pad_f32_part, pad, xp.nbytes / COPY_BYTES_PER_SECOND,
+                                  nb * x.shape[1] * hp, keep=(xp,)))
         qimg = (ho - 1) * wp + wo
         total = nb * qimg
     else:
         total = nb * ho * wo
     kb = min(kdim, KB_MAX)
-    nkb = -(-kdim // kb)
     pb = block_columns(kb, out.itemsize, total)
     nblocks = -(-total // pb)
-    flat = out.reshape(nb, cout, ho * wo)
+    _fill(x, xp, w, b, out, argv)
+    gemm, gemv = (threads.blas_address("dgemm"), threads.blas_address("dgemv")) if f64 else \
+        (threads.blas_address("sgemm"), threads.blas_address("sgemv"))
+    _set(argv, gemm=gemm, gemv=gemv, sh=sh, sw=sw, dh=dh, dw=dw, pt=pt, pl=pl, groups=g, has_bias=bias is not None,
+         form=form, hp=hp, wp=wp, qimg=qimg, total=total, kb=kb, pb=pb, nblocks=nblocks)
+    seconds = 2 * m * kdim * total * g * SECONDS_PER_FLOP
+    found.append(jobs.job(blocks_f64_part if f64 else blocks_f32_part, argv, seconds, g * nblocks, keep=keep))
+    return tuple(found)
 
-    def blocks(tasks: Iterable[int]) -> None:
-        cols = POOL.empty((pb, kb) if transposed else (kb, pb), out.dtype)  # scratch per thread, reused
-        res = POOL.empty((pb, m) if transposed else (m, pb), out.dtype)
-        part = POOL.empty(res.shape, out.dtype) if nkb > 1 else res
-        for t in tasks:
-            gi, blk = divmod(t, nblocks)
-            q0 = blk * pb
-            q1 = min(total, q0 + pb)
-            nq = q1 - q0
-            for kk in range(nkb):
-                r0, r1 = kk * kb, min(kdim, (kk + 1) * kb)
-                dst = res if kk == 0 else part
-                if transposed:  # [nq, m] = cols [nq, k] @ wᵀ [k, m]
-                    im2row(x, gi * cg, r0, r1, kh, kw, sh, sw, dh, dw, pt, pl, ho, wo, q0, q1, cols)
-                    np.matmul(cols[:nq, :r1 - r0], wm[gi, :, r0:r1].T, out=dst[:nq])
-                    if kk:
-                        np.add(res[:nq], part[:nq], out=res[:nq])
-                    continue
-                if unit:
-                    im2col_unit(src, gi * cg, r0, r1, kh, kw, dh, dw, wp, qimg, q0, q1, cols)
-                else:
-                    im2col(x, gi * cg, r0, r1, kh, kw, sh, sw, dh, dw, pt, pl, ho, wo, q0, q1, cols)
-                np.matmul(wm[gi, :, r0:r1], cols[:r1 - r0, :nq], out=dst[:, :nq])
-                if kk:
-                    np.add(res[:, :nq], part[:, :nq], out=res[:, :nq])
-            if transposed:
-                store_rows(res[:nq], flat, b, has_bias, gi * m, q0, q1)
-            elif unit:
-                store_unit(res[:, :nq], out, b, has_bias, gi * m, q0, q1, wp, qimg)
-            else:
-                store_cols(res[:, :nq], flat, b, has_bias, gi * m, q0, q1)
 
-    run_tasks(blocks, g * nblocks)
+def conv2d_into(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None, out: np.ndarray, g: int,
+                stride: tuple[int, int], dilation: tuple[int, int], pt: int, pl: int) -> None:
+    """out (f32/f64, contiguous) <- conv2d of x, w, bias in out's type (`conv2d_jobs`), every product on a
+    one-thread BLAS: OpenBLAS splits one product over its threads with other roundings for some shapes,
+    so the bytes would otherwise depend on its thread count."""
+    if w.shape[1] * w.shape[2] * w.shape[3] == 0:
+        out[...] = (bias if bias is not None else np.zeros(out.shape[1], out.dtype)).reshape(1, -1, 1, 1)
+        return
+    found = conv2d_jobs(x, w, bias, out, g, stride, dilation, pt, pl)
+    with threads.one_blas_thread():
+        jobs.run(found)
 
 
 def conv2d_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:

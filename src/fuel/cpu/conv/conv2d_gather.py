@@ -1,4 +1,4 @@
-"""Conv2D's Numba passes around each BLAS product (`conv`): gather a block of input columns (three
+"""Conv2D's Numba passes around each BLAS product (`conv2d_tasks`): gather a block of input columns (three
 forms: strided runs, rows of zero-padded planes, or the transposed `cols[q, k]` of a kernel wider than
 the output), and store a product block into the output with the bias."""
 
@@ -7,9 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, prange
-
-from fuel.cpu.simd.driver import row_kernel
+from numba import njit
 
 
 @njit(cache=True, nogil=True)
@@ -152,33 +150,6 @@ def store_rows(res: Any, out: Any, bias: Any, has_bias: bool, co0: int, q0: int,
         src = res[q - q0]
         for co in range(src.shape[0]):
             out[n, co0 + co, s] = src[co] + bias[co0 + co] if has_bias else src[co]
-
-
-@row_kernel()
-def pad_planes(x: Any, xp: Any, pt: int, pl: int) -> None:
-    """xp[n, c, i, j] = x[n, c, i − pt, j − pl], 0 outside x (pt, pl may be negative: a crop)."""
-    nb, cin, hp, wp = xp.shape
-    h, w = x.shape[2], x.shape[3]
-    for r in prange(nb * cin * hp):
-        nc = r // hp
-        i = r - nc * hp
-        n = nc // cin
-        c = nc - n * cin
-        dst = xp[n, c, i]
-        ih = i - pt
-        lo = min(wp, max(0, pl))
-        hi = max(lo, min(wp, w + pl))
-        if ih < 0 or ih >= h:
-            lo = hi = wp
-        for j in range(lo):
-            dst[j] = 0
-        if hi > lo:
-            src = x[n, c, ih, lo - pl:hi - pl]
-            seg = dst[lo:hi]
-            for j in range(hi - lo):
-                seg[j] = src[j]
-        for j in range(hi, wp):
-            dst[j] = 0
 
 
 @njit(cache=True, nogil=True)

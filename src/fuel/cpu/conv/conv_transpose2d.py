@@ -17,13 +17,14 @@ through zero inputs (IEEE products, as torch; upstream's scatter skips zero inpu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import njit
+from numba import carray, njit
 
-from fuel.cpu.conv.conv2d import acc_dtype, block_columns, conv2d_into, run_tasks, working
+from fuel.cpu.conv.conv2d import SECONDS_PER_FLOP, acc_dtype, block_columns, conv2d_into, working
+from fuel.cpu.conv.conv2d_tasks import product
 from fuel.cpu.simd.half import narrow_into
 from fuel.dispatch.impls import (
     CONTIGUOUS_ONLY,
@@ -36,7 +37,10 @@ from fuel.dispatch.impls import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
+from fuel.runtime import jobs, pool, threads
+from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
+from fuel.runtime.jobs import ADDRESS, INT, record_at
 
 CT_ROWS = 256  # rows of wᵀ (output channels · taps) per col2im task
 
@@ -89,16 +93,85 @@ def _flipped(w: np.ndarray, g: int) -> np.ndarray:
     return np.ascontiguousarray(wg).reshape(g * m, cin // g, kh, kw)
 
 
+CT_ARGS = jobs.record(x=ADDRESS, w=ADDRESS, out=ADDRESS, gemm=ADDRESS, gemv=ADDRESS, nb=INT, cin=INT, h=INT, wd=INT,
+                      m=INT, kh=INT, kw=INT, ho=INT, wo=INT, sh=INT, sw=INT, dh=INT, dw=INT, pt=INT, pl=INT,
+                      groups=INT, per=INT, chunks=INT, pb=INT)
+
+
+@njit(inline="always", cache=True)
+def _scatter(part: int, parts: int, argv: int, dt: Any, wide: bool) -> None:
+    """Items [part·I/parts, (part+1)·I/parts) of the I = N·groups·chunks (image, group, chunk of output
+    channels): zero the chunk's planes, then per block of input positions `wᵀ·x` and its col2im."""
+    a = record_at(argv, CT_ARGS)
+    nb, cin, h, wd, m, kh, kw, g, per, chunks, pb = a.nb, a.cin, a.h, a.wd, a.m, a.kh, a.kw, a.groups, a.per, \
+        a.chunks, a.pb
+    taps = kh * kw
+    cg = cin // g
+    size = 8 if wide else 4
+    out = carray(pointer(a.out, dt), (nb, g * m, a.ho, a.wo))
+    res = np.empty((per * taps, pb), dt)
+    for t in range(part * nb * g * chunks // parts, (part + 1) * nb * g * chunks // parts):
+        n, rest = t // (g * chunks), t % (g * chunks)
+        gi, ch = rest // chunks, rest % chunks
+        co0, co1 = ch * per, min(m, (ch + 1) * per)
+        c0 = gi * m + co0
+        out[n, c0:gi * m + co1] = 0
+        if cg == 0:
+            continue
+        rows = (co1 - co0) * taps
+        w_at = a.w + size * (gi * cg * m * taps + co0 * taps)  # wᵀ [rows, cg]: column-major, stride m·taps
+        for p0 in range(0, h * wd, pb):
+            p1 = min(h * wd, p0 + pb)
+            x_at = a.x + size * ((n * cin + gi * cg) * h * wd + p0)
+            product(a.gemm, a.gemv, wide, rows, p1 - p0, cg, w_at, 1, m * taps, x_at, h * wd, 1, res.ctypes.data,
+                    pb, dt)
+            _col2im(res[:rows, :p1 - p0], out, n, c0, kh, kw, a.sh, a.sw, a.dh, a.dw, a.pt, a.pl, wd, p0, p1)
+
+
+@pool.task()
+def _scatter_f32_part(part: int, parts: int, argv: int) -> None:
+    _scatter(part, parts, argv, np.float32, False)
+
+
+@pool.task()
+def _scatter_f64_part(part: int, parts: int, argv: int) -> None:
+    _scatter(part, parts, argv, np.float64, True)
+
+
+def _scatter_here(x: np.ndarray, w: np.ndarray, out: np.ndarray, params: Any, per: int, chunks: int,
+                  pb: int) -> None:
+    """The scatter task's items in this thread, each product a NumPy call on a one-thread BLAS."""
+    nb, cin, h, wd = x.shape
+    m, kh, kw = w.shape[1], w.shape[2], w.shape[3]
+    g, taps, cg = params.groups, kh * kw, cin // params.groups
+    (sh, sw), (dh, dw) = params.stride, params.dilation
+    (pt, _), (pl, _) = params.padding
+    wt = w.reshape(g, cg, m * taps).transpose(0, 2, 1)  # wᵀ per group: [m·taps, cg]
+    xs = x.reshape(nb, g, cg, h * wd)
+    res = np.empty((per * taps, pb), out.dtype)
+    with threads.one_blas_thread():
+        for t in range(nb * g * chunks):
+            n, rest = divmod(t, g * chunks)
+            gi, ch = divmod(rest, chunks)
+            co0, co1 = ch * per, min(m, (ch + 1) * per)
+            out[n, gi * m + co0:gi * m + co1] = 0
+            for p0 in range(0, h * wd if cg else 0, pb):
+                p1 = min(h * wd, p0 + pb)
+                dst = res[:(co1 - co0) * taps, :p1 - p0]
+                np.matmul(wt[gi, co0 * taps:co1 * taps], xs[n, gi, :, p0:p1], out=dst)
+                _col2im(dst, out, n, gi * m + co0, kh, kw, sh, sw, dh, dw, pt, pl, wd, p0, p1)
+
+
 def _conv_transpose2d(x: np.ndarray, w: np.ndarray, out: np.ndarray, params: Any) -> None:
     """out (f32/f64, contiguous) <- conv_transpose2d of x and w in out's type.
 
     Stride 1: the Conv2D of x with the flipped kernel and padding d·(K − 1) − p (the gather form, no
     zero taps). Otherwise `wᵀ·x` products scattered by col2im (the strided gather would multiply by
-    the inserted zeros)."""
+    the inserted zeros), one pool task over (image, group, chunk of output channels), every product a
+    one-thread BLAS call from jitted code (`conv2d_tasks.product`)."""
     nb, cin, h, wd = x.shape
     m, kh, kw = w.shape[1], w.shape[2], w.shape[3]
     g = params.groups
-    cg = cin // g
     (sh, sw), (dh, dw) = params.stride, params.dilation
     (pt, _), (pl, _) = params.padding
     if (sh, sw) == (1, 1):
@@ -108,29 +181,20 @@ def _conv_transpose2d(x: np.ndarray, w: np.ndarray, out: np.ndarray, params: Any
     chunks = max(1, min(m, -(-m * taps // CT_ROWS)))
     per = -(-m // chunks)
     chunks = -(-m // per)
-    # wᵀ per group: [m·taps, cg], a transposed view BLAS reads with its trans flag
-    wt = w.reshape(g, cg, m * taps).transpose(0, 2, 1)
-    xs = x.reshape(nb, g, cg, h * wd)
-    pb = block_columns(per * taps + cg, out.itemsize, h * wd)
-
-    def tasks(items: Iterable[int]) -> None:
-        res = POOL.empty((per * taps, pb), out.dtype)  # scratch per thread, reused
-        for t in items:
-            n, rest = divmod(t, g * chunks)
-            gi, ch = divmod(rest, chunks)
-            co0, co1 = ch * per, min(m, (ch + 1) * per)
-            c0 = gi * m + co0
-            out[n, c0:gi * m + co1] = 0
-            if cg == 0:
-                continue
-            rows = (co1 - co0) * taps
-            for p0 in range(0, h * wd, pb):
-                p1 = min(h * wd, p0 + pb)
-                dst = res[:rows, :p1 - p0]
-                np.matmul(wt[gi, co0 * taps:co1 * taps], xs[n, gi, :, p0:p1], out=dst)
-                _col2im(dst, out, n, c0, kh, kw, sh, sw, dh, dw, pt, pl, wd, p0, p1)
-
-    run_tasks(tasks, nb * g * chunks)
+    pb = block_columns(per * taps + cin // g, out.itemsize, h * wd)
+    f64 = out.dtype == np.float64
+    if taps == 1 and (per == 1 or m % per == 1) and (pb == 1 or h * wd % pb == 1):
+        # a one-channel 1x1 block of one position is NumPy's dot, which the task does not make: these
+        # (tiny) shapes run their products as NumPy calls here
+        _scatter_here(x, w, out, params, per, chunks, pb)
+        return
+    argv = jobs.argv_of(CT_ARGS)
+    argv[0] = (x.ctypes.data, w.ctypes.data, out.ctypes.data, threads.blas_address("dgemm" if f64 else "sgemm"),
+               threads.blas_address("dgemv" if f64 else "sgemv"), nb, cin, h, wd, m, kh, kw, out.shape[2],
+               out.shape[3], sh, sw, dh, dw, pt, pl, g, per, chunks, pb)
+    seconds = 2 * x.size * m * taps * SECONDS_PER_FLOP
+    with threads.one_blas_thread():
+        jobs.run(jobs.job(_scatter_f64_part if f64 else _scatter_f32_part, argv, seconds, nb * g * chunks))
 
 
 def conv_transpose2d_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:

@@ -28,17 +28,19 @@ def _gemm_intrinsic(real: ir.Type) -> Any:
 
     def gemm(typingctx: Any, address: Any, trans_b: Any, add: Any, m: Any, n: Any, k: Any, a: Any, lda: Any, b: Any,
              ldb: Any, c: Any, ldc: Any) -> Any:
-        """Row-major C[m, n] <- A[m, k] @ op(B) (op: transposed where trans_b), plus C where `add` (beta 1,
-        else 0); the matrices by address (int64), B stored [n, k] when transposed, [k, n] otherwise."""
+        """Row-major C[m, n] <- op(A) @ op(B), plus C where `add` (beta 1, else 0); the matrices by address
+        (int64). trans_b's bit 0 transposes B (stored [n, k], else [k, n]), its bit 1 A (stored [k, m],
+        else [m, k])."""
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
             v = [context.cast(builder, x, t, types.int64) for x, t in zip(args, sig.args, strict=True)]
             fn = builder.inttoptr(v[0], signature.as_pointer())
-            tb = builder.select(builder.icmp_signed("!=", v[1], ir.Constant(_I64, 0)), ir.Constant(_I32, TRANS),
-                                ir.Constant(_I32, NO_TRANS))
+            tb, ta = (builder.select(builder.icmp_signed("!=", builder.and_(v[1], ir.Constant(_I64, bit)),
+                                                         ir.Constant(_I64, 0)),
+                                     ir.Constant(_I32, TRANS), ir.Constant(_I32, NO_TRANS)) for bit in (1, 2))
             beta = builder.select(builder.icmp_signed("!=", v[2], ir.Constant(_I64, 0)), ir.Constant(real, 1.0),
                                   ir.Constant(real, 0.0))
-            builder.call(fn, [ir.Constant(_I32, ROW_MAJOR), ir.Constant(_I32, NO_TRANS), tb, v[3], v[4], v[5],
+            builder.call(fn, [ir.Constant(_I32, ROW_MAJOR), ta, tb, v[3], v[4], v[5],
                               ir.Constant(real, 1.0), builder.inttoptr(v[6], ptr), v[7], builder.inttoptr(v[8], ptr),
                               v[9], beta, builder.inttoptr(v[10], ptr), v[11]])
             return context.get_dummy_value()
