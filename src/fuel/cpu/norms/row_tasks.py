@@ -11,7 +11,9 @@ then overwrites o. A one-input kernel gets x again as g.
 - `bf16_rows` widens each bf16 row (and g's) exactly into f32 scratch, runs the f32 row function into an f32
   scratch row and rounds it once (nearest-even) into out. The scratch is fully rewritten for every row, so
   which rows share a part's scratch never shows in the bytes.
-The job (`rows_job`) is what the eager kernel runs and native replay posts.
+The job (`rows_job`) is what the eager kernel runs and native replay posts. Tasks compile with Numba's
+numpy error model, so a division by zero is IEEE's ±inf or NaN (the default python model would swallow
+the exception in the callback and leave 0).
 """
 
 from __future__ import annotations
