@@ -73,7 +73,10 @@ def attention(p: Problem, out: np.ndarray) -> None:
     # sequences put hundreds of groups in one step.
     lo, hi = p.win.keys(0, sq)
     score = g * min(sq, bq) * max(1, min(hi - lo, BK)) * p.slopes.dtype.itemsize
-    steps(p, out, bq, max(1, SCORE_BYTES // score))
+    # One BLAS thread: a multi-threaded product's workers spin on after it, against the row passes' parts
+    # on the pool (see docs/performance/attention.md, "steps on one BLAS thread").
+    with threads.one_blas_thread():
+        steps(p, out, bq, max(1, SCORE_BYTES // score))
 
 
 def flash_attn_kernel(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:

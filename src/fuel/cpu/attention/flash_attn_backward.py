@@ -40,7 +40,7 @@ from fuel.dispatch.impls import (
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
-from fuel.runtime import jobs, pool
+from fuel.runtime import jobs, pool, threads
 from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
 from fuel.runtime.jobs import ADDRESS, INT, REAL, record_at
@@ -230,9 +230,10 @@ def flash_attn_backward_all(inputs: Sequence[np.ndarray], outs: dict[int, np.nda
     if any(a.size for a in grads.values()) and p.q.size:
         hkv = p.hkv
         b, _, sk, d = inputs[1].shape
-        gradients(p, grouped(do, hkv), grouped(grads[FusedOps.FLASH_ATTN_BACKWARD_Q], hkv),
-                  grads[FusedOps.FLASH_ATTN_BACKWARD_K].reshape(b * hkv, sk, d),
-                  grads[FusedOps.FLASH_ATTN_BACKWARD_V].reshape(b * hkv, sk, d))
+        with threads.one_blas_thread():  # as the forward's steps (`flash_attn.attention`)
+            gradients(p, grouped(do, hkv), grouped(grads[FusedOps.FLASH_ATTN_BACKWARD_Q], hkv),
+                      grads[FusedOps.FLASH_ATTN_BACKWARD_K].reshape(b * hkv, sk, d),
+                      grads[FusedOps.FLASH_ATTN_BACKWARD_V].reshape(b * hkv, sk, d))
     for op_id, out in outs.items():
         if grads[op_id] is out:
             continue
