@@ -56,7 +56,7 @@ from fuel.graph.registry import FusedOps
 from fuel.runtime import jobs, threads
 from fuel.runtime.buffers import POOL
 
-BLOCK_BYTES = 1 << 20  # one gathered block (and its product) stays in L2 (measured best of 128 KiB-4 MiB)
+BLOCK_BYTES = 1 << 20  # a gathered block and its product stay in L2 (docs/performance/conv.md, "conv2d")
 KB_MAX = 2048  # longest reduction run in one product; longer ones are summed block by block
 PB_ALIGN = 16
 PB_MIN = 64  # narrower products run BLAS far below its speed

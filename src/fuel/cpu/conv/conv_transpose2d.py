@@ -1,17 +1,18 @@
 """ConvTranspose2D (entry 11) on the CPU: the flipped-kernel gather at stride 1, col2im otherwise.
 
 Stride 1: the transposed convolution is the Conv2D of x with each group's kernel turned by 180 degrees
-(channels swapped) and top/left padding `d·(K − 1) − p` (negative: a crop), so it runs conv.py's
+(channels swapped) and top/left padding `d·(K − 1) − p` (negative: a crop), so it runs Conv2D's
 gather blocks on BLAS at Conv2D's speed. Other strides: `cols = wᵀ · x` per (image, group) on BLAS,
 blocks of input positions read straight from x, scattered (col2im) into the output by a Numba pass,
 instead of gathering over an input with inserted zeros (most taps would multiply a zero). The
 col2im tasks are (image, group, chunk of output channels), so no two tasks write the same element,
 and each task scatters its blocks in order.
 
-Every block size is a function of the shapes only, and OpenBLAS splits products over M and N, never
-K, so results are the same bytes at any thread count. bf16/f16 are widened exactly to f32 once,
-computed in f32 and rounded once on store; f64 runs in f64. NaN or ±inf weights reach the output
-through zero inputs (IEEE products, as torch; upstream's scatter skips zero inputs).
+Every block size is a function of the shapes only and each product is one one-thread BLAS call (the call
+np.matmul makes, `conv2d_tasks.product`), so results are the same bytes at any part count. bf16/f16 are
+widened exactly to f32 once, computed in f32 and rounded once on store; f64 runs in f64. NaN or ±inf
+weights reach the output through zero inputs (IEEE products, as torch; upstream's scatter skips zero
+inputs).
 """
 
 from __future__ import annotations

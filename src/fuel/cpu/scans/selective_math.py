@@ -4,7 +4,7 @@
 exp is a polynomial (`exp64`, within 1 ulp of f64; libm's exp stays scalar in Numba) and softplus is
 `max(x, 0) + log1p(exp(−|x|))` with a vectorisable log1p, PyTorch's threshold 20 kept. Every jitted
 function here uses NumPy's error model: a float division by zero gives inf/NaN instead of a Python
-exception check, which would keep softplus's loop scalar.
+exception check, which would keep softplus's loop scalar (docs/performance/conv.md, "selective_scan").
 """
 
 from __future__ import annotations
