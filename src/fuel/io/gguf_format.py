@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from fuel.errors import FuelError
+from fuel.quant import QuantType
 
 
 class GGUFError(FuelError, ValueError):
@@ -33,22 +34,12 @@ GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 SUPPORTED_VERSIONS = (2, 3)
 
-# ggml type id -> (name, elements per block, bytes per block), as ggml's type_traits. Q8_1 is ggml's
-# block_q8_1 (f16 d, f16 s, 32 int8: 36 bytes), as fuel.quant has it (gguf-py's table says 40).
+# ggml type id -> (name, elements per block, bytes per block), as ggml's type_traits: the block types
+# QMatMul reads as `QuantType` has them (Q8_1 is ggml's block_q8_1, 36 bytes; gguf-py's table says 40).
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4),
     1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24),
-    8: ("Q8_0", 32, 34),
-    9: ("Q8_1", 32, 36),
-    10: ("Q2_K", 256, 84),
-    11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
+    **{q.ggml_type: (q.ggml_name, q.block_elements, q.block_bytes) for q in QuantType},
     15: ("Q8_K", 256, 292),
     16: ("IQ2_XXS", 256, 66),
     17: ("IQ2_XS", 256, 74),
