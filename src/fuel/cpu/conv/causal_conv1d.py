@@ -40,6 +40,8 @@ from fuel.runtime.jobs import ADDRESS, INT, record_at
 # Contraction into FMAs only: no reassociation (the taps keep their order), no nnan/ninf (NaN and inf
 # propagate as in IEEE arithmetic).
 FASTMATH = {"contract"}
+# The tasks use NumPy's error model: SiLU's divisions (by 1 + e >= 1) then carry no zero check, which kept
+# the SiLU loop scalar (docs/performance/conv.md, "causal_conv1d").
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -86,17 +88,17 @@ def _causal_rows(part: int, parts: int, argv: int, dt: Any) -> None:
         _taps(x[r], w[ch], bias[ch], out[r], a.silu != 0)
 
 
-@pool.task(fastmath=FASTMATH)
+@pool.task(fastmath=FASTMATH, error_model="numpy")
 def _causal_f32_part(part: int, parts: int, argv: int) -> None:
     _causal_rows(part, parts, argv, np.float32)
 
 
-@pool.task(fastmath=FASTMATH)
+@pool.task(fastmath=FASTMATH, error_model="numpy")
 def _causal_f64_part(part: int, parts: int, argv: int) -> None:
     _causal_rows(part, parts, argv, np.float64)
 
 
-@pool.task(fastmath=FASTMATH)
+@pool.task(fastmath=FASTMATH, error_model="numpy")
 def _causal_bf16_part(part: int, parts: int, argv: int) -> None:
     """bf16 bits in and out; each row widened into f32 scratch (fully rewritten per row), computed in
     f32, rounded once."""
