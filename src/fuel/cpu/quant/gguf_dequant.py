@@ -27,13 +27,11 @@ from numba import carray, njit
 from fuel.cpu.quant.gguf_kquants import Emit, block_intrinsic, ir_q2k, ir_q3k, ir_q4k, ir_q5k, ir_q6k
 from fuel.cpu.quant.gguf_kquants import f16_bytes as f16_bytes  # re-exported, for kernels reading scales
 from fuel.cpu.quant.weight_tiles import (
-    WEIGHT,
-    N,
     claim_slot,
-    job,
     multiply_tile,
     part_tiles,
     release_slot,
+    tile_args,
     tile_of,
     tile_span,
 )
@@ -173,10 +171,10 @@ def dequant_rows(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv:
 @njit(inline="always", cache=True)
 def dequant_tiles(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv: int) -> None:
     """Part `part` of a tile job (`weight_tiles`): its tiles of W rows, each dequantised row by row into the
-    part's scratch slot, then multiplied. W's own fields: the address of its raw rows and their bytes."""
-    v = job(argv)
-    fields = carray(pointer(argv, np.int64), (WEIGHT + 2,))
-    raw = carray(pointer(fields[WEIGHT], np.uint8), (fields[N], fields[WEIGHT + 1]))
+    part's scratch slot, then multiplied. W's own fields: its raw rows (`weight`) and their bytes
+    (`weight_cols`)."""
+    v = tile_args(argv)
+    raw = carray(pointer(v.weight, np.uint8), (v.n, v.weight_cols))
     slot = claim_slot(v)
     tile = tile_of(v, slot)
     i0, i1 = part_tiles(v, part, parts)

@@ -172,7 +172,7 @@ def _kunit(vals: Any, kind: int, row: Any, o: int, j: int, sc: Any, x: Any, xo: 
 
 
 @njit(inline="always", cache=True)
-def _super(vals: Any, prep: Any, bpb: int, kind: int, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any,
+def _super(vals: Any, kind: int, prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any,
            sx: Any, so: int) -> Any:
     """(acc, mv) after the super-block at byte o dotted with x[xo:xo + 256], R = 1: its units four at a
     time, written out, so that every shift is a constant (LLVM did not unroll a loop of Q6_K's units, and a
@@ -198,36 +198,29 @@ def prefetch_pair(row: Any, rb: int, ahead: int, bpb: int, b: int) -> None:
 
 
 @njit(inline="always", cache=True)
+def pair_supers(sup: Any, vals: Any, kind: int, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: Any, k: int,
+                sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any, Any, Any]:
+    """The (products, offsets) accumulators of K-quant W rows rb and rb1 over their super-blocks, each
+    taken by `sup(vals, kind, prep, row, o, sc, x, xo, acc, mv, sx, so)` (`_super`, or a table or word
+    decoder's super-block), the next pair's bytes prefetched (`prefetch_pair`)."""
+    a0 = vzero()
+    a1 = vzero()
+    m0 = vzero()
+    m1 = vzero()
+    for b in range(k // 256):
+        prefetch_pair(row, rb, ahead, bpb, b)
+        a0, m0 = sup(vals, kind, prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
+        a1, m1 = sup(vals, kind, prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+    return a0, m0, a1, m1
+
+
+@njit(inline="always", cache=True)
 def kpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any,
            sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """K-quant W rows rb and rb1 dotted with x (R = 1), super-block by super-block: Σ lanes of the
     products, less Σ lanes of the offset terms (one fixed sequence per row, whichever its partner)."""
-    a0 = vzero()
-    a1 = vzero()
-    m0 = vzero()
-    m1 = vzero()
-    for b in range(k // 256):
-        prefetch_pair(row, rb, ahead, bpb, b)
-        a0, m0 = _super(vals, prep, bpb, kind, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
-        a1, m1 = _super(vals, prep, bpb, kind, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
+    a0, m0, a1, m1 = pair_supers(_super, vals, kind, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)
-
-
-@njit(inline="always", cache=True)
-def pair_supers(sup: Any, prep: Any, bpb: int, row: Any, rb: int, rb1: int, x: Any, k: int, sx: Any, sc: Any,
-                sc1: Any, ahead: int) -> tuple[Any, Any, Any, Any]:
-    """The (products, offsets) accumulators of K-quant W rows rb and rb1 over their super-blocks, each
-    taken by `sup(prep, row, o, sc, x, xo, acc, mv, sx, so)` (a table or word decoder's super-block), the
-    next pair's bytes prefetched as in `kpair`."""
-    a0 = vzero()
-    a1 = vzero()
-    m0 = vzero()
-    m1 = vzero()
-    for b in range(k // 256):
-        prefetch_pair(row, rb, ahead, bpb, b)
-        a0, m0 = sup(prep, row, rb + bpb * b, sc, x, 256 * b, a0, m0, sx, 16 * b)
-        a1, m1 = sup(prep, row, rb1 + bpb * b, sc1, x, 256 * b, a1, m1, sx, 16 * b)
-    return a0, m0, a1, m1
 
 
 @njit(inline="always", cache=True)

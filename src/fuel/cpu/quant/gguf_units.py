@@ -211,8 +211,8 @@ def unit_q6k(row: Any, o: int, j: int, sc: Any) -> Any:
 
 
 @njit(inline="always", cache=True)
-def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any,
-                     so: int) -> Any:
+def _super_q4k_table(vals: Any, kind: int, prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any,
+                     sx: Any, so: int) -> Any:
     """`_super` for Q4_K by table (`nibble_tables.nibble_codes`): its unit pairs 2p, 2p + 1 (the low and high
     nibbles of the same 32 bytes) as four 16-lane vectors, each lane scaled by its unit's scale; x holds
     each 64 activations in `UNIT_ORDER_Q4K` order."""
@@ -231,5 +231,5 @@ def _super_q4k_table(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc:
 def kpair_q4k_table(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, k: int,
                     sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """`gguf_gemv.kpair` for Q4_K by table (vals and kind unused: the decoding is `_super_q4k_table`'s)."""
-    a0, m0, a1, m1 = pair_supers(_super_q4k_table, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
+    a0, m0, a1, m1 = pair_supers(_super_q4k_table, vals, kind, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(a0) - hsum(m0), hsum(a1) - hsum(m1)

@@ -204,7 +204,8 @@ def word_activations(a: Any, layout: int) -> Any:
 
 
 @njit(inline="always", cache=True)
-def _super(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any, so: int) -> Any:
+def _super(vals: Any, kind: int, prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, mv: Any, sx: Any,
+           so: int) -> Any:
     """(acc, mv) after the Q4_K super-block at byte o dotted with x[xo:xo + 256] (in `ORDER`); the
     offsets as in `gguf_gemv._super`."""
     prep(row, o, sc)
@@ -229,12 +230,13 @@ def kpair_q4k(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1:
               sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """`gguf_gemv.kpair` for Q4_K by words (vals and kind unused); x from `word_activations`, its element
     k the factor that undoes their normalisation."""
-    a0, m0, a1, m1 = pair_supers(_super, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
+    a0, m0, a1, m1 = pair_supers(_super, vals, kind, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(a0) * x[k] - hsum(m0), hsum(a1) * x[k] - hsum(m1)
 
 
 @njit(inline="always", cache=True)
-def _super_q6k(prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, acc1: Any, sx: Any, so: int) -> Any:
+def _super_q6k(vals: Any, kind: int, prep: Any, row: Any, o: int, sc: Any, x: Any, xo: int, acc: Any, acc1: Any,
+               sx: Any, so: int) -> Any:
     """The two accumulators (of each half's first and last 64 elements) after the Q6_K super-block at byte o
     dotted with x[xo:xo + 256] (in `ORDER_Q6K`): each lane's four products (q - 32)·x summed, then times
     its group's scale d·scale_g (sc[0:16], from `prep`)."""
@@ -260,7 +262,7 @@ def kpair_q6k(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1:
               sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """`gguf_gemv.kpair` for Q6_K by words (vals, kind and sx unused); x from `word_activations` (layout
     `Q6K_LAYOUT`), its element k the factor that undoes their normalisation."""
-    a0, b0, a1, b1 = pair_supers(_super_q6k, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
+    a0, b0, a1, b1 = pair_supers(_super_q6k, vals, kind, prep, bpb, row, rb, rb1, x, k, sx, sc, sc1, ahead)
     return hsum(vadd(a0, b0)) * x[k], hsum(vadd(a1, b1)) * x[k]
 
 
