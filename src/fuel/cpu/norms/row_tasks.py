@@ -18,6 +18,7 @@ the exception in the callback and leave 0).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -91,9 +92,12 @@ def _fill(x: Any, g: Any, out: Any, inputs: int, kind: int, eps: float, argv: An
 def rows_job(tasks: Mapping[Any, pool.Task], inputs: Sequence[np.ndarray], out: np.ndarray, eps: float,
              seconds_per_value: float, kind: int = 0) -> jobs.Jobs | None:
     """The job of a row kernel: `tasks` by out's dtype, every input of out's shape and dtype, all
-    C-contiguous (None otherwise: no task serves the call); `()` for an empty out."""
+    C-contiguous (None otherwise: no task serves the call, and in native replay an eps still a DynScalar,
+    which this record holds as a value); `()` for an empty out."""
     if not out.size:
         return ()
+    if not isinstance(eps, numbers.Real):
+        return None
     task = tasks.get(out.dtype)
     if task is None or not all(a.dtype == out.dtype and a.shape == out.shape and a.flags.c_contiguous
                                for a in (*inputs, out)):
