@@ -125,6 +125,12 @@ def _decode(part: int, parts: int, argv: int) -> None:
 USE_TABLE = LUT32  # one row by table (`nf4_table`); tests turn it off to run the portable path here too
 
 
+@njit(cache=True)
+def _fill_split(x: Any, split: Any, argv: Any) -> None:
+    p = argv[0]
+    p.a, p.rows, p.k, p.split = x.ctypes.data, x.shape[0], x.shape[1], split.ctypes.data
+
+
 def _decode_jobs(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out: np.ndarray) -> jobs.Jobs:
     """The decode path (rows <= DECODE_MAX_ROWS, bs a multiple of 32) as two jobs: one row by table (the
     row permuted, then looked up), else the rows split into their even and odd k into a scratch of the
@@ -133,9 +139,8 @@ def _decode_jobs(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int, out:
         return table_jobs(x, w, absmax, _LUT, out, bs)
     rows, k = x.shape
     split = np.empty((rows, 2, k // 2), np.float32)
-    first = jobs.argv_of(SPLIT_ARGS)
-    first[0] = (x.ctypes.data, rows, k, split.ctypes.data)
-    argv = jobs.argv_of(DECODE_ARGS)
+    first, argv = jobs.argv_of(SPLIT_ARGS), jobs.argv_of(DECODE_ARGS)
+    _fill_split(x, split, first)
     fill_decode(split, rows, w, absmax, _LUT, out, bs, argv)
     n = w.shape[0]
     return (jobs.job(_split_part, first, x.size * SECONDS_PER_VALUE, rows, keep=(split,)),
@@ -230,7 +235,7 @@ def _takes_amx(k: int, n: int) -> bool:
 def _tiles_jobs(x: np.ndarray, w: np.ndarray, absmax: np.ndarray, bs: int,
                 out: np.ndarray) -> tuple[jobs.Job, jobs.Job] | None:
     """The many-row product's prep and tile jobs (`weight_tiles.tiles_jobs`), None where there are none."""
-    fields = (w.ctypes.data, w.shape[1], absmax.ctypes.data, x.shape[1] // bs, _LUT.ctypes.data)
+    fields = (pool.address_of(w), w.shape[1], pool.address_of(absmax), x.shape[1] // bs, pool.address_of(_LUT))
     return tiles_jobs(_tiles, x, w.shape[0], out, fields)
 
 

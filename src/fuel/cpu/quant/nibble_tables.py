@@ -80,13 +80,20 @@ def _permute_part(part: int, parts: int, argv: int) -> None:
                  carray(pointer(p.scratch, np.float32), (2, p.k)))
 
 
+@njit(cache=True)
+def _fill_permute(a: Any, scratch: Any, order: Any, argv: Any) -> None:
+    p = argv[0]
+    p.a, p.scratch, p.order = a.ctypes.data, scratch.ctypes.data, order.ctypes.data
+    p.k, p.group = a.shape[1], order.size
+
+
 def permute_job(a: np.ndarray, order: np.ndarray) -> tuple[jobs.Job, np.ndarray, tuple[np.ndarray, ...]]:
     """A job writing `permuted(a, order)` (a [1, k]) into a scratch of its own, for a table kernel's job
     after it to read at every call: (the job, the scratch, the arrays it points at besides a)."""
     order = np.ascontiguousarray(order, np.int64)
     scratch = np.empty((2, a.shape[1]), np.float32)
     argv = jobs.argv_of(PERMUTE_ARGS)
-    argv[0] = (a.ctypes.data, scratch.ctypes.data, order.ctypes.data, a.shape[1], order.size)
+    _fill_permute(a, scratch, order, argv)
     return jobs.job(_permute_part, argv, 0.0, 1), scratch, (scratch, order)
 
 
