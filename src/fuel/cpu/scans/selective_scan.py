@@ -143,6 +143,8 @@ def _forward_job(inputs: list[np.ndarray], y: np.ndarray, last: np.ndarray, soft
 
 def selective_scan_job(inputs: list[np.ndarray], out: Any, params: Any) -> jobs.Jobs | None:
     """f32, f64 and bf16 (bf16 as its bits): (y, last_state) straight into out."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        return None  # a step that does not hand over both outputs
     y, last = out
     if y.dtype == DType.F16.np or inputs[0].dtype == DType.F16.np:
         return None  # computed into f64 buffers by the eager kernel

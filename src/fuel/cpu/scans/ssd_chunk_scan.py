@@ -167,6 +167,8 @@ def _forward_job(inputs: list[np.ndarray], y: np.ndarray, last: np.ndarray) -> j
 def ssd_chunk_scan_job(inputs: list[np.ndarray], out: Any, params: Any) -> jobs.Jobs | None:
     """f32, f64 and bf16: read as stored, float64 state, each output rounded once into its slot. An
     empty state (N = 0 or an empty batch, head or P) serves no job: the kernel zeroes y itself."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        return None  # a step that does not hand over both outputs
     y, last = out
     if last.size == 0:
         return None if y.size else ()
