@@ -77,4 +77,6 @@ def test_the_job_serves_f32_f64_and_bf16_and_replay_posts_it() -> None:
     halves = [np.zeros(s, np.float16) for s in shapes]
     assert ss.selective_scan_job(halves, (np.zeros((1, 3, 5), np.float16), np.zeros((1, 5, 2), np.float16)),
                                  params) is None
+    y = np.zeros((2, 3, 5), np.float32)  # one array, not the pair (its first axis has two entries)
+    assert ss.selective_scan_job([np.zeros(s, np.float32) for s in shapes], y, params) is None
     assert jobs.builder_of(ss.selective_scan) is ss.selective_scan_job

@@ -72,6 +72,7 @@ def test_forward_job_refuses_what_its_tasks_cannot_read() -> None:
     assert ssd._forward_job([inputs[0][:, :, ::2], *inputs[1:]], y[:, :, ::2], last) is None
     assert ssd._forward_job([v.astype(np.float16) for v in inputs], y, last) is None
     assert ssd.ssd_chunk_scan_job(inputs, (y, np.empty((1, 2, 4, 0))), SsdChunkScanParams(1)) is None
+    assert ssd.ssd_chunk_scan_job(inputs, y, SsdChunkScanParams(1)) is None  # one array, not the pair
     assert jobs.builder_of(ssd.ssd_chunk_scan_f32) is ssd.ssd_chunk_scan_job
 
 
