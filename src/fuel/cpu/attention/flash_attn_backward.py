@@ -123,6 +123,15 @@ def _grad_row(s: Any, dp: Any, m: Any, l: Any, delta: Any, t: int, i0: int, bq: 
         dseg[c] = ds
 
 
+@njit(cache=True, fastmath=FASTMATH)
+def _grad_block(s: Any, dp: Any, m: Any, l: Any, delta: Any, first: int, last: int, i0: int, bq: int, j0: int,
+                kl: int, sq: int, left: int, right: int, scale: Any, softcap: Any, slopes: Any) -> None:
+    """Rows [first, last) of one key block (`_grad_row`), compiled on its own as a function of its arrays,
+    which fixes how LLVM contracts f64's dS: inlined into the task it chose another order (other bytes)."""
+    for t in range(first, last):
+        _grad_row(s, dp, m, l, delta, t, i0, bq, j0, kl, sq, left, right, scale, softcap, slopes)
+
+
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _grad_rows(part: int, parts: int, argv: int, dt: Any) -> None:
     a = record_at(argv, GRAD_ARGS)
@@ -134,8 +143,8 @@ def _grad_rows(part: int, parts: int, argv: int, dt: Any) -> None:
     delta = carray(pointer(a.delta, dt), (n, rows))
     slopes = carray(pointer(a.slopes, dt), (n, a.heads))
     scale, softcap = dt(a.scale), dt(a.softcap)
-    for t in range(part * n * rows // parts, (part + 1) * n * rows // parts):
-        _grad_row(s, dp, m, l, delta, t, a.i0, a.bq, a.j0, a.kl, a.sq, a.left, a.right, scale, softcap, slopes)
+    _grad_block(s, dp, m, l, delta, part * n * rows // parts, (part + 1) * n * rows // parts, a.i0, a.bq, a.j0,
+                a.kl, a.sq, a.left, a.right, scale, softcap, slopes)
 
 
 @pool.task(fastmath=FASTMATH)
