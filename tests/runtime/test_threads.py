@@ -1,8 +1,10 @@
-"""The thread policy: one count for Numba and the BLAS; serial and parallel paths give the same bytes."""
+"""The thread policy: one count for the spinning pool and the BLAS; `serial()` runs every job as one part in
+its own Python thread, with the bytes of any other part count."""
 
 from __future__ import annotations
 
-import numba
+import threading
+
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
@@ -10,7 +12,7 @@ from threadpoolctl import threadpool_info
 import fuel as fl
 from fuel.dispatch.impls import default_kernel_registry
 from fuel.graph.registry import default_registry
-from fuel.runtime import threads
+from fuel.runtime import pool, threads
 from fuel.testing.contract import output_bytes, output_for
 from fuel.testing.reference import cases
 
@@ -22,20 +24,20 @@ def _blas_threads() -> list[int]:
             if i["user_api"] == "blas" and "numpy" in i["filepath"].replace("\\", "/").split("/")[-2]]
 
 
-def test_set_num_threads_governs_numba_and_the_blas() -> None:
+def test_set_num_threads_governs_the_pool_and_the_blas() -> None:
     before = fl.get_num_threads()
     try:
         fl.set_num_threads(1)
-        assert fl.get_num_threads() == 1 and numba.get_num_threads() == 1
+        assert fl.get_num_threads() == 1 and pool.parts_for(1.0, 64) == 1
         assert _blas_threads() and set(_blas_threads()) == {1}
         fl.set_num_threads(2)
-        assert numba.get_num_threads() == 2 and set(_blas_threads()) == {2}
+        assert pool.parts_for(1.0, 64) == 2 * pool.PARTS_PER_THREAD and set(_blas_threads()) == {2}
     finally:
         fl.set_num_threads(before)
 
 
 def test_default_is_the_cores_available() -> None:
-    assert fl.get_num_threads() == min(threads.available_cores(), numba.config.NUMBA_NUM_THREADS)
+    assert fl.get_num_threads() == min(threads.available_cores(), threads.MAX_THREADS)
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
@@ -44,22 +46,10 @@ def test_bad_thread_counts_are_clear_errors(bad: object) -> None:
         fl.set_num_threads(bad)  # type: ignore[arg-type]
 
 
-def test_too_many_threads_names_the_pool_size() -> None:
-    with pytest.raises(fl.ParamError, match="Numba's pool has"):
-        fl.set_num_threads(numba.config.NUMBA_NUM_THREADS + 1)
-
-
-def test_the_threading_layer_is_chosen_on_purpose() -> None:
-    assert threads.threading_layer() == "omp"
-
-
-def test_serial_thresholds_come_from_cost() -> None:
-    def cost(rows: int) -> dict[str, int]:
-        return {"flops": 3 * rows * 576, "bytes_moved": 2 * rows * 576 * 4}
-
-    assert threads.runs_serially(**cost(1)) and threads.runs_inline(**cost(1))
-    assert threads.runs_serially(**cost(4096)) and not threads.runs_inline(**cost(4096))
-    assert not threads.runs_serially(**cost(16384)) and not threads.runs_inline(**cost(16384))
+def test_too_many_threads_names_the_pools_limit() -> None:
+    with pytest.raises(fl.ParamError, match=f"set_num_threads: {threads.MAX_THREADS + 1} threads asked, but "
+                                            f"fuel's pool runs at most {threads.MAX_THREADS}"):
+        fl.set_num_threads(threads.MAX_THREADS + 1)
 
 
 def test_serial_and_parallel_paths_give_identical_bytes_for_every_impl() -> None:
@@ -77,28 +67,30 @@ def test_serial_and_parallel_paths_give_identical_bytes_for_every_impl() -> None
     assert checked > 100
 
 
-def test_serial_mode_is_per_python_thread() -> None:
-    import threading
-
-    seen: list[int] = []
-    with threads.serial():
-        t = threading.Thread(target=lambda: seen.append(numba.get_num_threads()))
-        t.start()
-        t.join()
-        assert numba.get_num_threads() == 1
-    assert seen == [fl.get_num_threads()] and numba.get_num_threads() == fl.get_num_threads()
-
-
-@pytest.mark.parametrize("total", [1, 3])
-def test_split_work_runs_every_part_on_one_blas_thread(total: int) -> None:
-    """Also when it runs its parts in the calling thread (one task, or inside a serial step): a BLAS worker
-    woken there would spin on after the call, holding a core the next steps' threads need."""
+def test_serial_is_per_python_thread_and_nests() -> None:
     before = fl.get_num_threads()
-    seen: list[int | None] = []
+    seen: list[int] = []
     try:
         fl.set_num_threads(2)
-        threads.split_work(lambda tasks: seen.append(threads.blas_num_threads()), total)
-        assert threads.blas_num_threads() == 2  # restored
+        with threads.serial():
+            t = threading.Thread(target=lambda: seen.append(pool.parts_for(1.0, 64)))
+            t.start()
+            t.join()
+            with threads.serial():
+                assert pool.parts_for(1.0, 64) == 1
+            assert pool.parts_for(1.0, 64) == 1 and threads.serial_now()
+        assert not threads.serial_now() and pool.parts_for(1.0, 64) == 2 * pool.PARTS_PER_THREAD
     finally:
         fl.set_num_threads(before)
-    assert seen and set(seen) == {1}
+    assert seen == [2 * pool.PARTS_PER_THREAD]
+
+
+def test_one_blas_thread_is_restored_after_the_block() -> None:
+    before = fl.get_num_threads()
+    try:
+        fl.set_num_threads(2)
+        with threads.one_blas_thread():
+            assert threads.blas_num_threads() == 1
+        assert threads.blas_num_threads() == 2
+    finally:
+        fl.set_num_threads(before)

@@ -28,7 +28,6 @@ from fuel.graph.passes import arg_key
 from fuel.graph.passes.order import alias_root
 from fuel.graph.registry import FusedOpRegistry, default_registry
 from fuel.graph.traced import check_realize
-from fuel.runtime import threads
 from fuel.runtime.buffers import POOL
 
 if TYPE_CHECKING:
@@ -108,7 +107,6 @@ def realize(*tensors: Tensor, env: dict[str, int] | None = None, fuse: bool = Tr
     _check_not_stale(order, leaves)
     registry, kernels = default_registry(), default_kernel_registry()
     plan = cached_plan(order, roots, leaves, fuse, registry, kernels)
-    threads.apply()
     values = run(plan, [n.value for n in leaves], env)  # type: ignore[misc]
     if plan.destroys:
         _mark_overwritten(order, _destructive(registry))
@@ -220,32 +218,6 @@ def build_plan(roots: list[Node], leaves: list[Node], fuse_on: bool,
     return build(roots, leaves, fuse_on, registry, kernels)
 
 
-def _serial_now(step: Step, params: Any) -> tuple[bool, bool]:
-    """Serial or parallel for a step with DynScalar parameters, sized with their values for this run: at
-    plan time its cost had to assume the largest (a decode step's attention over a 2048-row cache reads
-    only the live rows, which for a short conversation is work too small to wake the pool for)."""
-    assert step.impl is not None
-    spec = step.spec
-    key = (step.impl, spec.in_shapes, spec.shape, spec.in_dtypes, params)
-    try:
-        use = _SERIAL_NOW.get(key)
-        hashable = True
-    except TypeError:  # params with an unhashable field: sized every time
-        use, hashable = None, False
-    if use is None:
-        cost = step.impl.cost([*spec.in_shapes, spec.shape], [*spec.in_dtypes, spec.dtype], params)
-        use = threads.thread_use(cost.flops, cost.bytes_moved)
-        if hashable:
-            if len(_SERIAL_NOW) >= 4096:  # one entry per k_len and layer shape in a decode loop: bounded
-                _SERIAL_NOW.clear()
-            _SERIAL_NOW[key] = use
-    return use
-
-
-# `_serial_now`'s answers by their cost's arguments: a decode step's layers share them (6 -> ~1 µs a step).
-_SERIAL_NOW: dict[tuple[Any, ...], tuple[bool, bool]] = {}
-
-
 def _copy_with(obj: Any, changes: dict[str, Any]) -> Any:
     """A copy of a frozen dataclass instance with `changes`, without `dataclasses.replace`'s __init__ (its
     fields were validated when the graph was built; a bound DynScalar is checked where it is used). A decode
@@ -285,25 +257,22 @@ def run(plan: Plan, leaf_values: Sequence[np.ndarray], env: dict[str, int] | Non
     for s, v in plan.baked.items():
         slots[s] = v
     tracing = bool(_TRACE)
-    try:
-        # Kernels follow IEEE (log 0 = -inf, 0/0 = NaN, as torch does); NumPy's warnings would only be noise.
-        with np.errstate(all="ignore"):
-            for step in plan.steps:
-                start = time.perf_counter() if tracing else 0.0
-                args = [slots[i] for i in step.inputs]
-                spec = step.spec
-                copies = 0
-                if step.prim is not None:
-                    out = checked(step, step.prim(args, prim_spec(step, env) if step.dyn_fields else spec, None))
-                else:
-                    out, copies = run_fused(step, args, None, env, slots=slots)
-                slots[step.output] = out
-                for s in step.free_after:
-                    slots[s] = None
-                if tracing:
-                    record(step, start, copies)
-    finally:
-        threads.use_serial(False)
+    # Kernels follow IEEE (log 0 = -inf, 0/0 = NaN, as torch does); NumPy's warnings would only be noise.
+    with np.errstate(all="ignore"):
+        for step in plan.steps:
+            start = time.perf_counter() if tracing else 0.0
+            args = [slots[i] for i in step.inputs]
+            spec = step.spec
+            copies = 0
+            if step.prim is not None:
+                out = checked(step, step.prim(args, prim_spec(step, env) if step.dyn_fields else spec, None))
+            else:
+                out, copies = run_fused(step, args, None, env, slots=slots)
+            slots[step.output] = out
+            for s in step.free_after:
+                slots[s] = None
+            if tracing:
+                record(step, start, copies)
     return [slots[s] for s in plan.outputs]
 
 
@@ -342,7 +311,7 @@ def _names(items: Sequence[Any]) -> str:
 
 def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: dict[str, int] | None,
               check: Sequence[int] | None = None, slots: list[Any] | None = None) -> tuple[Any, int]:
-    """Run a fused step's kernel into `out` (allocated here when None), serially if the step is small.
+    """Run a fused step's kernel into `out` (allocated here when None).
 
     Inputs at positions `check` (all when None) are made contiguous for an impl that needs it. A joint
     step also writes its siblings' outputs into `slots`. Returns the output and the number of input
@@ -372,7 +341,6 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
         result = POOL.empty(spec.shape, spec.dtype.np) if out is None else out
     if type(result) is not tuple and result.dtype is not out_dtype and result.dtype != out_dtype:
         raise KernelError(f"{impl.name}: is registered for a {_names([out_dtype])} output, got {_names([result])}")
-    threads.use_serial(*(_serial_now(step, params) if step.dyn_fields else (step.serial, step.inline)))
     if step.joint is not None and slots is not None:
         outs: dict[int, np.ndarray] = {impl.op_id: result}
         for op_id, slot, sib in step.siblings:

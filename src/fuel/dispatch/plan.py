@@ -2,8 +2,8 @@
 
 `build` runs the graph passes (CSE, fusion, lowering, scheduling) and turns the scheduled nodes into
 `Step`s: a primitive's NumPy kernel or a fused node's impl, its input and output slots, the slots it
-frees, its DynScalar fields and how it uses threads (from the impl's own cost). The executor caches and
-runs plans; `fl.jit` keeps one per captured signature.
+frees and its DynScalar fields. How a step's kernel uses threads is the runtime's choice, per job, when it
+runs (`fuel.runtime.jobs`). The executor caches and runs plans; `fl.jit` keeps one per captured signature.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from fuel.graph.passes.order import schedule
 from fuel.graph.prims import DESTRUCTIVE_PRIMS
 from fuel.graph.registry import FusedOpRegistry
 from fuel.graph.slots import slots_of
-from fuel.runtime import threads
 
 BACKEND = "cpu"
 
@@ -37,8 +36,6 @@ class Step:
     params: Any  # a fused node's params, or a primitive's arg, as built (DynScalars unresolved)
     dyn_fields: tuple[str, ...]  # the params fields that are DynScalars, resolved per run
     destructive: int | None
-    serial: bool  # below the Numba pool's threshold: the kernel runs on one Numba thread
-    inline: bool  # below the workers' threshold too: split_work runs its parts in the calling thread
     inputs: tuple[int, ...]
     output: int
     free_after: tuple[int, ...]
@@ -79,14 +76,6 @@ def impl_for(n: Node, kernels: FusedKernelRegistry) -> BackendImpl | None:
     return kernels.lookup(n.arg[0], BACKEND, (*(i.dtype for i in n.inputs), n.dtype))
 
 
-def _thread_use(n: Node, impl: BackendImpl | None) -> tuple[bool, bool]:
-    """(serial, inline) of a step by its impl's cost: one Numba thread, and no worker threads either."""
-    if impl is None:
-        return False, False
-    cost = impl.cost([*(i.shape for i in n.inputs), n.shape], [*(i.dtype for i in n.inputs), n.dtype], n.arg[1])
-    return threads.thread_use(cost.flops, cost.bytes_moved)
-
-
 def build(roots: list[Node], leaves: list[Node], fuse_on: bool,
                registry: FusedOpRegistry, kernels: FusedKernelRegistry) -> Plan:
     destructive = destructive_of(registry)
@@ -117,11 +106,9 @@ def build(roots: list[Node], leaves: list[Node], fuse_on: bool,
         impl = impl_for(n, kernels) if fused else None
         params = n.arg[1] if fused else n.arg
         slots = slots_of(n)
-        serial, inline = _thread_use(n, impl)
         steps.append(Step(
             spec=n.spec(), prim=None if fused else PRIM_KERNELS[n.op], impl=impl, params=params,
             dyn_fields=dyn_names(params), destructive=destructive(n),
-            serial=serial, inline=inline,
             inputs=tuple(slot[i] for i in n.inputs), output=slot[n], free_after=tuple(frees.get(step_index, ())),
             name=impl.name if impl is not None else f"prim:{n.op.name.lower()}",
             slots=None if slots is None else tuple((shape, dtype.np) for shape, dtype in slots)))

@@ -51,7 +51,7 @@ from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, dyn_value, is_constant, topo_order
 from fuel.graph.registry import default_registry
 from fuel.graph.traced import tracing
-from fuel.runtime import replay, threads
+from fuel.runtime import replay
 from fuel.runtime.arena import arena, fold, shared_outputs
 
 _QUIET = contextlib.nullcontext()
@@ -156,27 +156,24 @@ class Capture:
             slots[s] = args[i]
         tracers = executor.tracing()
         first = not self._checked
-        try:
-            with np.errstate(all="ignore") if self._numpy_steps else _QUIET:
-                if not tracers and not first:
-                    copied = self._replay(slots, env)
-                    return self._outputs(slots, args, copied)
-                for r in self.runs:
-                    start = time.perf_counter() if tracers else 0.0
-                    step = r.step
-                    xs = [slots[i] for i in step.inputs]
-                    if step.prim is not None:
-                        res = step.prim(xs, executor.prim_spec(step, env) if step.dyn_fields else step.spec, r.out)
-                        if first:
-                            res = executor.checked(step, res)
-                        copies = 0
-                    else:
-                        res, copies = executor.run_fused(step, xs, r.out, env, r.check, slots)
-                    slots[step.output] = res
-                    if tracers:
-                        executor.record(step, start, copies)
-        finally:
-            threads.use_serial(False)
+        with np.errstate(all="ignore") if self._numpy_steps else _QUIET:
+            if not tracers and not first:
+                copied = self._replay(slots, env)
+                return self._outputs(slots, args, copied)
+            for r in self.runs:
+                start = time.perf_counter() if tracers else 0.0
+                step = r.step
+                xs = [slots[i] for i in step.inputs]
+                if step.prim is not None:
+                    res = step.prim(xs, executor.prim_spec(step, env) if step.dyn_fields else step.spec, r.out)
+                    if first:
+                        res = executor.checked(step, res)
+                    copies = 0
+                else:
+                    res, copies = executor.run_fused(step, xs, r.out, env, r.check, slots)
+                slots[step.output] = res
+                if tracers:
+                    executor.record(step, start, copies)
         if first:
             self.native = replay.prepare([r.step for r in self.runs], self.fast, self.template, args, self.arg_slots,
                                          self.fresh, self.output_slots)
@@ -266,7 +263,6 @@ class Jit:
             with self._lock:
                 if sig in self._captures:
                     self._captures.move_to_end(sig)  # most recently used last
-        threads.apply()
         with capture._lock:  # one capture's arena serves one call at a time
             values = capture.run(arrays, env)
         outs = [_leaf(v) for v in values]

@@ -1,35 +1,25 @@
-"""fuel's spinning pool: decode-sized kernels on every core for a few microseconds of synchronisation.
+"""fuel's spinning pool: every kernel's parts on every core for a few microseconds of synchronisation.
 
-A decode step runs hundreds of kernels of 20-200 µs each. Numba's OpenMP pool costs ~60 µs to wake
-(passive waiting) and fights OpenBLAS's spinning workers when it spins, and `split_work`'s Python
-threads hand the GIL over through the operating system; both cost about what a second core saves at
-these sizes, so such kernels ran on one core. Here the workers wait in GIL-free jitted code, spinning
-on one shared word, and run a task by calling its compiled address: a posted job starts on the other
-cores within a microsecond or so (a round trip of an empty job measured 3 µs), with no Python on the
-workers' side.
+A decode step runs hundreds of kernels of 20-200 µs each, too small for a pool that must be woken through
+the operating system or that hands the GIL over (docs/performance/runtime.md, "pool"). Here the workers
+wait in GIL-free jitted code, spinning on one shared word, and run a task by calling its compiled address:
+a posted job starts on the other cores within a microsecond or so, with no Python on the workers' side.
+Every kernel runs this way (`fuel.runtime.jobs`); docs/runtime.md describes the whole runtime.
 
-- A *task* is a Numba C callback `task(part, parts, argv)` (`@spin.task`): it does part `part` of
-  `parts` of a job whose arguments it reads from `argv`, the address of an int64 array (data
-  addresses and sizes, laid out by the kernel that posts it). Parts are claimed one at a time by
-  whoever is free (the posting thread too) with a compare-and-swap, so a busy or sleeping core only
-  means the others take more parts; which thread runs a part never changes its bytes, because a part
-  is a fixed slice of the work.
+- A *task* is a Numba C callback `task(part, parts, argv)` (`@pool.task`): it does part `part` of
+  `parts` of a job whose arguments it reads from `argv`, the address of its typed record
+  (`jobs.record`). Parts are claimed one at a time by whoever is free (the posting thread too) with a
+  compare-and-swap, so a busy or sleeping core only means the others take more parts; which thread runs
+  a part never changes its bytes, because a part is a fixed slice of the work.
 - Workers spin for `SPIN_SECONDS` after their last part and then sleep on an event. The posting
   thread never waits for a sleeping worker: it wakes it and takes parts meanwhile; the worker joins
-  when it is up (50-200 µs after the wake on a 2-core Xeon VM, the GIL free).
-  `park()` sends spinning workers to sleep at once: `split_work` calls it before starting its threads,
-  so the spinners do not take a core those wait for. Numba's pool and the BLAS are not parked for: the
-  executor starts them for steps whose kernels may well post here (a 2 ms QMatMul), and a spinner
-  holds a core for at most SPIN_SECONDS after its last part.
-- Each worker is pinned to its own core (`worker_cores`), none of them the first allowed one. Unpinned, a
-  worker woken from sleep was often placed on its waker's core (Linux's wake-affine choice) and then
-  shared it with the posting thread, which spins in its join: measured on 2 cores, one job in ten of
-  800 µs ran without the worker at all, even with the worker awake; pinned, none did (it joined
-  within 40-150 µs of a sleep, at once when spinning). A posting thread found on a worker's core is
-  moved off it (its affinity narrowed for an instant, then restored: no thread's affinity changes).
+  when it is up. `park()` sends spinning workers to sleep at once.
+- Each worker is pinned to its own core (`worker_cores`), none of them the first allowed one: unpinned, a
+  worker woken from sleep was often placed on its waker's core and shared it with the posting thread,
+  which spins in its join (docs/performance/runtime.md, "pool"). A posting thread found on a worker's core
+  is moved off it (its affinity narrowed for an instant, then restored: no thread's affinity changes).
   `FUEL_SPIN_PIN=0` leaves the workers unpinned.
-- One job at a time: a second Python thread that finds the pool busy (or a kernel inside another
-  pool's part) runs its parts itself, in order.
+- One job at a time: a second Python thread that finds the pool busy runs its parts itself, in order.
 """
 
 from __future__ import annotations
@@ -175,8 +165,8 @@ def _run_steps(ctl: Any, workers: int, threads_now: int, steps: Any, seconds: An
     """Run prepared jobs start..stop-1 in order (`fuel.runtime.replay`): each step's DynScalar values
     stored into its argv, its part count chosen as `parts_for` would, then run here or posted and joined.
     A job that finds workers asleep is left posted and not joined: returns (its step, the mask of the
-    sleeping workers), for Python to wake them and then join it (joined first, the job ran on this thread
-    alone: a 4096² one-row QMatMul after an idle gap took 1.4-1.6x the time). Else (stop, 0)."""
+    sleeping workers), for Python to wake them and then join it (joined first, the job would run on this
+    thread alone: docs/performance/runtime.md, "pool"). Else (stop, 0)."""
     for k in range(start, stop):
         fn, argv, most, unit, p0, p1 = steps[k, 0], steps[k, 1], steps[k, 2], steps[k, 3], steps[k, 4], steps[k, 5]
         for p in range(p0, p1):
@@ -202,7 +192,8 @@ def _set(ctl: Any, i: int, v: int) -> None:
 
 @njit(cache=True)
 def address_of(a: Any) -> int:
-    """a's data address: 0.2 µs, where `a.ctypes.data` costs 1 µs of Python (it builds a ctypes object per call)."""
+    """a's data address, jitted: `a.ctypes.data` builds a ctypes object per call (docs/performance/runtime.md,
+    "pool")."""
     return a.ctypes.data
 
 
@@ -227,7 +218,7 @@ def worker_cores(workers: int) -> list[int]:
 
 
 def _cpu_reader() -> Callable[[], int] | None:
-    """libc's sched_getcpu (the caller's current core, ~0.1 µs through ctypes) where it exists."""
+    """libc's sched_getcpu (the caller's current core, through ctypes) where it exists."""
     try:
         fn = ctypes.CDLL(None).sched_getcpu
     except (OSError, AttributeError):
@@ -332,23 +323,22 @@ def _pool(workers: int) -> SpinPool:
             if _POOL is not None and pid == _POOL_PID:
                 _POOL.close()
             _POOL, _POOL_PID = SpinPool(workers), pid
-            threads.PARK_HOOKS[:] = [_POOL.park]
         return _POOL
 
 
 def parts_for(seconds: float, most: int, per_thread: int = PARTS_PER_THREAD) -> int:
     """How many parts to cut a job of this estimated one-core time into: 1 (run here) for small work, with
-    one thread, inside `threads.serial()` or inside another pool's part; else up to `per_thread` a thread."""
+    one thread or inside `threads.serial()`; else up to `per_thread` a thread."""
     if seconds < SPIN_MIN_SECONDS:  # first: the common decode-sized call asks nothing else
         return 1
     n = threads.get_num_threads()
-    if n <= 1 or threads.MODE.forced or threads.MODE.nested:
+    if n <= 1 or threads.serial_now():
         return 1
     return max(1, min(most, per_thread * n))
 
 
 def run(fn: Task, argv: np.ndarray, parts: int) -> None:
-    """Run task `fn` (from `@task`) over `parts` parts with argv (int64, alive until this returns)."""
+    """Run task `fn` (from `@task`) over `parts` parts with argv (its record, alive until this returns)."""
     run_address(fn.address, address_of(argv), parts)
 
 
@@ -362,7 +352,7 @@ def run_address(address: int, args: int, parts: int) -> None:
 
 def wake() -> None:
     """Wake the pool's sleeping workers now, so that the next job finds them spinning: one posted to
-    sleeping workers runs without them until they are up (50-200 µs on a 2-core Xeon VM). For a caller
+    sleeping workers runs without them until they are up (docs/performance/runtime.md, "pool"). For a caller
     about to time a call after an idle gap, as a decode loop's workers spin from step to step."""
     pool = _POOL
     if pool is not None and os.getpid() == _POOL_PID and not pool.closed:
@@ -376,7 +366,7 @@ def run_steps(steps: np.ndarray, seconds: np.ndarray, patches: np.ndarray, env: 
     runs one: one compiled call for the lot, back in Python only to wake sleeping workers for a job
     posted, before joining it."""
     n = threads.get_num_threads()
-    if n <= 1 or threads.MODE.forced or threads.MODE.nested:
+    if n <= 1 or threads.serial_now():
         _run_steps(_NO_CTL, 0, 1, steps, seconds, patches, env, start, stop)
         return
     pool = _pool(n - 1)

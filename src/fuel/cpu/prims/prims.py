@@ -318,13 +318,10 @@ def _grad_kernel(module: str, name: str) -> PrimKernel:
     found: list[Callable[..., Any]] = []
 
     def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
-        from fuel.runtime import threads
-
         if not found:
             import importlib
 
             found.append(getattr(importlib.import_module(f"fuel.cpu.{module}"), name))
-        threads.use_serial(False)  # a whole backward pass: fuel's thread count, whatever ran before
         return found[0]([np.ascontiguousarray(x) for x in xs], n.arg)
     return run
 

@@ -1,27 +1,16 @@
-"""The shared row driver: every Numba kernel is a row-parallel loop with a serial path for free.
+"""Fixed chunks of rows: the work items of a task whose bytes depend on how rows are grouped.
 
-A kernel is written once, as a function whose outer loop is `prange` over independent rows (or
-chunks of rows, see `chunk_count`/`chunk_bounds`), and decorated with `row_kernel(...)`. The
-serial path is the same compiled code run on one thread: for a plan step whose cost is below the
-parallel threshold, the executor sets Numba's thread count to one (`fuel.runtime.threads`), and
-the loop then runs entirely in the calling thread without waking the pool. Each row is computed by
-the same machine code whichever the path, so both give the same bytes; a separately compiled
-serial twin did not (LLVM vectorised a row's reductions differently in the two compilations).
+A kernel's task (`fuel.runtime.pool`) does its share `[part·n//parts, (part+1)·n//parts)` of a fixed list of
+work items. Where an item's bytes depend on how rows are grouped (per-chunk scratch, a pair of rows decoded
+together), the items are the chunks below: their count depends on the row count only, never on the thread
+count or the part count, so every split gives the same bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from numba import njit
 
-CHUNKS = 256
-
-
-def row_kernel(**options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """Decorate a `prange` kernel: Numba options as for `njit` (e.g. `fastmath`); cached and parallel."""
-    return njit(cache=True, parallel=True, **options)
+CHUNKS = 256  # chunks at most: enough for any part count the pool cuts a job into
 
 
 @njit(inline="always", cache=True)
