@@ -8,6 +8,7 @@ u32 words (so the byte count must be a multiple of 4).
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING, Any
 
 from fuel.errors import ParamError
 
@@ -62,10 +63,22 @@ class QuantType(enum.Enum):
         return next((q for q in QuantType if q.ggml_type == type_id), None)
 
 
-# The public helpers, as fuel.quant.*: NF4's, and the GGUF dequantisers (kernels of fuel.cpu.quant, which
-# import QuantType from here: it is defined above, so either import order works).
-from fuel.cpu.quant.gguf_blocks import dequantize, dequantize_rows_into, weight_rows  # noqa: E402
+# The public helpers, as fuel.quant.*: NF4's, and the GGUF dequantisers. Those are kernels of fuel.cpu.quant
+# (which import QuantType from here), loaded on first use so that `import fuel` loads no GGUF kernel module.
 from fuel.quant.nf4 import NF4, nf4_dequantize, nf4_quantize  # noqa: E402
+
+if TYPE_CHECKING:
+    from fuel.cpu.quant.gguf_blocks import dequantize, dequantize_rows_into, weight_rows
+
+_GGUF_HELPERS = ("dequantize", "dequantize_rows_into", "weight_rows")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _GGUF_HELPERS:
+        from fuel.cpu.quant import gguf_blocks
+
+        return getattr(gguf_blocks, name)
+    raise AttributeError(f"module 'fuel.quant' has no attribute {name!r}")
 
 __all__ = ["NF4", "QuantType", "dequantize", "dequantize_rows_into", "nf4_dequantize", "nf4_quantize",
            "weight_rows"]
