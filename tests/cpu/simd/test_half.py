@@ -64,3 +64,13 @@ def test_widened_and_narrow_into_round_trip_strided_bf16() -> None:
     half.narrow_into(np.ascontiguousarray(wide), back)
     finite = np.isfinite(want)
     assert np.array_equal(back.view(np.uint16)[finite], np.ascontiguousarray(x).view(np.uint16)[finite])
+
+
+@given(st.integers(1, 6), st.integers(1, 9), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_widened_reads_a_strided_view_as_torch_casts_it(rows: int, cols: int, step: int, seed: int) -> None:
+    """An evenly strided view (every step-th column, which reshape(-1) flattens without a copy) is widened
+    value by value, as torch casts the same bf16 values."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols * step)).astype(DType.BF16.np)
+    x = w[:, ::step]
+    want = torch.from_numpy(x.view(np.uint16).astype(np.int32) << 16).view(torch.float32).numpy()
+    assert half.widened(x).tobytes() == np.ascontiguousarray(want).tobytes()

@@ -15,6 +15,7 @@ from numba import carray, njit
 from fuel.cpu.simd.driver import chunk_bounds, chunk_count
 from fuel.cpu.simd.vecmath import bf16_to_f32, f32_to_bf16
 from fuel.dtype import DType
+from fuel.errors import KernelError
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.buffers import POOL
@@ -98,8 +99,12 @@ def narrow_bf16_part(part: int, parts: int, argv: int) -> None:
 
 
 def convert_job(task: pool.Task, src: np.ndarray, dst: np.ndarray) -> jobs.Job:
-    """A job of `widen_bf16_part` or `narrow_bf16_part` from src to dst (flat, contiguous, one size); it
-    keeps both alive (src may be a gathered copy of a strided array)."""
+    """A job of `widen_bf16_part` or `narrow_bf16_part` from src to dst (flat, one size; dst contiguous); it
+    keeps both alive. A strided src (a flat view of evenly strided rows, which reshape(-1) makes without a
+    copy) is gathered first: the task reads consecutive values."""
+    src = np.ascontiguousarray(src)
+    if not dst.flags.c_contiguous:
+        raise KernelError(f"{task.__name__}: the destination must be contiguous")
     argv = jobs.argv_of(CONVERT_ARGS)
     argv[0] = (src.ctypes.data, dst.ctypes.data, src.size)
     return jobs.job(task, argv, src.size * SECONDS_PER_VALUE, chunk_count(src.size), keep=(src, dst))
@@ -115,7 +120,7 @@ def widened(x: np.ndarray) -> np.ndarray:
         return widened(x.swapaxes(-1, -2)).swapaxes(-1, -2)
     wide = POOL.empty(x.shape, np.dtype(np.float32))
     if x.dtype == DType.BF16.np:
-        if x.size:  # reshape(-1) gathers any other strided x in C order, matching wide's layout
+        if x.size:  # flat in C order, matching wide's layout (convert_job gathers a strided view)
             jobs.run(convert_job(widen_bf16_part, bits(x).reshape(-1), wide.reshape(-1).view(np.uint32)))
     else:
         np.copyto(wide, x, casting="safe")
