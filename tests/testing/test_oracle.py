@@ -133,3 +133,14 @@ def test_contraction_compares_nonfinite_positions_not_just_their_presence() -> N
     for bad in ([1.0, np.inf, 2.0], [-np.inf, 1.0, 2.0], [np.inf, np.nan, 2.0], [np.inf, 1.0, np.inf]):
         with pytest.raises(AssertionError):
             assert_close_contraction(np.array(bad), ref, s, DType.F32)
+
+
+def test_a_reference_past_the_formats_range_is_the_infinity_it_stores() -> None:
+    """f16 stores -88344.9 as -inf (its largest finite value is 65504): an f16 kernel's -inf there is the
+    correctly rounded answer, and a finite answer is not; bf16 and float64 keep it finite."""
+    ref = np.array([[-88344.9, 1.0, 65519.0, 65520.0]])
+    assert_close_rowwise(np.array([[-np.inf, 1.0, 65504.0, np.inf]], np.float16), ref, DType.F16)
+    with pytest.raises(AssertionError, match="infinities differ"):
+        assert_close_rowwise(np.array([[65504.0, 1.0, 65504.0, np.inf]], np.float16), ref, DType.F16)
+    with pytest.raises(AssertionError, match="infinities differ"):
+        assert_close_rowwise(np.array([[-np.inf, 1.0, 1.0, 1.0]], np.float64), ref, DType.F64)

@@ -36,6 +36,17 @@ def nonfinite_mismatch(out: np.ndarray, ref: np.ndarray) -> str | None:
     return None
 
 
+def overflow_to_inf(ref: np.ndarray, dt: Any) -> np.ndarray:
+    """ref (float64) with each finite value past the largest that format `dt` rounds to a finite number
+    replaced by the ±inf that `dt` stores for it: the correctly rounded answer there is infinite."""
+    if np.dtype(dt).itemsize >= 8 or np.dtype(dt).kind not in "fV":  # float64 and integers: as they are
+        return ref
+    with np.errstate(over="ignore"):
+        stored = as64(ref.astype(dt))
+    over = np.isinf(stored) & np.isfinite(ref)
+    return np.where(over, np.copysign(np.inf, ref), ref) if over.any() else ref
+
+
 def row_max_scale(ref: np.ndarray, axis: int = -1) -> np.ndarray:
     """The default local scale: max |ref| over the element's row (finite values only), per element."""
     r = np.abs(as64(ref))
