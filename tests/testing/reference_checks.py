@@ -14,7 +14,7 @@ from fuel.testing.oracle import assert_close_rowwise
 # Public functions that compute nothing to check: the registry's plumbing and the input drawers.
 NOT_MATH = {
     "__init__": {"cases", "has_reference", "randn", "reference", "register", "row_max", "scale"},
-    "cross_entropy": {"targets_for"}, "nf4_matmul": {"weights"}, "paged_attention": {"paged_inputs"},
+    "fused_softmax_cross_entropy": {"targets_for"}, "nf4_matmul": {"weights"}, "paged_attn": {"paged_inputs"},
     "qmatmul": {"as_words", "gguf_type", "random_weight", "weight_u8"}, "selective_scan": {"mamba_inputs"},
     "ssd_chunk_scan": {"mamba2_inputs"},
     "norm_rows": {"backward_cases", "forward_cases", "huge", "huge_rows", "row_inputs"},

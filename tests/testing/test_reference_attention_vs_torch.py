@@ -1,4 +1,4 @@
-"""The attention functions of `fuel.testing.reference` (attention_math, flash_attn, paged_attention)
+"""The attention functions of `fuel.testing.reference` (attention_math, flash_attn, paged_attn)
 against torch in float64: the mask, ALiBi, softcap and softmax written out in torch
 (`attention_oracle`), and torch.autograd for the gradients."""
 
@@ -15,7 +15,7 @@ import fuel.testing.reference as R
 from fuel.dtype import DType
 from fuel.graph.registry.flash_attn import FlashAttnParams
 from fuel.testing.reference import attention_math as am
-from fuel.testing.reference import paged_attention
+from fuel.testing.reference import paged_attn
 from tests.graph.registry.attention_oracle import bottom_right, torch_attention
 from tests.testing.reference_checks import checks, close, grad_of, t64
 
@@ -127,10 +127,10 @@ def test_attention_gradients(cfg: tuple[Any, ...]) -> None:
         close(mine[slot], want[slot], sizes[slot])
 
 
-@checks("paged_attention", "gather_pages", "paged64", "paged_scale")
+@checks("paged_attn", "gather_pages", "paged64", "paged_scale")
 @pytest.mark.parametrize("opts", [{}, {"softcap": 3.0, "alibi": True}], ids=["plain", "softcap-alibi"])
 def test_paged_attention(opts: dict[str, Any]) -> None:
-    inputs, p = paged_attention.paged_inputs(RNG, DType.F64, 3, 4, 2, 3, 16, 4, (7, 2, 0), **opts)
+    inputs, p = paged_attn.paged_inputs(RNG, DType.F64, 3, 4, 2, 3, 16, 4, (7, 2, 0), **opts)
     q, kc, vc, bt, cl = inputs[:5]
     alibi = inputs[5] if len(inputs) == 6 else None
     lmax = bt.shape[1] * 4
@@ -139,7 +139,7 @@ def test_paged_attention(opts: dict[str, Any]) -> None:
     blocks = torch.where(t < lens[:, None], torch.from_numpy(bt.astype(np.int64))[:, t // 4], 0)
     live = (t < lens[:, None])[:, None, :, None]
     k, v = ((t64(c)[blocks, t % 4].permute(0, 2, 1, 3) * live).numpy() for c in (kc, vc))
-    close(paged_attention.gather_pages(kc, bt, cl), k, np.ones(k.shape), 0.0)
+    close(paged_attn.gather_pages(kc, bt, cl), k, np.ones(k.shape), 0.0)
     sq = q.shape[2]
     aq = torch.arange(sq)[None, None, :] + lens[:, None, None] - sq
     mask = ((t <= aq[..., None]) & (t < lens[:, None, None, None]))

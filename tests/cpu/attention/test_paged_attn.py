@@ -13,7 +13,7 @@ import fuel as fl
 from fuel.cpu.attention import paged_attn
 from fuel.dtype import DType
 from fuel.runtime import pool
-from fuel.testing.reference.paged_attention import paged_inputs
+from fuel.testing.reference.paged_attn import paged_inputs
 from tests.graph.registry.attention_oracle import torch_attention
 
 

@@ -16,7 +16,7 @@ from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.fused_softmax_cross_entropy import FusedSoftmaxCrossEntropyParams
 from fuel.testing.contract import numba_threads
 from fuel.testing.oracle import assert_close_rowwise
-from fuel.testing.reference.cross_entropy import targets_for
+from fuel.testing.reference.fused_softmax_cross_entropy import targets_for
 
 ce = fl.ops.fused_softmax_cross_entropy
 REDUCTIONS = ["mean", "sum", "none"]

@@ -20,7 +20,7 @@ from fuel.runtime.pool import SPIN_MIN_SECONDS
 from fuel.runtime.threads import SERIAL_BYTES_PER_SECOND, SERIAL_FLOPS_PER_SECOND, serial
 from fuel.testing.contract import numba_threads, output_for, verify
 from fuel.testing.oracle import ROWWISE, assert_close_rowwise
-from fuel.testing.reference.paged_attention import DEAD_BLOCK, paged_inputs
+from fuel.testing.reference.paged_attn import DEAD_BLOCK, paged_inputs
 from tests.graph.registry.attention_oracle import large, sdpa_with_slack, torch_attention
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
