@@ -84,8 +84,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    # Numba's and torch's OpenMP pools spin while idle and slow each other down in one process;
-    # passive waiting gives both their fair speed side by side. Set before either pool starts (see
+    # torch's OpenMP pool spins while idle and slows fuel's spinning pool down in one process; passive
+    # waiting gives both their fair speed side by side. Set before torch's pool starts (see
     # docs/models.md, "Measurements": "OpenMP's wait policy in fuel bench").
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
