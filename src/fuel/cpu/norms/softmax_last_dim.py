@@ -48,12 +48,14 @@ def _row_max(x: Any) -> Any:
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _exp_sum_f32(x: Any, m: Any, o: Any) -> Any:
-    """o <- exp(x - m); returns the sum (one vectorised pass)."""
+    """o <- exp(x - m); returns the sum of o. Two passes: a loop that reads x and writes o gets a runtime
+    check of the distance between them, and its scalar fallback (o just past x) would sum in another
+    order; the sum reads o alone, so its order never depends on where the arrays lie."""
+    for j in range(x.shape[0]):
+        o[j] = expf_nonpositive(x[j] - m)
     s = np.float32(0.0)
     for j in range(x.shape[0]):
-        e = expf_nonpositive(x[j] - m)
-        o[j] = e
-        s += e
+        s += o[j]
     return s
 
 
