@@ -37,7 +37,7 @@ def test_every_entry_has_impls_and_a_reference() -> None:
 
 
 # Calls per case compared for bit-stability: `fuel verify` makes 16; two here still compare a second call,
-# 1 and 2 Numba threads and the serial path on every case of every impl, at a quarter of the kernel calls.
+# fuel thread counts 1 and 2 and the serial path on every case of every impl, at a quarter of the kernel calls.
 SUITE_REPEATS = 2
 
 

@@ -7,12 +7,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
 
 from fuel.dispatch.impls import BackendImpl, PrecisionGuarantee, default_kernel_registry
 from fuel.errors import ParamError
 from fuel.graph.registry import FusedOpEntry, default_registry
+from fuel.runtime import threads
 from fuel.runtime.threads import serial
 from fuel.testing.check import excess, floor_of, nonfinite_mismatch, row_max_scale
 from fuel.testing.reference import cases, has_reference, reference, scale
@@ -63,23 +63,19 @@ def output_bytes(out: Any) -> bytes:
 
 
 @contextmanager
-def numba_threads(n: int) -> Iterator[None]:
-    """Run the block with `n` Numba threads, restoring the previous count afterwards."""
-    before = numba.get_num_threads()
-    numba.set_num_threads(n)
+def fuel_threads(n: int) -> Iterator[None]:
+    """Run the block at fuel's thread count `n` (the pool's and the BLAS's), restoring the previous count
+    afterwards: the part count every job is cut into follows it."""
+    before = threads.get_num_threads()
+    threads.set_num_threads(n)
     try:
         yield
     finally:
-        numba.set_num_threads(before)
+        threads.set_num_threads(before)
 
 
 def thread_counts() -> tuple[int, ...]:
-    """The thread counts a bit-stable impl must agree across: 1 and 2 (where Numba has two)."""
-    try:
-        with numba_threads(2):
-            pass
-    except ValueError:  # Numba was started with a single thread
-        return (1,)
+    """The thread counts a bit-stable impl must agree across: 1 (every job in one part) and 2."""
     return (1, 2)
 
 
@@ -99,7 +95,7 @@ class VerifyResult:
 
 
 def verify_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0, repeats: int = 16) -> VerifyResult:
-    """Precision on every case, and the same bytes over `repeats` calls, with 1 and 2 Numba threads and
+    """Precision on every case, and the same bytes over `repeats` calls, at fuel thread counts 1 and 2 and
     on the serial path the executor takes for small work. `fuel verify` makes 16 calls; the test suite
     fewer (every case, dtype and thread count still checked, a call-to-call drift just less likely seen)."""
     if repeats < 1:
@@ -117,12 +113,12 @@ def verify_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0, repeats: 
             if not unstable and any(output_bytes(output_for(entry, impl, case.inputs, case.params)) != first
                                     for _ in range(repeats - 1)):
                 unstable = f"{case.label}: differs between calls"
-            for threads in thread_counts():
+            for count in thread_counts():
                 if unstable:
                     break
-                with numba_threads(threads):
+                with fuel_threads(count):
                     if output_bytes(output_for(entry, impl, case.inputs, case.params)) != first:
-                        unstable = f"{case.label}: differs with {threads} Numba thread(s)"
+                        unstable = f"{case.label}: differs with {count} thread(s)"
             if not unstable:
                 with serial():
                     if output_bytes(output_for(entry, impl, case.inputs, case.params)) != first:

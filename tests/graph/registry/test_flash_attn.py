@@ -17,7 +17,7 @@ import fuel as fl
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import FusedOps
 from fuel.graph.registry.flash_attn import decompose
-from fuel.testing.contract import numba_threads
+from fuel.testing.contract import fuel_threads
 from fuel.testing.oracle import ATTENTION, assert_close_attention
 from tests.graph.registry.attention_oracle import bottom_right, large, sdpa_with_slack, torch_attention
 
@@ -320,7 +320,7 @@ def test_bit_stable_across_threads_and_runs(dt: DType, sq: int, sk: int) -> None
     opts = {"causal": True, "softcap": 8.0, "k_len": sk - 5, "window_size": (450, None)}
     results = []
     for n in (1, 2, 1):
-        with numba_threads(n):
+        with fuel_threads(n):
             results.append(run(x, **opts).tobytes())
     assert len(set(results)) == 1
     ref, s = reference(x, 1 / math.sqrt(32), True, (450, None), 8.0, sk - 5)

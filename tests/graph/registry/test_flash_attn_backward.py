@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import fuel as fl
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import flash_attn_backward_k, flash_attn_backward_q, flash_attn_backward_v
-from fuel.testing.contract import numba_threads
+from fuel.testing.contract import fuel_threads
 from fuel.testing.oracle import assert_close_rowwise
 from fuel.testing.reference.attention_math import attention_grads64
 from tests.graph.registry.attention_oracle import MAGNITUDES
@@ -285,7 +285,7 @@ def test_bit_stable_across_threads_and_runs(dt: DType, sq: int, sk: int) -> None
     opts = {"causal": True, "softcap": 8.0, "k_len": sk - 5, "window_size": (450, None), "softmax_scale": 0.2}
     results = []
     for n in (1, 2, 1):
-        with numba_threads(n):
+        with fuel_threads(n):
             results.append(b"".join(g.tobytes() for g in fuel_grads(x, **opts)))
     assert len(set(results)) == 1
     if dt is DType.F32:

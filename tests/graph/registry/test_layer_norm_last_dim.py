@@ -19,7 +19,7 @@ from fuel.graph.passes.fuse import fuse
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, default_registry
 from fuel.graph.registry.layer_norm_last_dim import LayerNormLastDimParams, decompose
 from fuel.graph.registry.layer_norm_last_dim_backward import layer_norm_last_dim_backward
-from fuel.testing.contract import numba_threads, thread_counts
+from fuel.testing.contract import fuel_threads, thread_counts
 from fuel.testing.oracle import assert_close_rowwise
 from fuel.testing.rescale import rescaled, rescaled_grad
 
@@ -172,7 +172,7 @@ def test_rows_redone_after_overflow_are_right_and_bit_stable(dt: DType) -> None:
     x, g = x64.astype(dt.np), _rand((300, 64), dt, 8)
     runs = {}
     for threads in thread_counts():
-        with numba_threads(threads):
+        with fuel_threads(threads):
             y = fl.ops.layer_norm_last_dim(x, EPS).numpy()
             runs[threads] = (y, layer_norm_last_dim_backward(x, g, EPS).numpy())
     y, dx = runs[1]

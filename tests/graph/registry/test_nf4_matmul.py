@@ -18,7 +18,7 @@ from fuel.dtype import DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.nf4_matmul import Nf4MatmulParams, decompose, dequantize
 from fuel.quant.nf4 import NF4, nf4_codes, nf4_quantize
-from fuel.testing.contract import numba_threads, output_for, thread_counts
+from fuel.testing.contract import fuel_threads, output_for, thread_counts
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.nf4_matmul import dequant64
 
@@ -261,7 +261,7 @@ def test_same_bytes_with_one_and_two_threads(rows: int, bs: int, transpose: bool
     assert impl is not None
     outs = []
     for threads in thread_counts():
-        with numba_threads(threads), threadpool_limits(threads, "blas"):
+        with fuel_threads(threads), threadpool_limits(threads, "blas"):
             outs.append(output_for(ENTRY, impl, [x, packed, absmax], Nf4MatmulParams(bs, transpose)).tobytes())
     assert len(set(outs)) == 1
 
@@ -279,7 +279,7 @@ def test_one_row_by_table_and_portable_both_match(bs: int, table: bool, monkeypa
     x = _act(rng, (1, k), DType.F32)
     outs = []
     for threads in thread_counts():
-        with numba_threads(threads):
+        with fuel_threads(threads):
             out = np.empty((1, n), np.float32)
             nf4_kernels._forward(x, packed, absmax, bs, out)
             outs.append(out.tobytes())

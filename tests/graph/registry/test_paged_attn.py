@@ -18,7 +18,7 @@ from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, def
 from fuel.graph.registry.paged_attn import PagedAttnParams, decompose, paged_attn
 from fuel.runtime.pool import SPIN_MIN_SECONDS
 from fuel.runtime.threads import SERIAL_BYTES_PER_SECOND, SERIAL_FLOPS_PER_SECOND, serial
-from fuel.testing.contract import numba_threads, output_for, verify
+from fuel.testing.contract import fuel_threads, output_for, verify
 from fuel.testing.oracle import ROWWISE, assert_close_rowwise
 from fuel.testing.reference.paged_attn import DEAD_BLOCK, paged_inputs
 from tests.graph.registry.attention_oracle import large, sdpa_with_slack, torch_attention
@@ -308,7 +308,7 @@ def test_bit_stable_across_threads_and_serial(dt: DType) -> None:
     assert impl is not None
     results = []
     for n in (1, 2):
-        with numba_threads(n):
+        with fuel_threads(n):
             results.append(output_for(ENTRY, impl, inputs, p).tobytes())
     with serial():
         results.append(output_for(ENTRY, impl, inputs, p).tobytes())
