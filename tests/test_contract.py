@@ -161,3 +161,35 @@ def test_gradient_matches_finite_differences(entry: FusedOpEntry) -> None:
             assert abs(numeric - analytic) <= allowed, (case.label, k, numeric, analytic)
             compared += 1
         assert compared, f"{case.label}: no input's gradient was compared"
+
+
+def _placed_after(entry: FusedOpEntry, impl: BackendImpl, case: Case, gap: int) -> bytes:
+    """The output written into a buffer that starts `gap` elements past the end of a copy of input 0, as a
+    buffer pool may hand it out (single-output, non-destructive entries)."""
+    x0 = np.ascontiguousarray(case.inputs[0])
+    shape = entry.shape_rule(tuple(a.shape for a in case.inputs), case.params)
+    out_dt = impl.dtypes[-1].np
+    n_in, n_out = x0.nbytes, int(np.prod(shape)) * out_dt.itemsize
+    buf = np.zeros(n_in + gap * out_dt.itemsize + n_out + 64, np.uint8)
+    start = (-buf.ctypes.data) % 64  # input 0 on a cache line, the output wherever gap puts it
+    x = buf[start:start + n_in].view(x0.dtype).reshape(x0.shape)
+    x[...] = x0
+    at = start + n_in + gap * out_dt.itemsize
+    out = buf[at:at + n_out].view(out_dt).reshape(shape)
+    impl.kernel([x, *(np.ascontiguousarray(a) for a in case.inputs[1:])], out, case.params)
+    return out.tobytes()
+
+
+SIMPLE = [(e, i) for e, i in IMPLS if e.output_views is None and e.destructive_input is None]
+
+
+@pytest.mark.parametrize(("entry", "impl"), SIMPLE, ids=[i.name for _, i in SIMPLE])
+def test_impl_bytes_do_not_depend_on_where_the_output_lies(entry: FusedOpEntry, impl: BackendImpl) -> None:
+    """An output right after its input (a distance a vectoriser's runtime alias check falls back on) or far
+    from it: the same bytes."""
+    for case in cases(entry.name, impl.dtypes, np.random.default_rng(3)):
+        if not case.inputs[0].size:
+            continue
+        far = output_bytes(output_for(entry, impl, case.inputs, case.params))
+        for gap in (0, 1, 2, 3, 5, 8, 12, 17):
+            assert _placed_after(entry, impl, case, gap) == far, f"{case.label}: output {gap} elements after input 0"
