@@ -49,7 +49,7 @@ def test_impl_meets_its_precision_and_is_bit_stable(entry: FusedOpEntry, impl: B
 
 @pytest.mark.parametrize(("entry", "impl"), IMPLS, ids=[i.name for _, i in IMPLS])
 def test_impl_gives_the_same_bytes_with_one_and_two_blas_threads(entry: FusedOpEntry, impl: BackendImpl) -> None:
-    # verify_impl varies Numba's threads; the GEMM-shaped impls run on OpenBLAS's own pool.
+    # verify_impl varies fuel's thread count; the GEMM-shaped impls' Python-side BLAS calls run on OpenBLAS's pool.
     for case in cases(entry.name, impl.dtypes, np.random.default_rng(1)):
         with threadpool_limits(1, "blas"):
             one = output_bytes(output_for(entry, impl, case.inputs, case.params))
