@@ -18,7 +18,7 @@ from fuel.cpu.quant.gguf_kernels import GGUF
 from fuel.errors import ShapeError
 from fuel.quant import QuantType
 from fuel.runtime import pool
-from fuel.testing.contract import numba_threads, thread_counts
+from fuel.testing.contract import fuel_threads, thread_counts
 
 LEGACY = [QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_0, QuantType.Q5_1, QuantType.Q8_0]
 KQUANTS = [QuantType.Q2K, QuantType.Q3K, QuantType.Q4K, QuantType.Q5K, QuantType.Q6K]
@@ -241,7 +241,7 @@ def test_bytes_do_not_depend_on_the_thread_count_or_the_part_count(rng: np.rando
         want = _reference(raw, qt)
         outs = []
         for threads in thread_counts():
-            with numba_threads(threads):
+            with fuel_threads(threads):
                 outs.append(dequantize(raw, qt, n, k).tobytes())
         for parts in (1, 2, 5, n):  # the runtime may cut the rows job into any number of parts
             out = np.full((n, k), np.nan, np.float32)

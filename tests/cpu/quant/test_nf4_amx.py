@@ -34,7 +34,7 @@ from fuel.cpu.quant import nf4_amx
 from fuel.cpu.quant import nf4_matmul as nf4_kernels
 from fuel.cpu.simd import amx
 from fuel.dtype import DType
-from fuel.testing.contract import numba_threads, thread_counts
+from fuel.testing.contract import fuel_threads, thread_counts
 from fuel.testing.oracle import assert_close_contraction
 
 RAN = amx.available()  # what `forward` must return wherever its inputs qualify
@@ -330,7 +330,7 @@ def test_same_bytes_at_every_thread_count() -> None:
     x = rng.standard_normal((40, 1024)).astype(np.float32)
     outs = []
     for threads in thread_counts():
-        with numba_threads(threads):
+        with fuel_threads(threads):
             outs.append(_forward(x, w)[1].tobytes())
     assert len(set(outs)) == 1
     if not RAN:

@@ -17,7 +17,7 @@ from fuel.cpu.simd.sgemm import sgemm_nt
 from fuel.dtype import DType
 from fuel.quant import QuantType
 from fuel.runtime import threads
-from fuel.testing.contract import numba_threads, thread_counts
+from fuel.testing.contract import fuel_threads, thread_counts
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
 
@@ -76,7 +76,7 @@ def test_same_bytes_on_any_thread_count(rows: int, own: bool, rng: np.random.Gen
     try:
         for threads in thread_counts():
             fl.set_num_threads(threads)
-            with numba_threads(threads), threadpool_limits(threads, "blas"):
+            with fuel_threads(threads), threadpool_limits(threads, "blas"):
                 outs.append(_product(a, w).tobytes())
     finally:
         fl.set_num_threads(before)

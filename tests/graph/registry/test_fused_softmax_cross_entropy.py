@@ -14,7 +14,7 @@ from fuel.cpu.fused_softmax_cross_entropy import cross_entropy, cross_entropy_gr
 from fuel.dtype import DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.fused_softmax_cross_entropy import FusedSoftmaxCrossEntropyParams
-from fuel.testing.contract import numba_threads
+from fuel.testing.contract import fuel_threads
 from fuel.testing.oracle import assert_close_rowwise
 from fuel.testing.reference.fused_softmax_cross_entropy import targets_for
 
@@ -293,9 +293,9 @@ def test_same_bytes_with_one_and_two_threads(float_dtype: DType, rng: np.random.
             outs.append(cross_entropy_grad([x, t, g if r == "none" else g[:1].reshape(())], params).tobytes())
         return outs
 
-    with numba_threads(1):
+    with fuel_threads(1):
         one = run()
-    with numba_threads(2):
+    with fuel_threads(2):
         two = run()
     assert one == two
 

@@ -14,7 +14,7 @@ from fuel.dtype import DType
 from fuel.graph.registry.qmatmul import QMatMulParams
 from fuel.quant import QuantType
 from fuel.runtime import jobs, pool
-from fuel.testing.contract import numba_threads, thread_counts
+from fuel.testing.contract import fuel_threads, thread_counts
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
 
@@ -229,7 +229,7 @@ def test_same_bytes_at_any_thread_count(qt: QuantType, m: int) -> None:
     try:
         for threads in (1, 2, 1):
             fl.set_num_threads(threads)
-            with numba_threads(threads):
+            with fuel_threads(threads):
                 results.append(qmm(a, w, qt, k, n).numpy().tobytes())
     finally:
         fl.set_num_threads(before)
@@ -291,7 +291,7 @@ def test_table_word_and_portable_decoders_all_match(qt: QuantType, way: str,
     a = np.random.default_rng(24).standard_normal((1, k)).astype(np.float32)
     results = []
     for threads in thread_counts():
-        with numba_threads(threads):
+        with fuel_threads(threads):
             out = np.zeros((1, n), np.float32)
             kernel_module.gemv(qt, a, raw, out)
             results.append(out.tobytes())

@@ -20,7 +20,7 @@ from fuel.graph.passes.fuse import fuse
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpFamily, FusedOps, default_registry
 from fuel.graph.registry.rms_norm_last_dim import RmsNormLastDimParams, decompose
 from fuel.graph.registry.rms_norm_last_dim_backward import rms_norm_last_dim_backward
-from fuel.testing.contract import numba_threads, thread_counts
+from fuel.testing.contract import fuel_threads, thread_counts
 from fuel.testing.oracle import assert_close_rowwise
 from fuel.testing.rescale import rescaled, rescaled_grad
 
@@ -175,7 +175,7 @@ def test_rows_redone_after_overflow_are_right_and_bit_stable(dt: DType) -> None:
     x, g = x64.astype(dt.np), _rand((300, 64), dt, 8)
     runs = {}
     for threads in thread_counts():
-        with numba_threads(threads):
+        with fuel_threads(threads):
             runs[threads] = (fl.ops.rms_norm_last_dim(x, EPS).numpy(), rms_norm_last_dim_backward(x, g, EPS).numpy())
     y, dx = runs[1]
     for other in runs.values():

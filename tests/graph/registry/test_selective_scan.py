@@ -18,7 +18,7 @@ from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry import FusedOps, default_registry
 from fuel.graph.registry.selective_scan import SelectiveScanParams, decompose
 from fuel.testing.check import excess, floor_of, nonfinite_mismatch, row_max_scale
-from fuel.testing.contract import numba_threads
+from fuel.testing.contract import fuel_threads
 from fuel.testing.reference.selective_scan import mamba_inputs
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
@@ -238,7 +238,7 @@ def test_same_bytes_with_one_and_two_threads(dt: DType) -> None:
     p = SelectiveScanParams(True)
     results = []
     for threads in (1, 2):
-        with numba_threads(threads):
+        with fuel_threads(threads):
             out = (np.empty((2, 40, 150), dt.np), np.empty((2, 150, 5), dt.np))
             scan_kernel(arrays, out, p)
             results.append([o.tobytes() for o in out] + [g.tobytes() for g in selective_scan_grad(arrays + cot, p)])

@@ -14,7 +14,7 @@ from fuel.cpu.scans.ssd_chunk_scan import ssd_chunk_scan_f16, ssd_chunk_scan_f32
 from fuel.dtype import FLOAT_DTYPES, DType
 from fuel.graph.registry.ssd_chunk_scan import SsdChunkScanParams, decompose
 from fuel.testing.check import as64, excess, floor_of, nonfinite_mismatch, row_max_scale
-from fuel.testing.contract import numba_threads
+from fuel.testing.contract import fuel_threads
 from fuel.testing.reference.ssd_chunk_scan import mamba2_inputs
 
 DTYPES = pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
@@ -226,7 +226,7 @@ def test_bit_stable_with_one_and_two_threads(dt: DType) -> None:
     arrays, dy, dlast = _case(9, dt)
     runs = []
     for threads in (1, 2):
-        with numba_threads(threads):
+        with fuel_threads(threads):
             out = (np.empty((2, 96, 3, 40), dt.np), np.empty((2, 3, 40, 24), dt.np))
             (ssd_chunk_scan_f16 if dt is DType.F16 else ssd_chunk_scan_f32)(arrays, out, SsdChunkScanParams(8))
             grads = ssd_chunk_scan_grad(arrays + [dy, dlast], SsdChunkScanParams(8))
