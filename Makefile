@@ -38,9 +38,14 @@ bench: $(STAMP)
 # AMX in CPUID without enabling its register state, and llama.cpp's first tile instruction raised SIGILL.
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CMAKE_ARGS := $(if $(filter x86_64,$(shell uname -m)),-DCMAKE_C_FLAGS='$(NO_AMX)' -DCMAKE_CXX_FLAGS='$(NO_AMX)')
+LLAMA_CFLAGS := $(if $(filter x86_64,$(shell uname -m)),$(NO_AMX))
 
+# The serving benchmark's peers (`fuel bench --serve`): llama-cpp-python's server (its `server` extra), and
+# llama.cpp's llama-server, built from the llama.cpp sources in the same release's sdist into bench-env/
+# (about 10 minutes on 2 cores; skipped when the binary is there).
 bench-env: $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q -c constraints.txt llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install -q -c constraints.txt 'llama-cpp-python[server]==0.3.36'
+	LLAMA_CFLAGS="$(LLAMA_CFLAGS)" bash benchmarks/build_llama_server.sh bench-env/llama-server $(BIN)/python
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
