@@ -1,6 +1,6 @@
-"""The ops the API offers as functions rather than Tensor methods: `fl.where`, `fl.concat`, `fl.pad` and
-`fl.cache_write`. `fl.matmul` and the constructors (`fl.tensor`, `fl.zeros`, ...) stay in fuel.graph.tensor,
-since Tensor's own methods (`@`, leaves from arrays) call them."""
+"""The ops the API offers as functions rather than Tensor methods: `fl.where`, `fl.concat`, `fl.pad`,
+`fl.cache_write` and `fl.index_copy`. `fl.matmul` and the constructors (`fl.tensor`, `fl.zeros`, ...) stay
+in fuel.graph.tensor, since Tensor's own methods (`@`, leaves from arrays) call them."""
 
 from __future__ import annotations
 
@@ -49,12 +49,25 @@ def pad(x: TensorLike, widths: Sequence[tuple[int, int]], value: float = 0.0) ->
 
 def cache_write(cache: TensorLike, rows: TensorLike, offset: DynScalar | int, axis: int = -2) -> Tensor:
     """Write `rows` into `cache` in place at positions [offset, offset + n) of `axis`, and return the
-    cache (the same memory). The one destructive primitive: a KV cache `[B, H, capacity, D]` takes a
-    step's new rows at `offset = fl.dyn("pos")`, so one captured decode step serves every token.
+    cache (the same memory). A KV cache `[B, H, capacity, D]` takes a step's new rows at
+    `offset = fl.dyn("pos")`, so one captured decode step serves every token.
     Readers of `cache` built before the write run before it; read the returned tensor to see the new
-    rows. An offset outside the cache is an error (at build for an int, at realize for a DynScalar)."""
+    rows. An offset outside the cache is an error (at build for an int, at realize for a DynScalar).
+    `index_copy` is the other destructive primitive."""
     tc, tr = as_tensor(cache), as_tensor(rows)
     ax = norm_axis("cache_write", axis, tc.ndim)
     if not isinstance(offset, DynScalar):
         offset = as_int("cache_write", offset, "the offset")
     return Tensor(make(Op.CACHE_WRITE, (tc.node, tr.node), CacheWriteArg(ax, offset)))
+
+
+def index_copy(target: TensorLike, index: TensorLike, rows: TensorLike) -> Tensor:
+    """Write `rows[r]` into `target[index[r]]` in place for every r, and return the target (the same
+    memory), as torch's `target.index_copy_(0, index, rows)`. target is `[N, ...rest]`, index `[M]` (u32 or
+    i64) and rows `[M, ...rest]` of target's dtype: a batched step's K/V rows, each into its own slot of a
+    paged KV cache `[num_blocks * block_size, kv_heads, head_dim]`. Readers of `target` built before the
+    write run before it; read the returned tensor to see the new rows. Shapes and dtypes are checked at
+    build; at realize an index outside [0, N) or one repeated (a scatter with duplicates has no single
+    answer) raises IndexOutOfRange naming its position and value, before anything is written."""
+    tt, ti, tr = as_tensor(target), as_tensor(index), as_tensor(rows)
+    return Tensor(make(Op.INDEX_COPY, (tt.node, ti.node, tr.node)))

@@ -83,8 +83,10 @@ class Op(enum.Enum):
     INDEX_SELECT = enum.auto()
     SCATTER_ADD = enum.auto()
     INDEX_ADD = enum.auto()
-    # destructive: writes rows into input 0 at a runtime offset and returns it (a KV-cache append)
+    # destructive: write rows into input 0 in place and return it; CACHE_WRITE at a runtime offset (a
+    # KV-cache append), INDEX_COPY each row at its own index (a paged KV cache's slots)
     CACHE_WRITE = enum.auto()
+    INDEX_COPY = enum.auto()
     # Gradient kernels of fused ops whose backward has no inventory entry. Each reads the forward's
     # inputs and the output cotangent(s); the scan ones are multi-output (one slot per input gradient).
     CROSS_ENTROPY_GRAD = enum.auto()

@@ -25,7 +25,8 @@ VIEW_OPS = frozenset({Op.BROADCAST_TO, Op.PERMUTE, Op.SLICE, Op.UNSQUEEZE, Op.SQ
 # Steps whose result may alias their input's memory: the views, and a reshape NumPy can do as one (a copying
 # reshape is caught where it matters).
 MAY_ALIAS = VIEW_OPS | {Op.RESHAPE}
-DESTRUCTIVE_PRIMS: dict[Op, int] = {Op.CACHE_WRITE: 0}  # op -> the input it writes in place (and returns)
+# op -> the input it writes in place (and returns)
+DESTRUCTIVE_PRIMS: dict[Op, int] = {Op.CACHE_WRITE: 0, Op.INDEX_COPY: 0}
 
 
 def _name(op: Op) -> str:
@@ -293,6 +294,21 @@ def _cache_write(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     return cache.shape, cache.dtype
 
 
+def _index_copy(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
+    _arity(Op.INDEX_COPY, inputs, 3)
+    target, idx, rows = inputs
+    _index_dtype("index_copy", idx)
+    if len(idx.shape) != 1 or not target.shape:
+        raise ShapeError(f"index_copy: needs 1-D indices into a target of rank >= 1, got indices "
+                         f"{list(idx.shape)} and a target {list(target.shape)}")
+    if rows.shape != idx.shape + target.shape[1:]:
+        raise ShapeError(f"index_copy: rows are {list(rows.shape)}, target rows are {list(target.shape[1:])} "
+                         f"({idx.shape[0]} indices)")
+    if rows.dtype != target.dtype:
+        raise DTypeError(f"index_copy: rows are {rows.dtype.value}, the target is {target.dtype.value}")
+    return target.shape, target.dtype
+
+
 def _view(inputs: tuple[Node, ...], arg: Any) -> tuple[Shape, DType]:
     _arity(Op.VIEW, inputs, 1)
     slot, shape, dtype = arg
@@ -351,6 +367,7 @@ RULES: dict[Op, Rule] = {
     Op.SCATTER_ADD: _scatter_add,
     Op.INDEX_ADD: _index_add,
     Op.CACHE_WRITE: _cache_write,
+    Op.INDEX_COPY: _index_copy,
     Op.VIEW: _view,
     Op.CROSS_ENTROPY_GRAD: _cross_entropy_grad,
     Op.SELECTIVE_SCAN_GRAD: _multi(Op.SELECTIVE_SCAN_GRAD),

@@ -80,7 +80,10 @@ class Job(NamedTuple):
     estimate (per unit of argv word `unit` when unit >= 0) and the most parts it can be cut into. `dyn`
     names the argv words replay sets from a DynScalar at each call, with the range the value must lie in;
     `keep` holds scratch the argv points at that only the job owns. argv holds only the addresses of the
-    arrays the task reads and writes: whoever runs the job keeps those arrays alive until it has run."""
+    arrays the task reads and writes: whoever runs the job keeps those arrays alive until it has run.
+    `check`, when set, is called by whoever ran the job (`run`, native replay) once it has finished: it
+    raises the error the task found in its data (an index out of range) and wrote into scratch of its own,
+    where the task wrote nothing."""
 
     task: int
     argv: np.ndarray
@@ -90,11 +93,12 @@ class Job(NamedTuple):
     unit: int = -1
     dyn: Dyn = ()
     keep: tuple[np.ndarray, ...] = ()
+    check: Callable[[], None] | None = None
 
 
 def job(task: pool.Task, argv: np.ndarray, seconds: float, most: int, unit: int = -1, dyn: Dyn = (),
-        keep: tuple[np.ndarray, ...] = ()) -> Job:
-    return Job(task.address, argv, pool.address_of(argv), seconds, most, unit, dyn, keep)
+        keep: tuple[np.ndarray, ...] = (), check: Callable[[], None] | None = None) -> Job:
+    return Job(task.address, argv, pool.address_of(argv), seconds, most, unit, dyn, keep, check)
 
 
 Jobs = Job | tuple[Job, ...]  # a step's jobs, run in order (none for an empty output)
@@ -106,9 +110,11 @@ def _seconds(j: Job) -> float:
 
 
 def run(jobs: Jobs) -> None:
-    """Post each job (parts for the thread count of now) and wait for it."""
+    """Post each job (parts for the thread count of now), wait for it, then run its check."""
     for j in (jobs,) if isinstance(jobs, Job) else jobs:
         pool.run_address(j.task, j.args, pool.parts_for(_seconds(j), j.most))
+        if j.check is not None:
+            j.check()
 
 
 _BUILDERS: dict[Any, JobBuilder] = {}

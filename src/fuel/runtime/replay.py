@@ -88,6 +88,7 @@ class Program:
     low: tuple[int, ...]
     high: tuple[int, ...]
     jobs: list[Job]  # kept alive: the argvs the steps point at
+    checks: tuple[tuple[int, Callable[[], None]], ...] = ()  # (job index, its `Job.check`), in order
 
     def bind(self, env: dict[str, int]) -> bool:
         """Store the call's DynScalar values; False where one is missing or out of its range."""
@@ -100,6 +101,9 @@ class Program:
 
     def run(self, start: int, stop: int) -> None:
         pool.run_steps(self.steps, self.seconds, self.patches, self.env, start, stop)
+        for k, check in self.checks:  # a job's data error is raised once its stretch has run
+            if start <= k < stop:
+                check()
 
 
 def program(jobs: Sequence[Job]) -> Program:
@@ -124,7 +128,8 @@ def program(jobs: Sequence[Job]) -> Program:
         steps[k, 5] = len(patches)
     return Program(steps, np.array([f.seconds for f in jobs], np.float64),
                    np.array(patches, np.int64).reshape(-1, 3), np.zeros(max(len(names), 1), np.int64),
-                   tuple(names), tuple(low), tuple(high), list(jobs))
+                   tuple(names), tuple(low), tuple(high), list(jobs),
+                   tuple((k, f.check) for k, f in enumerate(jobs) if f.check is not None))
 
 
 STAGE_MAX_BYTES = 4 << 20  # arguments up to this size are copied into the capture's own buffers

@@ -9,6 +9,7 @@ does, else None (the step stays in Python):
 - SILU of f32: `logistic`'s own task.
 - MATMUL of a few f32 rows with a weight: `gemv`'s partial sums, then their sum, as two jobs.
 - CACHE_WRITE: the rows copied into the cache at the offset, a DynScalar offset bound at each call.
+- INDEX_COPY: `index_copy`'s check and write, the index read afresh at each call.
 Elements are independent, so a job's split into parts never changes a byte.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
-from fuel.cpu.prims import gemv, logistic
+from fuel.cpu.prims import gemv, index_copy, logistic
 from fuel.graph.node import Op, OpSpec
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
@@ -216,3 +217,11 @@ def cache_write_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: A
                0 if name is not None else int(arg.offset))
     return job(_cache_write, argv, rows.nbytes * SECONDS_PER_VALUE / 4, outer,
                dyn=((jobs.word(CACHE_WRITE_ARGS, "offset"), name, 0, cap - count),) if name else ())
+
+
+@prim_job(Op.INDEX_COPY)
+def index_copy_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> tuple[Job, Job] | None:
+    target, index, rows = xs
+    if out is not target or not target.flags.writeable:
+        return None
+    return index_copy.index_copy_jobs(target, index, rows)

@@ -15,6 +15,7 @@ import numpy as np
 
 from fuel.cpu.prims.erf import erf_into
 from fuel.cpu.prims.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, TASKS, gemv
+from fuel.cpu.prims.index_copy import index_copy_kernel
 from fuel.cpu.prims.logistic import sigmoid_f32, silu_f32
 from fuel.cpu.simd import row_blocks
 from fuel.dtype import DType
@@ -369,6 +370,7 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.SCATTER_ADD: _into(_scatter_add),
     Op.INDEX_ADD: _into(_index_add),
     Op.CACHE_WRITE: _cache_write,
+    Op.INDEX_COPY: index_copy_kernel,
     Op.VIEW: lambda xs, n, out: xs[0][n.arg[0]],
     Op.CROSS_ENTROPY_GRAD: _grad_kernel("fused_softmax_cross_entropy", "cross_entropy_grad"),
     Op.SELECTIVE_SCAN_GRAD: _grad_kernel("scans.selective_scan", "selective_scan_grad"),
