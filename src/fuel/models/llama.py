@@ -152,6 +152,16 @@ class LlamaModel:
     def _write_kv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]],
                   caches: Caches) -> tuple[Tensor, Tensor, Tensor]:
         """Layer i's queries, and its K/V caches with this step's rows written at `pos`."""
+        q, k, v = self.qkv(i, lw, h, tables)
+        pos = fl.dyn("pos")
+        kc = fl.cache_write(fl.tensor(caches[0][i]), k, pos)
+        vc = fl.cache_write(fl.tensor(caches[1][i]), v, pos)
+        return q, kc, vc
+
+    def qkv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]]
+            ) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer i's queries, keys and values `[1, heads, S, D]` of the normed rows h `[S, hidden]`, rope
+        applied with the tables' rows (row s of the tables is row s's position)."""
         cfg = self.cfg
         p = lw["qkv"](h, joined=("q", "k"))
         cos, sin = tables["local" if cfg.is_local(i) else "global"]
@@ -163,10 +173,7 @@ class LlamaModel:
             if cfg.gemma:
                 q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
             q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
-        pos = fl.dyn("pos")
-        kc = fl.cache_write(fl.tensor(caches[0][i]), k, pos)
-        vc = fl.cache_write(fl.tensor(caches[1][i]), v, pos)
-        return q, kc, vc
+        return q, k, v
 
     def _attend(self, i: int, lw: dict[str, Any], q: Tensor, kc: Tensor, vc: Tensor, k_len: str) -> Tensor:
         """Layer i's attention output projected, `[S, hidden]`, for the queries `[1, heads, S, D]`."""
@@ -186,8 +193,7 @@ class LlamaModel:
         cfg = self.cfg
         names = list(self.rope)
         tables = {n: (table_args[2 * j], table_args[2 * j + 1]) for j, n in enumerate(names)}
-        if cfg.gemma:
-            x = x * float(np.float32(math.sqrt(cfg.hidden)))
+        x = self.scaled_input(x)
         for i, lw in enumerate(self.layers):
             q, kc, vc = self._write_kv(i, lw, self._norm(x, lw["attn_norm"]), tables, caches)
             k_len = "k_len"
@@ -198,14 +204,27 @@ class LlamaModel:
             if rows is not None and i == cfg.layers - 1:
                 # the last layer past its cache writes runs for the row whose logits are wanted only
                 q, x, k_len = q.index_select(2, rows), x.index_select(0, rows), "last_len"
-            a = self._attend(i, lw, q, kc, vc, k_len)
-            x = x + (self._norm(a, lw["post_attention_norm"]) if cfg.gemma else a)
-            h = self._norm(x, lw["ffn_norm"])
-            p = lw["gate_up"](h)
-            act = _gelu_tanh(p["gate"]) if cfg.gemma else p["gate"].silu()
-            d = lw["down"](act * p["up"])
-            x = x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
+            x = self.after_attention(lw, x, self._attend(i, lw, q, kc, vc, k_len))
+        return self.logits(x)
+
+    def after_attention(self, lw: dict[str, Any], x: Tensor, a: Tensor) -> Tensor:
+        """The rest of a layer: the residual x `[S, hidden]` plus the projected attention a, then the gated
+        FFN and its residual (Gemma's post-norms on both)."""
+        cfg = self.cfg
+        x = x + (self._norm(a, lw["post_attention_norm"]) if cfg.gemma else a)
+        h = self._norm(x, lw["ffn_norm"])
+        p = lw["gate_up"](h)
+        act = _gelu_tanh(p["gate"]) if cfg.gemma else p["gate"].silu()
+        d = lw["down"](act * p["up"])
+        return x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The logits `[S, vocab]` of the last layer's rows x."""
         return self.head(self._norm(x, self.out_norm))
+
+    def scaled_input(self, x: Tensor) -> Tensor:
+        """The embedding rows as the first layer reads them (Gemma scales them by √hidden)."""
+        return x * float(np.float32(math.sqrt(self.cfg.hidden))) if self.cfg.gemma else x
 
     # -- sequences -------------------------------------------------------------------------------
 
