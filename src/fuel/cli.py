@@ -1,4 +1,4 @@
-"""The `fuel` command: inventory, verify, bench, generate (and demo, its default run), embed.
+"""The `fuel` command: inventory, verify, bench, generate (and demo, its default run), embed, serve.
 
 Exit statuses: 0 done; 1 a check failed (`verify`); 2 a bad request: an argument argparse refuses, or a
 FuelError (a bad file, a prompt that does not fit, ...), told in one line `fuel: error: ...` (argparse's
@@ -159,6 +159,12 @@ def _add_embed_arguments(p: argparse.ArgumentParser) -> None:
     add_embed_arguments(p)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from fuel.serve.serve_cli import run_serve
+
+    return run_serve(args)
+
+
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     from fuel.models.generate_cli import add_generate_arguments
 
@@ -218,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2")
     _add_embed_arguments(p)
     p.set_defaults(run=_embed)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (the serve extra)")
+    from fuel.serve.serve_cli import add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(run=_serve)
     args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
