@@ -5,11 +5,12 @@ on the bundled SmolLM2 with the mask applied to its logits."""
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # no stubs in the test environment
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -56,6 +57,7 @@ def compiler(llm: gen.LLM) -> GrammarCompiler:
     return GrammarCompiler(llm.tokenizer, llm.model.cfg.vocab)
 
 
+@functools.cache
 def special_ids(tok: GGUFTokenizer) -> np.ndarray:
     """Ids of the tokenizer's control tokens (from the tokenizers object, not from llguidance)."""
     return np.array(sorted(i for i, t in tok.tokenizer.get_added_tokens_decoder().items() if t.special), np.int64)
@@ -263,7 +265,8 @@ BAD_FORMATS: list[tuple[Any, str]] = [
     (js(name="n", schema={"properties": {"a": {"$ref": "#/nope"}}}), r"invalid JSON schema: .*'/nope' does not exist"),
     (js(name="n", schema={"type": "object", "required": ["x"], "additionalProperties": False}),
      r"invalid JSON schema: .*required property 'x' is unsatisfiable"),
-    (js(name="n", schema={"type": "number", "maximum": float("nan")}), r"response_format is not JSON: Out of range float"),
+    (js(name="n", schema={"type": "number", "maximum": float("nan")}),
+     r"response_format is not JSON: Out of range float"),
     ({"type": "json_object", 1: 2, "b": 3}, r"unknown key\(s\) \[1, 'b'\] for type 'json_object'"),
 ]
 

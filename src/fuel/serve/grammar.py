@@ -30,8 +30,8 @@ never allowed, nor are control tokens inside the document. The tokenizer's end-o
 two grammars.
 
 **Cost.** `compile` caches the grammar text of each `response_format` (by its compact JSON, keys in their
-given order; least recently used dropped past `cache_size`); a request then only builds its matcher (sub-millisecond). `mask` fills a
-bitmask reused by the request and unpacks it to a new bool array.
+given order; least recently used dropped past `cache_size`); a request then only builds its matcher
+(sub-millisecond). `mask` fills a bitmask reused by the request and unpacks it to a new bool array.
 """
 
 from __future__ import annotations
@@ -149,9 +149,8 @@ class GrammarCompiler:
             if text is not None:
                 self._cache.move_to_end(key)
         if text is None:
-            try:
-                text = llg.LLMatcher.grammar_from_json_schema(_canonical(schema, "response_format.json_schema.schema"),
-                                                              overrides=_JSON_OPTIONS)
+            try:  # the key's JSON holds the schema's: it is JSON too
+                text = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
             except ValueError as exc:
                 raise GrammarError(f"response_format: invalid JSON schema: {exc}") from None
         grammar = Grammar(self, llg.LLMatcher(self._tok, text, log_level=0))
