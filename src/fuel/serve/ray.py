@@ -1,0 +1,139 @@
+"""Scale-out on Ray (install the `ray` extra): Ray Data embeddings of large corpora, Ray Serve replicas.
+
+Ray Data. `embed_dataset(ds, column="text")` maps a dataset's text column to MiniLM embeddings with
+`ds.map_batches(Embedder, concurrency=k)`: `Embedder` is a callable class, so each of the k actors loads
+the model once and keeps its captures across batches. Fuel's kernels compute every sentence's row
+independently of the others in its batch, so the rows equal `fuel.models.bert.embed`'s bit for bit,
+whichever actor and batch a sentence lands in. `embed_texts` is the `fuel embed --ray` path: a list of
+sentences in, the `[n, 384]` array out, in input order.
+
+Every actor and replica sets fuel's thread count to the CPUs Ray reserves for it, so the replicas of a
+machine share its cores instead of each spinning a pool as wide as the machine.
+
+`ray.init()` (called here only when no cluster is connected) joins the cluster named by `RAY_ADDRESS`, or
+starts a local one: the same code runs on a laptop and on a cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import fuel as fl
+from fuel.errors import FuelError, ParamError
+
+if TYPE_CHECKING:
+    import ray.data
+
+INSTALL_HINT = "pip install 'fuel[ray]'"
+
+
+class RayNotInstalled(FuelError, ImportError):
+    """The `ray` extra is missing."""
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise RayNotInstalled(f"fuel.serve.ray: Ray is not installed; run: {INSTALL_HINT}") from None
+    return ray
+
+
+def _connect() -> None:
+    """Joins `RAY_ADDRESS`'s cluster, or starts a local one, unless this process is connected already."""
+    ray = _ray()
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+
+
+def _positive_int(op: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ParamError(f"{op}: {name} must be a positive int, got {value!r}")
+    return value
+
+
+def _cpus(op: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ParamError(f"{op}: num_cpus must be a positive number, got {value!r}")
+    return float(value)
+
+
+def threads_for(num_cpus: float) -> int:
+    """Fuel's thread count in an actor that Ray gives `num_cpus` CPUs (at least one thread)."""
+    return max(1, int(num_cpus))
+
+
+class Embedder:
+    """Ray Data's callable class for `map_batches`: one MiniLM per actor, loaded once, fuel's threads set
+    to the actor's CPUs. A batch (`{column: array of str, ...}`) comes back with `output_column` added:
+    a `[rows, 384]` float32 array; the batch's other columns pass through."""
+
+    def __init__(self, column: str = "text", output_column: str = "embedding", *, normalize: bool = True,
+                 batch_size: int = 32, threads: int = 1) -> None:
+        from fuel.models import bert
+
+        fl.set_num_threads(threads)
+        self.column, self.output_column = column, output_column
+        self.normalize, self.batch_size = normalize, batch_size
+        self.model = bert.load()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if self.column not in batch:
+            raise ParamError(f"embed_dataset: a batch has no column {self.column!r}; it has {sorted(batch)}")
+        sentences = list(batch[self.column])
+        emb = self.model.embed(sentences, normalize=self.normalize, batch_size=self.batch_size)
+        return {**batch, self.output_column: emb}
+
+
+def embed_dataset(ds: ray.data.Dataset, column: str = "text", *, output_column: str = "embedding",
+                  concurrency: int = 2, num_cpus: float = 1, batch_size: int = 256, embed_batch_size: int = 32,
+                  normalize: bool = True) -> ray.data.Dataset:
+    """`ds` with `output_column` added: each row's MiniLM embedding of its `column` (a `[384]` float32
+    tensor column), computed lazily by `concurrency` actors of `num_cpus` CPUs each, `batch_size` rows per
+    Ray batch and `embed_batch_size` sentences per encoder call. `ds` itself is not changed."""
+    op = "embed_dataset"
+    concurrency = _positive_int(op, "concurrency", concurrency)
+    batch_size = _positive_int(op, "batch_size", batch_size)
+    embed_batch_size = _positive_int(op, "embed_batch_size", embed_batch_size)
+    cpus = _cpus(op, num_cpus)
+    columns = ds.columns()
+    if columns is not None:
+        if column not in columns:
+            raise ParamError(f"{op}: the dataset has no column {column!r}; its columns are {columns}")
+        if output_column in columns:
+            raise ParamError(f"{op}: the dataset already has a column {output_column!r}; "
+                             "name another output_column")
+    return ds.map_batches(
+        Embedder, batch_format="numpy", batch_size=batch_size, concurrency=concurrency, num_cpus=cpus,
+        fn_constructor_kwargs={"column": column, "output_column": output_column, "normalize": normalize,
+                               "batch_size": embed_batch_size, "threads": threads_for(cpus)})
+
+
+def embed_texts(sentences: Sequence[str], *, concurrency: int = 2, num_cpus: float = 1, batch_size: int = 256,
+                embed_batch_size: int = 32, normalize: bool = True) -> np.ndarray:
+    """`fuel.models.bert.embed(sentences)` computed on Ray (`embed_dataset`): `[n, 384]` float32, the rows in
+    the order of `sentences`. Connects to Ray first if this process is not connected."""
+    op = "embed_texts"
+    if isinstance(sentences, str):
+        raise ParamError(f"{op}: expects a sequence of sentences, got one str; wrap it in a list")
+    bad = [type(s).__name__ for s in sentences if not isinstance(s, str)]
+    if bad:
+        raise ParamError(f"{op}: every sentence must be a str, got a {bad[0]}")
+    if not sentences:
+        return np.empty((0, 384), np.float32)  # MiniLM's width, without loading the model
+    _connect()
+    ds = _ray().data.from_items([{"index": i, "text": s} for i, s in enumerate(sentences)])
+    mapped = embed_dataset(ds, "text", concurrency=concurrency, num_cpus=num_cpus, batch_size=batch_size,
+                           embed_batch_size=embed_batch_size, normalize=normalize)
+    # Ray Data does not keep the input order by default: each row carries its index back.
+    parts = [(b["index"], b["embedding"]) for b in mapped.iter_batches(batch_format="numpy", batch_size=None)]
+    index = np.concatenate([i for i, _ in parts])
+    if len(index) != len(sentences) or not np.array_equal(np.sort(index), np.arange(len(sentences))):
+        raise FuelError(f"{op}: Ray Data returned {len(index)} rows for {len(sentences)} sentences")
+    out = np.empty((len(sentences), parts[0][1].shape[1]), np.float32)
+    out[index] = np.concatenate([e for _, e in parts])
+    return out
