@@ -219,8 +219,9 @@ def test_metrics_follow_the_engine(client: TestClient, engine: FakeEngine) -> No
     assert m["fuel_http_responses_total{200}"] >= 1
 
 
-def test_client_disconnect_cancels_the_stream() -> None:
-    """Through a real server: a client that leaves mid-stream cancels its sequence, whose block is freed."""
+@pytest.fixture
+def live() -> Iterator[tuple[FakeEngine, str]]:
+    """A real uvicorn server on 127.0.0.1 over a fake engine whose generations pause after one token."""
     import uvicorn
 
     engine = FakeEngine()
@@ -230,23 +231,53 @@ def test_client_disconnect_cancels_the_stream() -> None:
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    engine.gate.clear()
     try:
-        engine.gate.clear()  # every generation pauses after its first token
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as c:
-            with c.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 20}) as r:
-                first = next(r.iter_lines())
-                assert first.startswith("data: {") and engine.blocks == 1
-            deadline = time.time() + 10
-            while engine.cancels == 0 and time.time() < deadline:
-                time.sleep(0.01)
-            engine.gate.set()
-            while engine.blocks and time.time() < deadline:
-                time.sleep(0.01)
-            assert engine.cancels == 1 and engine.blocks == 0
-            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
-            assert engine.cancels == 1  # a finished request is not cancelled
+        yield engine, f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
     finally:
         engine.gate.set()
         server.should_exit = True
         thread.join(10)
+
+
+def _wait(cond: Any, timeout: float = 10) -> None:
+    deadline = time.time() + timeout
+    while not cond() and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def test_client_leaving_mid_stream_cancels_its_stream(live: tuple[FakeEngine, str]) -> None:
+    engine, url = live
+    with httpx.Client(base_url=url) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "x", "stream": True, "max_tokens": 20}) as r:
+            assert next(r.iter_lines()).startswith("data: {") and engine.blocks == 1
+        _wait(lambda: engine.cancels > 0)
+        engine.gate.set()
+        _wait(lambda: engine.blocks == 0)
+        assert engine.cancels == 1 and engine.blocks == 0
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3}).status_code == 200
+        assert engine.cancels == 1  # a request that ends is not cancelled
+
+
+def test_client_leaving_a_non_streamed_request_cancels_it(live: tuple[FakeEngine, str]) -> None:
+    engine, url = live
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 20}, timeout=0.5)
+    _wait(lambda: engine.cancels > 0)
+    engine.gate.set()
+    _wait(lambda: engine.blocks == 0)
+    assert engine.cancels == 1 and engine.blocks == 0
+
+
+def test_response_format_goes_through_the_grammar_compiler(client: TestClient, engine: FakeEngine) -> None:
+    from fuel.serve.grammar import Grammar
+
+    body = {"messages": MESSAGES, "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json={**body, "response_format": {"type": "text"}}).status_code == 200
+    assert engine.requests[-1].grammar is None
+    ok = client.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+    assert ok.status_code == 200 and isinstance(engine.requests[-1].grammar, Grammar)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}
+    for rf in (bad_schema, {"type": "yaml"}, {"type": "json_schema"}):
+        err = _error(client.post("/v1/chat/completions", json={**body, "response_format": rf}), 400)
+        assert err["param"] == "response_format", err

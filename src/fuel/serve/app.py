@@ -10,8 +10,8 @@ JSON and for every parameter that is wrong (`fuel.serve.protocol`), 404 for an u
 for a wrong method, 413 for a body past `MAX_BODY`, 429 with `Retry-After` when the engine's queue is
 full. Client input never gives a 5xx: a 500 means a fault of the server, and is logged with its traceback.
 
-A streamed request whose client goes away before its end is cancelled (`Stream.cancel()`), which frees its
-KV blocks at the engine's next step; so is a request whose handler fails.
+A request whose client goes away before its end, streamed or not, is cancelled (`Stream.cancel()`), which
+frees its KV blocks at the engine's next step; so is a request whose handler fails.
 """
 
 from __future__ import annotations
@@ -109,6 +109,14 @@ class _SSE(StreamingResponse):
                 self.stream.cancel()
 
 
+async def _cancel_on_disconnect(request: Request, stream: Stream) -> None:
+    """Cancel `stream` when the client of a non-streamed request goes away (its body is read already, so
+    the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.cancel()
+
+
 def _event(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
@@ -161,6 +169,7 @@ def create_app(engine: Engine, *, embedder: Embedder | None = None) -> Starlette
             return _SSE(_events(stream, builder, parsed.include_usage, state), stream, state)
         texts: list[str] = []
         lps: list[Any] = []
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, stream))
         try:
             async for item in stream:
                 if isinstance(item, Done):
@@ -172,6 +181,7 @@ def create_app(engine: Engine, *, embedder: Embedder | None = None) -> Starlette
                 lps.extend(item.logprobs)
             raise ApiError("the engine's stream ended without its Done", code="generation_failed")
         finally:
+            watcher.cancel()
             if not state["done"]:
                 stream.cancel()
 
