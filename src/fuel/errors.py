@@ -20,7 +20,8 @@ class ParamError(FuelError, ValueError):
 
 
 class IndexOutOfRange(FuelError, IndexError):
-    """An index tensor points outside the tensor it indexes (checked before reading)."""
+    """An index tensor points outside the tensor it indexes, or, for index_copy, at one row twice (checked
+    before reading or writing)."""
 
 
 class AxisIndexError(ShapeError, IndexError):
@@ -38,8 +39,8 @@ class KernelError(FuelError, RuntimeError):
 
 
 class StaleInput(FuelError, RuntimeError):
-    """A graph would read a buffer that a destructive op (inplace_affine, cache_write) overwrote after
-    the graph was built, or would need a value after the op in the same graph destroys it."""
+    """A graph would read a buffer that a destructive op (inplace_affine, cache_write, index_copy) overwrote
+    after the graph was built, or would need a value after the op in the same graph destroys it."""
 
 
 class NoDecomposition(FuelError):

@@ -127,6 +127,18 @@ def test_earlier_readers_run_before_the_write() -> None:
     np.testing.assert_array_equal(cache[2], [1, 1])
 
 
+def test_a_reader_built_before_and_realised_after_the_write_is_stale() -> None:
+    cache = fl.tensor(np.zeros((4, 2), np.float32))
+    peek = cache.sum()
+    fl.realize(fl.index_copy(cache, np.array([1, 3]), np.ones((2, 2), np.float32)))
+    with pytest.raises(fl.StaleInput, match="index_copy"):
+        peek.item()
+    assert cache.sum().item() == 4.0
+    with pytest.raises(fl.StaleInput, match="both overwrite"):
+        fl.realize(fl.index_copy(cache, np.array([0]), np.ones((1, 2), np.float32)),
+                   fl.index_copy(cache, np.array([2]), np.ones((1, 2), np.float32)))
+
+
 def test_the_write_is_not_differentiable() -> None:
     target = fl.tensor(np.zeros((3, 2), np.float32))
     rows = fl.tensor(np.ones((1, 2), np.float32))

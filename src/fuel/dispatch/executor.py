@@ -127,8 +127,8 @@ def _check_not_stale(order: list[Node], leaves: list[Node]) -> None:
             for i in n.inputs:
                 if i.written > n.serial:
                     raise StaleInput(f"realize: {n!r} was built on {i!r}, whose buffer a destructive op "
-                                     f"(inplace_affine, cache_write) has overwritten since; build it again "
-                                     f"from the op's result")
+                                     f"(inplace_affine, cache_write, index_copy) has overwritten since; build it "
+                                     f"again from the op's result")
 
 
 def _mark_overwritten(order: list[Node], destructive: Any) -> None:
