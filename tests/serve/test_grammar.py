@@ -156,6 +156,18 @@ def test_complete_allows_only_eos_and_rejects_more(llm: gen.LLM, compiler: Gramm
         grammar.advance(tok.encode(" ", add_bos=False)[0])
 
 
+@settings(max_examples=20)
+@given(doc=st.dictionaries(st.text("abc", min_size=1, max_size=3), st.integers(0, 9), min_size=1, max_size=3))
+def test_output_is_compact_json(llm: gen.LLM, compiler: GrammarCompiler, doc: dict[str, int]) -> None:
+    """OpenAI's separators and no other whitespace: other spellings of the same object are refused."""
+    tok = llm.tokenizer
+    for text, takes in [(compact(doc), True), (json.dumps(doc, separators=(",", ":")), False),
+                        (json.dumps(doc, indent=1), False), (" " + compact(doc), False)]:
+        grammar = compiler.compile(JSON_OBJECT)
+        assert grammar is not None
+        assert feed(grammar, tokens_of(tok, text)) == takes, text
+
+
 # -- documents from hypothesis, judged by json / jsonschema -------------------------------------------------
 
 json_scalars = st.none() | st.booleans() | st.integers(-10**6, 10**6) | \
