@@ -277,6 +277,10 @@ BAD_FORMATS: list[tuple[Any, str]] = [
     (js(name="n", schema={"properties": {"a": {"$ref": "#/nope"}}}), r"invalid JSON schema: .*'/nope' does not exist"),
     (js(name="n", schema={"type": "object", "required": ["x"], "additionalProperties": False}),
      r"invalid JSON schema: .*required property 'x' is unsatisfiable"),
+    (js(name="n", schema={"$ref": "#"}), r"the JSON schema admits no document"),  # builds, but no base case
+    (js(name="n", schema={"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}), r"admits no document"),
+    (js(name="n", schema={"type": "array", "uniqueItems": True}), r'invalid JSON schema: .*\["uniqueItems"\]'),
+    (js(name="n", schema={"type": "string", "pattern": "(["}), r"invalid JSON schema: regex parse error"),
     (js(name="n", schema={"type": "number", "maximum": float("nan")}),
      r"response_format is not JSON: Out of range float"),
     ({"type": "json_object", 1: 2, "b": 3}, r"unknown key\(s\) \[1, 'b'\] for type 'json_object'"),
@@ -289,6 +293,7 @@ def test_invalid_formats_raise_grammar_error(compiler: GrammarCompiler, response
     with pytest.raises(GrammarError, match=message) as info:
         compiler.compile(response_format)
     assert isinstance(info.value, ParamError)  # the app answers a ParamError with a 400
+    assert "<state>" not in str(info.value)  # llguidance's parser dump stays out of client messages
     assert response_format == before  # nothing the caller passed is changed
 
 

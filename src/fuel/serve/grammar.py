@@ -105,6 +105,11 @@ def _schema_of(response_format: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return schema
 
 
+def _error(matcher: llg.LLMatcher) -> str:
+    """llguidance's error message, without the parser-state dump it appends."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
+
+
 def _canonical(x: Any, what: str) -> str:
     """Compact JSON of `x`, keys in their given order: a schema's property order is the output's order."""
     try:
@@ -130,6 +135,7 @@ class GrammarCompiler:
                                         eos_token=sorted(self.eos_ids))
         except (ValueError, RuntimeError) as exc:
             raise GrammarError(f"GrammarCompiler: llguidance cannot read this model's tokenizer: {exc}") from None
+        self._limits = llg.LLParserLimits(verbose_errors=False)  # errors go to clients: no parser dumps
         self._cache: OrderedDict[str, str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -153,7 +159,7 @@ class GrammarCompiler:
                 text = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=_JSON_OPTIONS)
             except ValueError as exc:
                 raise GrammarError(f"response_format: invalid JSON schema: {exc}") from None
-        grammar = Grammar(self, llg.LLMatcher(self._tok, text, log_level=0))
+        grammar = Grammar(self, llg.LLMatcher(self._tok, text, log_level=0, limits=self._limits))
         with self._lock:  # only grammars that built go in the cache
             self._cache[key] = text
             self._cache.move_to_end(key)
@@ -166,32 +172,44 @@ class Grammar:
     """One request's grammar state: `mask()` before each token, `advance(token)` after it is chosen."""
 
     def __init__(self, compiler: GrammarCompiler, matcher: llg.LLMatcher) -> None:
-        if matcher.is_error():
-            raise GrammarError(f"response_format: invalid JSON schema: {matcher.get_error()}")
         self.vocab = compiler.vocab
         self.eos_ids = compiler.eos_ids
         self._m = matcher
         self._bits = np.zeros((self.vocab + 31) // 32, np.int32)  # llguidance's bit layout: token i is bit i % 32
+        self._filled = False  # whether _bits holds the mask of the current state
+        if matcher.is_error():
+            raise GrammarError(f"response_format: invalid JSON schema: {_error(matcher)}")
+        # Some schemas build but admit no document (a $ref cycle with no base case): the first mask finds out,
+        # so the request is refused here rather than failing at its first token.
+        self._fill()
+        if matcher.is_error():
+            raise GrammarError(f"response_format: the JSON schema admits no document: {_error(matcher)}")
 
-    def _check(self, op: str) -> None:
+    def _fill(self) -> None:
         if self._m.is_error():
-            raise GrammarError(f"grammar.{op}: the grammar is in an error state: {self._m.get_error()}")
+            raise GrammarError(f"grammar.mask: the grammar is in an error state: {_error(self._m)}")
+        if not self._filled:
+            self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+            self._filled = True
 
     def mask(self) -> np.ndarray:
-        """bool [vocab]: True for the tokens allowed next (a new array each call)."""
-        self._check("mask")
-        self._m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        self._check("mask")
+        """bool [vocab]: True for the tokens allowed next (a new array each call). GrammarError if the grammar
+        broke down (llguidance met one of its resource limits)."""
+        self._fill()
+        if self._m.is_error():
+            raise GrammarError(f"grammar.mask: the grammar is in an error state: {_error(self._m)}")
         return np.unpackbits(self._bits.view(np.uint8), count=self.vocab, bitorder="little").view(np.bool_)
 
     def advance(self, token: int) -> None:
         """Consume the chosen token; GrammarError if the grammar does not allow it (the caller ignored the mask)."""
         if not isinstance(token, int | np.integer) or isinstance(token, bool) or not 0 <= int(token) < self.vocab:
             raise GrammarError(f"grammar.advance: token must be an id in [0, {self.vocab}), got {token!r}")
-        self._check("advance")
+        if self._m.is_error():
+            raise GrammarError(f"grammar.advance: the grammar is in an error state: {_error(self._m)}")
+        self._filled = False
         if not self._m.consume_token(int(token)):
             raise GrammarError(f"grammar.advance: token {int(token)} is not allowed here "
-                               f"(it was masked out): {self._m.get_error()}")
+                               f"(it was masked out): {_error(self._m)}")
 
     def is_complete(self) -> bool:
         """The output is a complete document and nothing may follow it but an end-of-generation token."""
