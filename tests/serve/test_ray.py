@@ -3,21 +3,37 @@
 Ray Data: the embeddings of `embed_dataset` and of `fuel embed --ray` equal the single-process
 `fuel.models.bert.embed`'s bit for bit (each sentence's row is computed independently of its batch, so the
 split into Ray batches and actors must not show).
+
+Ray Serve: 2 replicas of one CPU each, reached through Ray Serve's HTTP proxy on 127.0.0.1 with the openai
+client, answer greedy chat completions, streamed and not, exactly as a single-process server of the same
+app and engine does. The deployment lives for its test class only, so that the Ray Data tests find the
+cluster's 2 CPUs free.
 """
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import openai
 import pytest
 import ray
+from ray import serve
 
 from fuel.cli import main
 from fuel.errors import ParamError
 from fuel.models import bert
-from fuel.serve.ray import embed_dataset, embed_texts
+from fuel.serve.ray import app_builder, application, deploy, embed_dataset, embed_texts
+
+MODEL, CONTEXT, SLOTS = "smollm2", 256, 2
+CHATS = [[{"role": "user", "content": "Name three fruits."}], [{"role": "user", "content": "What is 2 + 3?"}],
+         [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of Italy?"}]]
 
 # Mixed lengths (so Ray's batches pad differently from the single-process ones), repeated texts, an empty one.
 SENTENCES = [f"{i}: " + " ".join(["fuel", "serves", "tokens", "on", "ray"][: i % 6]) + " ünïcödé 🚀" * (i % 3)
@@ -74,3 +90,93 @@ def test_embed_dataset_bad_arguments(cluster: None) -> None:
     with pytest.raises(ParamError, match="embed_texts: expects a sequence of sentences, got one str"):
         embed_texts("a sentence")
     assert embed_texts([]).shape == (0, 384)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _answers(url: str) -> list[tuple[str, str, int]]:
+    """Each chat's greedy answer (8 tokens), non-streamed and streamed, and its chunk count; the chats are
+    sent concurrently, so that both replicas of a deployment serve some."""
+    c = _client(url)
+
+    def ask(messages: Any) -> tuple[str, str, int]:
+        whole = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+        chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                stream=True))
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        return whole.choices[0].message.content or "", streamed, len(chunks)
+
+    with ThreadPoolExecutor(len(CHATS)) as pool:
+        return list(pool.map(ask, CHATS))
+
+
+@pytest.fixture(scope="module")
+def single_process() -> Iterator[list[tuple[str, str, int]]]:
+    """The answers of `fuel serve`'s app and engine in this process, under uvicorn on 127.0.0.1."""
+    import uvicorn
+
+    from fuel.models.generate import load
+    from fuel.serve.app import create_app
+    from fuel.serve.engine import Engine
+
+    engine = Engine(load(MODEL, context=CONTEXT), slots=SLOTS, model_name=MODEL)
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield _answers(f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.close()
+
+
+class TestServeReplicas:
+    @pytest.fixture(scope="class")
+    def proxy(self, cluster: None) -> Iterator[str]:
+        port = _free_port()
+        deploy(MODEL, replicas=2, num_cpus=1, context=CONTEXT, slots=SLOTS, max_queue=4, port=port, name="fuel")
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+    def test_replicas_answer_as_the_single_process_server(self, proxy: str,
+                                                           single_process: list[tuple[str, str, int]]) -> None:
+        states = serve.status().applications["fuel"].deployments["FuelReplica"].replica_states
+        assert states == {"RUNNING": 2}
+        answers = _answers(proxy)
+        assert answers == single_process
+        for whole, streamed, chunks in answers:
+            assert whole and streamed == whole and chunks >= 3  # the SSE chunks pass the proxy one by one
+
+    def test_the_app_routes_and_errors_pass_the_proxy(self, proxy: str) -> None:
+        c = _client(proxy)
+        assert [m.id for m in c.models.list()] == [MODEL]
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="nope", messages=CHATS[0], max_tokens=4)  # type: ignore[arg-type]
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            c.chat.completions.create(model=MODEL, messages=CHATS[0], temperature=-1)  # type: ignore[arg-type]
+
+
+def test_application_arguments_are_checked() -> None:
+    with pytest.raises(ParamError, match=r"fuel\.serve\.ray: replicas must be a positive int, got 0"):
+        application(replicas=0)
+    with pytest.raises(ParamError, match=r"fuel\.serve\.ray: num_cpus must be a positive number, got -1"):
+        application(num_cpus=-1)
+    with pytest.raises(ParamError, match=r"fuel\.serve\.ray: max_queue must be an int >= 0, got -2"):
+        application(max_queue=-2)
+    with pytest.raises(ParamError, match=r"fuel\.serve\.ray: unknown argument 'replica'; expected some of"):
+        app_builder({"replica": "2"})
+    with pytest.raises(ParamError, match="invalid literal for int"):
+        app_builder({"replicas": "two"})

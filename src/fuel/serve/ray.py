@@ -7,6 +7,14 @@ independently of the others in its batch, so the rows equal `fuel.models.bert.em
 whichever actor and batch a sentence lands in. `embed_texts` is the `fuel embed --ray` path: a list of
 sentences in, the `[n, 384]` array out, in input order.
 
+Ray Serve. `application(...)` is a Ray Serve application of N replicas of `FuelReplica`: each loads its own
+model, runs its own `Engine` (continuous batching over its slots) and serves the very app `fuel serve` runs
+(`fuel.serve.app.create_app`), built in the replica through Ray Serve's late-bound ASGI ingress
+(`__serve_build_asgi_app__`). Ray Serve's HTTP proxy routes each request to a replica and passes the app's
+streamed (SSE) responses through as they are written. `deploy(...)` starts it on the connected cluster;
+`serve run fuel.serve.ray:app_builder model=smollm2 replicas=4` does the same from Ray's own CLI; and
+`fuel serve --ray-replicas N` from fuel's.
+
 Every actor and replica sets fuel's thread count to the CPUs Ray reserves for it, so the replicas of a
 machine share its cores instead of each spinning a pool as wide as the machine.
 
@@ -16,8 +24,12 @@ starts a local one: the same code runs on a laptop and on a cluster.
 
 from __future__ import annotations
 
+import argparse
 import math
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,6 +39,9 @@ from fuel.errors import FuelError, ParamError
 
 if TYPE_CHECKING:
     import ray.data
+    from ray.serve import Application
+    from ray.serve.handle import DeploymentHandle
+    from starlette.applications import Starlette
 
 INSTALL_HINT = "pip install 'fuel[ray]'"
 
@@ -137,3 +152,121 @@ def embed_texts(sentences: Sequence[str], *, concurrency: int = 2, num_cpus: flo
     out = np.empty((len(sentences), parts[0][1].shape[1]), np.float32)
     out[index] = np.concatenate([e for _, e in parts])
     return out
+
+
+# ---- Ray Serve ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What each replica loads and how it serves: `fuel serve`'s options, and the CPUs Ray reserves for it."""
+
+    model: str = "smollm2"
+    context: int = 2048
+    slots: int = 4
+    max_queue: int = 64
+    embeddings: bool = False  # serve /v1/embeddings with MiniLM
+    num_cpus: float = 1
+
+    def checked(self) -> ReplicaSpec:
+        op = "fuel.serve.ray"
+        if not isinstance(self.model, str) or not self.model:
+            raise ParamError(f"{op}: model must be a model name or a .gguf path, got {self.model!r}")
+        for name in ("context", "slots"):
+            _positive_int(op, name, getattr(self, name))
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ParamError(f"{op}: max_queue must be an int >= 0, got {self.max_queue!r}")
+        _cpus(op, self.num_cpus)
+        return self
+
+
+class FuelReplica:
+    """One Ray Serve replica: its own model, engine, embedder and fuel threads; the app of `fuel serve`."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        from fuel.models.generate import load
+        from fuel.serve.engine import Engine
+        from fuel.serve.serve_cli import served_name
+
+        fl.set_num_threads(threads_for(spec.num_cpus))
+        self.engine = Engine(load(spec.model, context=spec.context), slots=spec.slots, max_queue=spec.max_queue,
+                             model_name=served_name(spec.model))
+        self.embedder: Any = None
+        if spec.embeddings:
+            from fuel.models import bert
+
+            self.embedder = bert.load()
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        from fuel.serve.app import create_app
+
+        return create_app(self.engine, embedder=self.embedder)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def application(model: str = "smollm2", *, replicas: int = 2, num_cpus: float = 1, context: int = 2048,
+                slots: int = 4, max_queue: int = 64, embeddings: bool = False) -> Application:
+    """The Ray Serve application: `replicas` copies of `FuelReplica`, each reserving `num_cpus` CPUs (and
+    running fuel on as many threads). A replica takes up to slots + max_queue requests at once, so that
+    its engine queues them and answers 429 past its bound, as `fuel serve` does."""
+    from ray import serve
+
+    spec = ReplicaSpec(model, context, slots, max_queue, embeddings, num_cpus).checked()
+    replicas = _positive_int("fuel.serve.ray", "replicas", replicas)
+    deployment = serve.deployment(name="FuelReplica", num_replicas=replicas, max_ongoing_requests=slots + max_queue,
+                                  ray_actor_options={"num_cpus": float(num_cpus)})
+    return deployment(serve.ingress()(FuelReplica)).bind(spec)
+
+
+def app_builder(args: Mapping[str, str]) -> Application:
+    """For Ray's CLI: `serve run fuel.serve.ray:app_builder model=smollm2 replicas=2 num_cpus=1 ...` (the
+    keys are `application`'s arguments; `embeddings=1` serves /v1/embeddings)."""
+    kinds = {f.name: f.type for f in fields(ReplicaSpec)} | {"replicas": "int"}
+    unknown = sorted(set(args) - set(kinds))
+    if unknown:
+        raise ParamError(f"fuel.serve.ray: unknown argument {unknown[0]!r}; expected some of {sorted(kinds)}")
+    parse: dict[str, Callable[[str], Any]] = {"str": str, "int": int, "float": float,
+                                              "bool": lambda v: v.lower() in ("1", "true", "yes")}
+    try:
+        kw = {k: parse[str(kinds[k])](v) for k, v in args.items()}
+    except ValueError as e:
+        raise ParamError(f"fuel.serve.ray: {e}") from None
+    return application(**kw)
+
+
+def deploy(model: str = "smollm2", *, replicas: int = 2, num_cpus: float = 1, context: int = 2048, slots: int = 4,
+           max_queue: int = 64, embeddings: bool = False, host: str = "127.0.0.1", port: int = 8000,
+           name: str = "fuel", route_prefix: str = "/") -> DeploymentHandle:
+    """Deploys `application(...)` on the connected cluster (connecting first if needed) behind Ray Serve's
+    HTTP proxy on host:port, and returns once every replica is up. `serve.delete(name)` removes it."""
+    app = application(model, replicas=replicas, num_cpus=num_cpus, context=context, slots=slots,
+                      max_queue=max_queue, embeddings=embeddings)
+    _connect()
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    return serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
+
+
+def run_serve_ray(args: argparse.Namespace) -> int:
+    """`fuel serve --ray-replicas N`: `fuel serve`'s options deployed as N Ray Serve replicas of
+    --ray-cpus CPUs each, until interrupted."""
+    from ray import serve
+
+    deploy(args.model, replicas=args.ray_replicas, num_cpus=args.ray_cpus, context=args.context,
+           slots=args.slots, max_queue=args.max_queue, embeddings=args.embedding_model == "minilm",
+           host=args.host, port=args.port)
+    print(f"fuel serve: {args.ray_replicas} Ray Serve replicas of {args.model} on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+    return 0
