@@ -168,6 +168,16 @@ def test_output_is_compact_json(llm: gen.LLM, compiler: GrammarCompiler, doc: di
         assert feed(grammar, tokens_of(tok, text)) == takes, text
 
 
+def test_schema_cannot_loosen_the_json_form(llm: gen.LLM, compiler: GrammarCompiler) -> None:
+    """llguidance reads options from a schema's "x-guidance"; the compact form overrides them."""
+    schema = {"type": "object", "x-guidance": {"whitespace_flexible": True, "item_separator": ",",
+                                               "key_separator": ":"}}
+    for text, takes in [('{"a": 1, "b": 2}', True), ('{"a":1,"b":2}', False), ('{\n"a": 1}', False)]:
+        grammar = compiler.compile(schema_format(schema))
+        assert grammar is not None
+        assert feed(grammar, llm.tokenizer.encode(text, add_bos=False)) == takes, text
+
+
 # -- documents from hypothesis, judged by json / jsonschema -------------------------------------------------
 
 json_scalars = st.none() | st.booleans() | st.integers(-10**6, 10**6) | \

@@ -7,8 +7,8 @@
         t = int(np.argmax(logits)); grammar.advance(t)
 
 **Why llguidance.** It is a maintained engine (Microsoft / guidance-ai; llama.cpp and vLLM use it) with a Rust
-core: a lexer over the token trie plus an Earley parser, so a mask costs microseconds and needs no
-precomputation per schema. It reads a Hugging Face `tokenizers` JSON directly, which is what
+core: a lexer over the token trie plus an Earley parser, so each token's mask is computed as it is needed,
+with no precomputation per schema. It reads a Hugging Face `tokenizers` JSON directly, which is what
 `GGUFTokenizer` builds from the GGUF metadata, so neither transformers nor torch is needed.
 
 **The shapes** (OpenAI's): `None` or `{"type": "text"}` is no constraint (`compile` returns None);
@@ -18,8 +18,8 @@ other shape, an unknown key, or a schema llguidance rejects (unknown keyword, un
 a `GrammarError` naming what is wrong; the server answers it with a 400.
 
 **The JSON form.** Whatever the schema's own `x-guidance` says, output is compact JSON with OpenAI's
-separators (`", "`, `": "`) and no other whitespace: a small model cannot then pad a document with
-newlines until `max_tokens` runs out, and the text is what `json.dumps` writes.
+separators (`", "`, `": "`, also `json.dumps`'s defaults) and no other whitespace: a small model cannot
+then pad a document with newlines until `max_tokens` runs out.
 
 **The vocabulary.** The mask has the model's `vocab` entries: embedding rows past the tokenizer's tokens are
 never allowed, nor are control tokens inside the document. The tokenizer's end-of-generation ids
@@ -30,8 +30,8 @@ never allowed, nor are control tokens inside the document. The tokenizer's end-o
 two grammars.
 
 **Cost.** `compile` caches the grammar text of each `response_format` (by its compact JSON, keys in their
-given order; least recently used dropped past `cache_size`); a request then only builds its matcher
-(sub-millisecond). `mask` fills a bitmask reused by the request and unpacks it to a new bool array.
+given order; least recently used dropped past `cache_size`); a request then only builds its matcher.
+`mask` fills a bitmask reused by the request and unpacks it to a new bool array.
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def _canonical(x: Any, what: str) -> str:
 
 
 class GrammarCompiler:
-    """Compiles `response_format`s for one model's tokenizer and vocabulary (built once per served model:
-    reading the tokenizer takes a fraction of a second for 49k tokens, about 2 s for 262k). Thread-safe."""
+    """Compiles `response_format`s for one model's tokenizer and vocabulary. Build it once per served model:
+    reading the tokenizer into llguidance is the costly part. Thread-safe."""
 
     def __init__(self, tokenizer: GGUFTokenizer, vocab: int, *, cache_size: int = 128) -> None:
         if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < tokenizer.vocab_size:
