@@ -104,29 +104,9 @@ def test_ties_at_a_cut_keep_the_lower_ids(logits: list[float], top_k: int, top_p
     assert _chi_square_p_value(counts[kept], p[kept]) > ALPHA
 
 
-class _Chooser:
-    """Stands in for a sampler's generator: records the probabilities of the draw it is asked for and
-    answers index `pick`, so that a test can read the kept tokens (in order) and their probabilities."""
-
-    def __init__(self) -> None:
-        self.pick, self.p = 0, np.zeros(0)
-
-    def choice(self, n: int, p: Any) -> int:
-        self.p = np.asarray(p, np.float64)
-        assert self.p.shape == (n,)
-        return self.pick
-
-
 def _kept_by_fuel(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> tuple[list[int], np.ndarray]:
-    sampler = Sampler(temperature, top_k, top_p)
-    chooser = _Chooser()
-    object.__setattr__(sampler, "_rng", chooser)
-    sampler(logits)
-    p, ids = chooser.p, []
-    for i in range(len(p)):
-        chooser.pick = i
-        ids.append(sampler(logits))
-    return ids, p
+    ids, p = Sampler(temperature, top_k, top_p).distribution(logits)
+    return ids.tolist(), p
 
 
 @given(logits=st.lists(st.one_of(st.integers(-8, 8).map(lambda v: v / 4), st.floats(-6, 6)), min_size=4, max_size=16),

@@ -91,10 +91,17 @@ def _bias_arrays(bias: Any) -> tuple[Mapping[int, float] | None, np.ndarray, np.
 
 def _ranked_top(v: np.ndarray, m: int) -> np.ndarray:
     """Indices of the m largest of `v`, largest first, equal values by lower index first: a prefix of the
-    stable descending ranking, found with a partition (O(n)) and a sort of the m kept only."""
+    stable descending ranking, found with partitions (O(n)) and a sort of the m kept only."""
     n = v.size
+    if m <= 0:
+        return np.zeros(0, np.int64)
     if m >= n:
         return np.argsort(-v, kind="stable")
+    if 64 * m <= n:  # the m-th largest of every 8th value bounds a candidate set of about 8m from below;
+        s = v[::8]   # it holds the m largest of v, since the sample's m largest are >= it
+        cand = np.flatnonzero(v >= np.partition(s, s.size - m)[s.size - m])
+        if cand.size < n // 2:
+            return cand[_ranked_top(v[cand], m)]
     kth = np.partition(v, n - m)[n - m]  # the m-th largest
     above = np.flatnonzero(v > kth)
     idx = np.concatenate([above, np.flatnonzero(v == kth)[:m - above.size]])
@@ -219,23 +226,37 @@ class Sampler:
                              "there is no token to choose")
         return x
 
-    def _draw(self, x: np.ndarray) -> int:
-        """A draw from the processed logits `x` (step 5 with temperature > 0)."""
-        ids: np.ndarray | None = None  # the candidates' ids (ascending), None: every token
-        v = x
-        if 0 < self.top_k < v.size:
-            ids = np.sort(_ranked_top(v, self.top_k))
-            v = x[ids]
+    def distribution(self, logits: Any, history: Sequence[int] | np.ndarray = (), *, prompt_len: int = 0,
+                     mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """What a call draws from: the ids it can choose (ascending) and their probabilities (float64,
+        summing to 1); greedy: the argmax alone."""
+        x = self.processed(logits, history, prompt_len=prompt_len, mask=mask)
+        if self.temperature == 0.0:
+            return np.array([np.argmax(x)]), np.ones(1)
+        ids, w = self._kept(x)
+        return ids, w / w.sum()
+
+    def _kept(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ids (ascending) that step 5 keeps from the processed logits `x`, and their weights
+        exp((x - max) / temperature), each > 0."""
+        ids = np.arange(x.size) if not 0 < self.top_k < x.size else np.sort(_ranked_top(x, self.top_k))
+        v = x[ids] if ids.size < x.size else x
         with np.errstate(over="ignore"):  # z <= 0 (the largest is finite): an overflow is -inf, weight 0
             w = np.exp((v - v.max()) / self.temperature)
-        keep = _nucleus(v, w, self.top_p) if self.top_p < 1.0 else np.arange(v.size)
+        keep = _nucleus(v, w, self.top_p) if self.top_p < 1.0 else None
         if self.min_p > 0.0:  # the largest weight is exp(0) = 1: min_p of it is min_p
-            keep = keep[w[keep] >= self.min_p]
-        keep = keep[w[keep] > 0.0]
-        p = w[keep] / w[keep].sum()
+            keep = np.flatnonzero(w >= self.min_p) if keep is None else keep[w[keep] >= self.min_p]
+        keep = np.flatnonzero(w > 0.0) if keep is None else keep[w[keep] > 0.0]
+        return ids[keep], w[keep]
+
+    def _draw(self, x: np.ndarray) -> int:
+        """A draw from the processed logits `x` (step 5 with temperature > 0): one uniform from the
+        generator, inverted through the kept tokens' cumulative weights in id order."""
+        ids, w = self._kept(x)
+        c = np.cumsum(w)
         rng: np.random.Generator = self._rng  # type: ignore[attr-defined]
-        j = int(keep[rng.choice(keep.size, p=p)])
-        return j if ids is None else int(ids[j])
+        j = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+        return int(ids[min(j, ids.size - 1)])
 
 
 def _row(logits: Any) -> np.ndarray:
