@@ -1,0 +1,120 @@
+"""A Llama-family model's batched step over a paged KV cache: the rows of many sequences in one replay.
+
+    bm = BatchedLlama(model, num_blocks=512, block_size=16)
+    logits = bm.step(token_ids, positions, slots, block_tables, logit_rows)   # [len(logit_rows), vocab]
+
+**One step, many sequences.** Row r of a step is one token of some sequence: its embedding, its position
+`positions[r]` (the rope tables' row) and the cache slot its K/V row is written to (`slots[r]`). Each layer
+is the model's own graph (`LlamaModel.qkv`, `after_attention`, `logits`) at M = rows: RmsNorm, QMatMul over
+all M rows (each weight tile read once for every row), Rope, then the step's K/V rows scattered into the
+layer's cache by `fl.index_copy`, and PagedAttn with every row its own batch entry (q `[M, heads, 1, D]`,
+its sequence's block table and context length `positions[r] + 1`): a decode token and the rows of a prompt
+chunk are the same kind of row, so a step mixes them freely. Only the rows in `logit_rows` go through the
+output norm and head.
+
+**Batch invariance.** Every kernel of the step computes each row with arithmetic that depends on neither M
+nor the other rows, up to `MAX_ROWS` rows (QMatMul's `ROW_INVARIANT_ROWS`; docs/kernels.md, "Batch
+invariance"), and attention reads a row's keys by position whatever blocks hold them. So a sequence's logits
+are the same bytes whatever else shares its steps, and the engine never runs more than `MAX_ROWS` rows.
+
+**Captures.** The step is one `fl.jit` function; each (rows, logit rows) shape is its own capture, traced on
+first use. The caches are `[num_blocks·block_size, kv_heads, D]` float32 arrays per layer, written in place.
+
+**Gemma 3** attends over a sliding window on five of six layers; PagedAttn has no window, so its sequences
+are limited to the window's length (`max_context`), where the window never binds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+import fuel as fl
+from fuel.cpu.quant.gguf_gemv import DECODE_ROWS as ROW_INVARIANT_ROWS
+from fuel.errors import ParamError
+from fuel.graph.tensor import Tensor
+from fuel.models.llama import LlamaModel
+
+MAX_ROWS = ROW_INVARIANT_ROWS  # rows of one step
+
+
+class BatchedLlama:
+    """The paged caches and the batched step of one `LlamaModel` (module doc)."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        cfg = model.cfg
+        self.model, self.cfg = model, cfg
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_context = self.context_of(model)
+        self.max_blocks = math.ceil(self.max_context / block_size)  # a block table's length
+        slots = (num_blocks * block_size, cfg.kv_heads, cfg.head_dim)
+        self.k_cache = [np.zeros(slots, np.float32) for _ in range(cfg.layers)]
+        self.v_cache = [np.zeros(slots, np.float32) for _ in range(cfg.layers)]
+        self._step = fl.jit(self._forward)
+        self._fill = fl.jit(self._fill_forward)
+
+    @staticmethod
+    def context_of(model: LlamaModel) -> int:
+        """The most positions one sequence may hold: the model's capacity (Gemma's window: module doc)."""
+        cfg = model.cfg
+        window = cfg.sliding_window if cfg.gemma and cfg.sliding_window else None
+        return min(model.capacity, window) if window else model.capacity
+
+    def _forward(self, x: Tensor, slots: Tensor, block_table: Tensor, context_lens: Tensor, logit_rows: Tensor,
+                 *tables: Tensor) -> Tensor:
+        return self._layers(x, slots, block_table, context_lens, logit_rows, tables)
+
+    def _fill_forward(self, x: Tensor, slots: Tensor, block_table: Tensor, context_lens: Tensor,
+                      *tables: Tensor) -> Tensor:
+        return self._layers(x, slots, block_table, context_lens, None, tables)
+
+    def _layers(self, x: Tensor, slots: Tensor, block_table: Tensor, context_lens: Tensor, logit_rows: Tensor | None,
+                tables: tuple[Tensor, ...]) -> Tensor:
+        """The step's graph; without logit rows (prompt rows only, none the last) the last layer stops after
+        its cache writes, and a one-element read of each cache keeps the writes in the graph."""
+        model, cfg = self.model, self.cfg
+        m, hd = x.shape[0], cfg.head_dim
+        names = list(model.rope)
+        rope = {n: (tables[2 * j], tables[2 * j + 1]) for j, n in enumerate(names)}
+        cache_shape = (self.num_blocks, self.block_size, cfg.kv_heads, hd)
+        x = model.scaled_input(x)
+        for i, lw in enumerate(model.layers):
+            q, k, v = model.qkv(i, lw, model._norm(x, lw["attn_norm"]), rope)  # [1, heads, M, D]
+            kc = fl.index_copy(fl.tensor(self.k_cache[i]), slots, k.permute(0, 2, 1, 3).reshape(m, cfg.kv_heads, hd))
+            vc = fl.index_copy(fl.tensor(self.v_cache[i]), slots, v.permute(0, 2, 1, 3).reshape(m, cfg.kv_heads, hd))
+            if logit_rows is None and i == cfg.layers - 1:
+                return kc[:1, :1, :1] + vc[:1, :1, :1]
+            a = fl.ops.paged_attn(q.permute(2, 1, 0, 3), kc.reshape(*cache_shape), vc.reshape(*cache_shape),
+                                  block_table, context_lens, softmax_scale=cfg.attn_scale)  # [M, heads, 1, D]
+            x = model.after_attention(lw, x, lw["o"](a.reshape(m, cfg.heads * hd)))
+        assert logit_rows is not None
+        return model.logits(x.index_select(0, logit_rows))
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, block_tables: np.ndarray,
+             logit_rows: np.ndarray) -> np.ndarray:
+        """Run one row per token (module doc) and return the logits `[len(logit_rows), vocab]` of the rows
+        `logit_rows` picks (none: the rows' K/V are written and nothing else is computed). `block_tables`
+        `[rows, max_blocks]` holds each row's sequence's blocks."""
+        m = len(tokens)
+        if not 1 <= m <= MAX_ROWS:
+            raise ParamError(f"batched step: 1 to {MAX_ROWS} rows per step, got {m}")
+        if not 0 <= len(logit_rows) <= m:
+            raise ParamError(f"batched step: 0 to {m} logit rows, got {len(logit_rows)}")
+        model = self.model
+        x = model.embed(tokens.tolist())
+        tables = [t[positions] for pair in model.rope.values() for t in pair]
+        args = (x, slots.astype(np.int64), block_tables.astype(np.uint32), (positions + 1).astype(np.uint32))
+        with model.lock:
+            if not len(logit_rows):
+                self._fill(*args, *tables)
+                return np.empty((0, model.cfg.vocab), np.float32)
+            out = self._step(*args, logit_rows.astype(np.int64), *tables)
+        return np.asarray(out.numpy())
+
+    def warm(self, shapes: Any) -> None:
+        """Capture the step for each (rows, logit rows) in `shapes` (a first call traces and plans it)."""
+        for m, r in shapes:
+            n = np.arange(m)
+            self.step(np.zeros(m, np.int64), n, n, np.zeros((m, self.max_blocks), np.int64), np.arange(r))

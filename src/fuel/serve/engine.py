@@ -1,0 +1,374 @@
+"""The serving engine: requests queue, then run together in batched steps over a paged KV cache.
+
+    engine = Engine(load("smollm2"), slots=4)
+    stream = engine.submit(Request(prompt_ids, max_tokens=64, sampler=Sampler()))
+    for event in stream:              # Piece(text, token_ids, logprobs) ..., then Done(finish_reason, usage)
+        ...
+    engine.close()
+
+**Continuous batching.** One thread runs steps. Before each step it admits queued requests into free slots
+(up to `slots` sequences run at once), taking the cached blocks of each new prompt's longest cached prefix
+(`kv_blocks.BlockPool`). A step then gives one row to every decoding sequence and fills the rest of its
+`MAX_ROWS` rows with the next chunk of the prompts still being read, in arrival order: a new request joins at
+the next step, a long prompt is read a chunk per step while the running streams keep flowing, and a
+finished or cancelled sequence leaves at once, its blocks released (the sealed ones stay cached).
+
+**Invariance.** A row's logits are the same bytes whatever shares its step (`batch_model`), each request
+samples with its own `Sampler` (its own seeded generator), and a cached prefix holds the bytes the prompt
+would have computed. So a request's tokens are the same whether it runs alone or among others.
+
+**Sizing.** `slots` is at most `MAX_ROWS // 2`, so a step always has rows left for a prompt. The pool has
+room for every slot's full context plus one more context of cached prefixes, so a running sequence always
+finds a block.
+
+**Streams.** `submit` returns a `Stream` at once; the step thread puts events on it (through the caller's
+asyncio loop when one is given). Text is decoded as it settles: a character split across tokens is sent
+whole, and text a stop sequence may still claim is held back and never sent once it matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fuel.errors import FuelError, ParamError
+from fuel.models.generate import LLM, _StopText
+from fuel.models.sampling import Sampler
+from fuel.serve.batch_model import MAX_ROWS, BatchedLlama
+from fuel.serve.kv_blocks import ROOT, BlockPool
+
+log = logging.getLogger("fuel.serve")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation: prompt ids (checked by the caller against the vocabulary), at most `max_tokens`
+    new tokens, its sampler, stop strings, `logprobs` (None, or k: the chosen token's and the k most
+    likely), a structured-output grammar (`fuel.serve.grammar.Grammar`) and whether to run past EOS."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    grammar: Any = None
+    ignore_eos: bool = False
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Piece:
+    """Settled text and the tokens that gave it (a piece may carry tokens and no text yet)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+class QueueFull(FuelError, RuntimeError):
+    """The queue holds `max_queue` requests: try again later (the server answers 429)."""
+
+
+@dataclass
+class EngineStats:
+    running: int
+    queued: int
+    blocks_used: int
+    blocks_free: int
+    prefix_hits: int  # prompt tokens served from the prefix cache
+    prompt_tokens: int  # prompt tokens run through the model
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    requests: int  # finished
+
+
+class Stream:
+    """A request's events (module doc): iterate it, or `async for` when submitted with a loop."""
+
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop | None) -> None:
+        self._engine, self._loop = engine, loop
+        self._sync: queue.Queue[Piece | Done] = queue.Queue()
+        self._async: asyncio.Queue[Piece | Done] | None = asyncio.Queue() if loop is not None else None
+        self.cancelled = False
+        self.done: Done | None = None
+
+    def _put(self, ev: Piece | Done) -> None:
+        if self._async is None:
+            self._sync.put(ev)
+            return
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._async.put_nowait, ev)
+        except RuntimeError:  # the caller's loop is closed: nobody reads this stream any more
+            self.cancelled = True
+
+    def cancel(self) -> None:
+        """Stop the generation; its blocks are released before the next step."""
+        self.cancelled = True
+        self._engine._wake()
+
+    def __iter__(self) -> Iterator[Piece | Done]:
+        if self._async is not None:
+            raise ParamError("stream: submitted with an event loop; read it with `async for`")
+        while self.done is None:
+            ev = self._sync.get()
+            if isinstance(ev, Done):
+                self.done = ev
+            yield ev
+
+    async def __aiter__(self) -> AsyncIterator[Piece | Done]:
+        if self._async is None:
+            raise ParamError("stream: submitted without an event loop; iterate it with `for`")
+        while self.done is None:
+            ev = await self._async.get()
+            if isinstance(ev, Done):
+                self.done = ev
+            yield ev
+
+
+class _Seq:
+    """A running request: its tokens (prompt, then generated), how many have K/V in the cache, its blocks."""
+
+    def __init__(self, req: Request, stream: Stream, tokenizer: Any) -> None:
+        self.req, self.stream = req, stream
+        self.tokens = list(req.prompt_ids)
+        self.prompt_len = len(self.tokens)
+        self.computed = 0
+        self.blocks: list[int] = []
+        self.sealed, self.parent = 0, ROOT
+        self.cached = 0
+        self.generated = 0
+        self.text = tokenizer.stream()
+        self.stop = _StopText(req.stop)
+        self.pending: Piece = Piece("", [], [])
+
+    @property
+    def decoding(self) -> bool:
+        """Its prompt is read and its last sampled token is the one to run."""
+        return self.generated > 0 and self.computed == len(self.tokens) - 1
+
+
+class Engine:
+    """Continuous batching over one model (module doc). Thread-safe: `submit` from any thread."""
+
+    def __init__(self, llm: LLM, *, slots: int = 4, block_size: int = 16, max_queue: int = 64,
+                 num_blocks: int | None = None, model_name: str = "fuel") -> None:
+        for name, v, lo, hi in (("slots", slots, 1, MAX_ROWS // 2), ("block_size", block_size, 1, 4096),
+                                ("max_queue", max_queue, 0, 1 << 20)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ParamError(f"engine: {name} must be an int in [{lo}, {hi}], got {v!r}")
+        self.llm, self.tokenizer, self.model_name = llm, llm.tokenizer, model_name
+        self.slots, self.max_queue = slots, max_queue
+        per_sequence = -(-BatchedLlama.context_of(llm.model) // block_size)
+        blocks = num_blocks if num_blocks is not None else (slots + 1) * per_sequence
+        if blocks < slots * per_sequence:
+            raise ParamError(f"engine: num_blocks must be at least slots x blocks per sequence "
+                             f"({slots} x {per_sequence}), got {blocks}")
+        self.batch = BatchedLlama(llm.model, blocks, block_size)
+        self.context = self.batch.max_context
+        self.pool = BlockPool(blocks, block_size)
+        self._waiting: deque[tuple[Request, Stream]] = deque()
+        self._running: list[_Seq] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._counts = {"prompt_tokens": 0, "generated_tokens": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                        "requests": 0}
+        self._thread = threading.Thread(target=self._loop, name="fuel-engine", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side ----------------------------------------------------------------------------
+
+    def submit(self, req: Request, loop: asyncio.AbstractEventLoop | None = None) -> Stream:
+        """Queue a request; its events arrive on the returned stream. QueueFull past `max_queue` waiting."""
+        n = len(req.prompt_ids)
+        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise ParamError(f"engine: max_tokens must be an int >= 1, got {req.max_tokens!r}")
+        if n < 1 or n >= self.context:
+            raise ParamError(f"engine: the prompt has {n} tokens; it must have 1 to {self.context - 1} "
+                             f"(the context is {self.context})")
+        stream = Stream(self, loop)
+        with self._cv:
+            if self._closed:
+                raise ParamError("engine: closed")
+            if len(self._waiting) + len(self._running) >= self.max_queue + self.slots:
+                raise QueueFull(f"engine: {len(self._waiting)} requests are waiting (max_queue {self.max_queue})")
+            self._waiting.append((req, stream))
+            self._cv.notify()
+        return stream
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            c = dict(self._counts)
+            return EngineStats(len(self._running), len(self._waiting), self.pool.used, self.pool.free,
+                               self.pool.hits, int(c["prompt_tokens"]), int(c["generated_tokens"]),
+                               float(c["prefill_s"]), float(c["decode_s"]), int(c["requests"]))
+
+    def close(self) -> None:
+        """Stop the step thread; unfinished requests end "cancelled"."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    # -- the step thread ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._closed:
+                    break
+                self._admit()
+            self._drop_cancelled()
+            if self._running:
+                try:
+                    self._step()
+                except Exception as e:  # a fault of the engine, not of a request: end the step's requests
+                    log.exception("engine step failed")
+                    for s in list(self._running):
+                        self._finish(s, "stop", error=f"engine error: {e}")
+        for s in list(self._running):
+            self._finish(s, "cancelled")
+        with self._cv:
+            for _, stream in self._waiting:
+                stream._put(Done("cancelled", 0, 0, 0))
+            self._waiting.clear()
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.slots:
+            req, stream = self._waiting.popleft()
+            if stream.cancelled:
+                stream._put(Done("cancelled", len(req.prompt_ids), 0, 0))
+                continue
+            s = _Seq(req, stream, self.tokenizer)
+            # the last prompt token always runs: its logits give the first new token
+            s.blocks, s.parent = self.pool.match_prefix(s.tokens, len(s.tokens) - 1)
+            s.sealed = len(s.blocks)
+            s.computed = s.cached = s.sealed * self.pool.block_size
+            self._running.append(s)
+
+    def _drop_cancelled(self) -> None:
+        for s in [s for s in self._running if s.stream.cancelled]:
+            self._finish(s, "cancelled")
+
+    def _step(self) -> None:
+        """One batched step: decode rows first, then prompt chunks (module doc)."""
+        rows: list[tuple[_Seq, int]] = []  # (sequence, position)
+        logit_of: list[tuple[_Seq, int]] = []  # (sequence, row)
+        for s in self._running:
+            if s.decoding:
+                rows.append((s, s.computed))
+                logit_of.append((s, len(rows) - 1))
+        decode_rows = len(rows)
+        for s in self._running:
+            if s.decoding or len(rows) >= MAX_ROWS:
+                continue
+            c = min(len(s.tokens) - s.computed, MAX_ROWS - len(rows))
+            rows.extend((s, s.computed + j) for j in range(c))
+            if s.computed + c == len(s.tokens):
+                logit_of.append((s, len(rows) - 1))
+        bs = self.pool.block_size
+        for s, p in rows:
+            while len(s.blocks) <= p // bs:
+                s.blocks.append(self.pool.allocate())
+        tokens = np.array([s.tokens[p] for s, p in rows], np.int64)
+        positions = np.array([p for _, p in rows], np.int64)
+        slots = np.array([s.blocks[p // bs] * bs + p % bs for s, p in rows], np.int64)
+        tables = np.zeros((len(rows), self.batch.max_blocks), np.int64)
+        for r, (s, _) in enumerate(rows):
+            tables[r, :len(s.blocks)] = s.blocks
+        order = sorted(range(len(logit_of)), key=lambda j: logit_of[j][1])
+        logit_of = [logit_of[j] for j in order]
+        start = time.perf_counter()
+        logits = self.batch.step(tokens, positions, slots, tables, np.array([r for _, r in logit_of], np.int64))
+        spent = time.perf_counter() - start
+        with self._cv:
+            m = len(rows)
+            self._counts["prompt_tokens"] += m - decode_rows
+            self._counts["prefill_s"] += spent * (m - decode_rows) / m
+            self._counts["decode_s"] += spent * decode_rows / m
+        for s, _ in rows:
+            s.computed += 1
+        for s in {id(s): s for s, _ in rows}.values():
+            while (s.sealed + 1) * bs <= s.computed:
+                b = s.sealed
+                s.parent = self.pool.seal(s.blocks[b], s.parent, s.tokens[b * bs:(b + 1) * bs])
+                s.sealed += 1
+        for j, (s, _) in enumerate(logit_of):
+            self._next_token(s, logits[j])
+
+    def _next_token(self, s: _Seq, logits: np.ndarray) -> None:
+        req = s.req
+        mask = req.grammar.mask() if req.grammar is not None else None
+        k = req.logprobs
+        choice = req.sampler.choose(logits, s.tokens, prompt_len=s.prompt_len, mask=mask,
+                                    top_logprobs=k or 0)
+        t = choice.token
+        with self._cv:
+            self._counts["generated_tokens"] += 1
+        if t in self.tokenizer.eos_ids and not req.ignore_eos:
+            self._finish(s, "stop")
+            return
+        s.tokens.append(t)
+        s.generated += 1
+        if req.grammar is not None:
+            req.grammar.advance(t)
+        s.pending.token_ids.append(t)
+        if k is not None:
+            s.pending.logprobs.append(TokenLogprob(t, choice.logprob, list(choice.top)))
+        text, stopped = s.stop.push(s.text.push(t))
+        s.pending.text += text
+        if stopped or (req.grammar is not None and req.grammar.is_complete()):
+            self._finish(s, "stop", stopped=stopped)
+        elif s.generated >= req.max_tokens or len(s.tokens) >= self.context:
+            self._finish(s, "length")
+        else:
+            self._send(s)
+
+    def _send(self, s: _Seq) -> None:
+        if s.pending.token_ids or s.pending.text:
+            s.stream._put(s.pending)
+            s.pending = Piece("", [], [])
+
+    def _finish(self, s: _Seq, reason: str, error: str | None = None, stopped: bool = False) -> None:
+        if reason != "cancelled" and not stopped:
+            text, stopped = s.stop.push(s.text.flush())
+            s.pending.text += text + ("" if stopped else s.stop.flush())
+        if reason != "cancelled":
+            self._send(s)
+        self._running.remove(s)
+        self.pool.release(s.blocks)
+        s.blocks = []
+        with self._cv:
+            self._counts["requests"] += 1
+        s.stream._put(Done(reason, s.prompt_len, s.generated, s.cached, error))
