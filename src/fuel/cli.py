@@ -160,9 +160,10 @@ def _add_embed_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from fuel.serve.ray import run_serve_ray
     from fuel.serve.serve_cli import run_serve
 
-    return run_serve(args)
+    return run_serve_ray(args) if args.ray_replicas else run_serve(args)
 
 
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -225,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_embed_arguments(p)
     p.set_defaults(run=_embed)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (the serve extra)")
+    from fuel.serve.ray import add_serve_ray_arguments
     from fuel.serve.serve_cli import add_serve_arguments
 
     add_serve_arguments(p)
+    add_serve_ray_arguments(p)
     p.set_defaults(run=_serve)
     args = parser.parse_args(argv)
     try:

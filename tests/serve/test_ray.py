@@ -12,7 +12,12 @@ cluster's 2 CPUs free.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -20,18 +25,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
 import ray
 from ray import serve
 
-from fuel.cli import main
+from fuel.cli import EXIT_INTERRUPTED, main
 from fuel.errors import ParamError
 from fuel.models import bert
-from fuel.serve.ray import app_builder, application, deploy, embed_dataset, embed_texts
+from fuel.serve.ray import app_builder, application, embed_dataset, embed_texts
 
 MODEL, CONTEXT, SLOTS = "smollm2", 256, 2
+STARTUP_S = 600  # replicas load the model; a first run compiles the batched step's kernels (cached after)
 CHATS = [[{"role": "user", "content": "Name three fruits."}], [{"role": "user", "content": "What is 2 + 3?"}],
          [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of Italy?"}]]
 
@@ -144,12 +151,36 @@ def single_process() -> Iterator[list[tuple[str, str, int]]]:
 class TestServeReplicas:
     @pytest.fixture(scope="class")
     def proxy(self, cluster: None) -> Iterator[str]:
+        """`fuel serve --ray-replicas 2` joining this session's cluster through RAY_ADDRESS; interrupted (as
+        Ctrl-C does) it shuts Ray Serve down."""
         port = _free_port()
-        deploy(MODEL, replicas=2, num_cpus=1, context=CONTEXT, slots=SLOTS, max_queue=4, port=port, name="fuel")
+        url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        log = Path(tempfile.mkstemp(prefix="fuel-ray-serve-", suffix=".log")[1])
+        with log.open("wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "fuel", "serve", "--ray-replicas", "2", "--ray-cpus", "1",
+                                     "--model", MODEL, "--context", str(CONTEXT), "--slots", str(SLOTS),
+                                     "--max-queue", "4", "--host", "127.0.0.1", "--port", str(port)],
+                                    env=env, stdout=out, stderr=out)
         try:
-            yield f"http://127.0.0.1:{port}"
+            deadline = time.time() + STARTUP_S
+            while True:
+                assert proc.poll() is None, f"fuel serve --ray-replicas exited {proc.returncode}:\n{log.read_text()}"
+                assert time.time() < deadline, f"no answer in {STARTUP_S} s:\n{log.read_text()}"
+                if "Ray Serve replicas of" in log.read_text():  # deployed: every replica is up
+                    break
+                time.sleep(0.5)
+            assert httpx.get(url + "/health", timeout=30).status_code == 200
+            yield url
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == EXIT_INTERRUPTED, log.read_text()
+            assert not serve.status().applications  # the command shut Ray Serve down on its way out
         finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
             serve.shutdown()
+            log.unlink()
 
     def test_replicas_answer_as_the_single_process_server(self, proxy: str,
                                                            single_process: list[tuple[str, str, int]]) -> None:

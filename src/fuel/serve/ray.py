@@ -52,7 +52,10 @@ class RayNotInstalled(FuelError, ImportError):
 
 def _ray() -> Any:
     try:
+        # ray.data and ray.serve are subpackages, bound as attributes of ray once imported.
         import ray
+        import ray.data
+        import ray.serve
     except ImportError:
         raise RayNotInstalled(f"fuel.serve.ray: Ray is not installed; run: {INSTALL_HINT}") from None
     return ray
@@ -213,8 +216,7 @@ def application(model: str = "smollm2", *, replicas: int = 2, num_cpus: float = 
     """The Ray Serve application: `replicas` copies of `FuelReplica`, each reserving `num_cpus` CPUs (and
     running fuel on as many threads). A replica takes up to slots + max_queue requests at once, so that
     its engine queues them and answers 429 past its bound, as `fuel serve` does."""
-    from ray import serve
-
+    serve = _ray().serve
     spec = ReplicaSpec(model, context, slots, max_queue, embeddings, num_cpus).checked()
     replicas = _positive_int("fuel.serve.ray", "replicas", replicas)
     deployment = serve.deployment(name="FuelReplica", num_replicas=replicas, max_ongoing_requests=slots + max_queue,
@@ -246,27 +248,33 @@ def deploy(model: str = "smollm2", *, replicas: int = 2, num_cpus: float = 1, co
     app = application(model, replicas=replicas, num_cpus=num_cpus, context=context, slots=slots,
                       max_queue=max_queue, embeddings=embeddings)
     _connect()
-    from ray import serve
-
+    serve = _ray().serve
     serve.start(http_options={"host": host, "port": port})
     return serve.run(app, name=name, route_prefix=route_prefix, blocking=False)
 
 
+def add_serve_ray_arguments(p: argparse.ArgumentParser) -> None:
+    from fuel.arg_types import number
+
+    p.add_argument("--ray-replicas", type=number(int, 0, what="an integer >= 0"), default=0,
+                   help="serve through Ray Serve with this many replicas, each with its own model and engine, in "
+                        "the cluster named by RAY_ADDRESS, else a local one (the ray extra; default 0: no Ray)")
+    p.add_argument("--ray-cpus", type=number(float, 0, low_open=True, what="a number > 0"), default=1,
+                   help="with --ray-replicas: CPUs Ray reserves for each replica, and its fuel threads (default 1)")
+
+
 def run_serve_ray(args: argparse.Namespace) -> int:
     """`fuel serve --ray-replicas N`: `fuel serve`'s options deployed as N Ray Serve replicas of
-    --ray-cpus CPUs each, until interrupted."""
-    from ray import serve
-
-    deploy(args.model, replicas=args.ray_replicas, num_cpus=args.ray_cpus, context=args.context,
-           slots=args.slots, max_queue=args.max_queue, embeddings=args.embedding_model == "minilm",
-           host=args.host, port=args.port)
-    print(f"fuel serve: {args.ray_replicas} Ray Serve replicas of {args.model} on http://{args.host}:{args.port}",
-          file=sys.stderr, flush=True)
+    --ray-cpus CPUs each, until interrupted (even while deploying); then Ray Serve is shut down."""
+    ray = _ray()
     try:
-        while True:
+        deploy(args.model, replicas=args.ray_replicas, num_cpus=args.ray_cpus, context=args.context,
+               slots=args.slots, max_queue=args.max_queue, embeddings=args.embedding_model == "minilm",
+               host=args.host, port=args.port)
+        print(f"fuel serve: {args.ray_replicas} Ray Serve replicas of {args.model} on "
+              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        while True:  # until Ctrl-C: `fuel` answers it with its interrupted status
             time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
     finally:
-        serve.shutdown()
-    return 0
+        if ray.is_initialized():
+            ray.serve.shutdown()
