@@ -325,7 +325,11 @@ class Engine:
                 s.parent = self.pool.seal(s.blocks[b], s.parent, s.tokens[b * bs:(b + 1) * bs])
                 s.sealed += 1
         for j, (s, _) in enumerate(logit_of):
-            self._next_token(s, logits[j])
+            try:
+                self._next_token(s, logits[j])
+            except FuelError as e:  # this request's sampler or grammar refused: it ends, the others go on
+                log.warning("request ended by %s: %s", type(e).__name__, e)
+                self._finish(s, "stop", error=str(e))
 
     def _next_token(self, s: _Seq, logits: np.ndarray) -> None:
         req = s.req
