@@ -12,13 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from fuel.models.generate import _StopText, describe, model_path
-
-try:
-    from fuel.serve.engine import Done, EngineStats, Piece, QueueFull, Request, TokenLogprob
-except ImportError:  # the engine is not importable yet: its interface classes as the contract gives them
-    from tests.serve import contract_stub
-
-    Done, EngineStats, Piece, QueueFull, Request, TokenLogprob = contract_stub.install()
+from fuel.serve.engine import Done, EngineStats, Piece, QueueFull, Request, TokenLogprob
 
 TEXT = " The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 🦊 done."
 
