@@ -121,6 +121,18 @@ def test_streaming_text_equals_non_streaming(server: Server) -> None:
     assert "".join(ch.choices[0].text for ch in streamed) == text.choices[0].text
 
 
+def test_prefix_cache_hits_show_in_usage_and_metrics(server: Server) -> None:
+    c = server.client()
+    prompt = "A shared system prompt that many requests begin with. " * 8
+    first = c.completions.create(model=MODEL, prompt=prompt + "First?", max_tokens=2, temperature=0)
+    hits = server.metrics()["fuel_prefix_cache_hit_tokens_total"]
+    second = c.completions.create(model=MODEL, prompt=prompt + "Second?", max_tokens=2, temperature=0)
+    assert first.usage is not None and second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 16 <= cached < second.usage.prompt_tokens  # whole blocks of the shared part
+    assert server.metrics()["fuel_prefix_cache_hit_tokens_total"] - hits == cached
+
+
 def test_concurrent_greedy_requests_equal_their_solo_output(server: Server) -> None:
     """Token for token, and each token's logprob bit for bit: the batch does not change a row's arithmetic."""
     c = server.client()
