@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import threading
@@ -214,3 +215,21 @@ def test_a_server_that_fails_to_start_is_a_result(monkeypatch: pytest.MonkeyPatc
         sys.executable, "-c", "import sys; print('no such model file'); sys.exit(3)"])
     r = bs.measure("fuel", 1, bs.Sizes(start_timeout_s=30), 0, "missing.gguf")
     assert r == {"error": "fuel exited with 3: no such model file"}
+
+
+def test_cli_flag_reaches_the_harness(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from fuel import cli
+
+    calls: list[tuple[Any, ...]] = []
+
+    def fake_main(*a: Any) -> int:
+        calls.append(a)
+        return 0
+
+    monkeypatch.setattr(bs, "main", fake_main)
+    for key in ("OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE"):  # _bench sets them: restore them afterwards
+        monkeypatch.setenv(key, os.environ.get(key, "PASSIVE" if key.startswith("OMP") else "1"))
+    assert cli.main(["bench", "--serve", "--out", str(tmp_path)]) == 0
+    assert calls == [(str(tmp_path),)]
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--serve", "--models"])

@@ -92,7 +92,8 @@ def _bench(args: argparse.Namespace) -> int:
     root = Path(__file__).resolve().parents[2]
     script = ("bench_attention.py" if args.attention else "bench_latency.py" if args.latency
               else "bench_quant.py" if args.quant else "bench_models.py" if args.models
-              else "bench_conv.py" if args.conv else "bench_scans.py" if args.scans else "bench_ops.py")
+              else "bench_serve.py" if args.serve else "bench_conv.py" if args.conv
+              else "bench_scans.py" if args.scans else "bench_ops.py")
     if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
@@ -113,6 +114,10 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import bench_scans
 
         return bench_scans.main(args.out, args.repeat)
+    if args.serve:
+        from benchmarks import bench_serve
+
+        return bench_serve.main(args.out)
     if args.models:
         from benchmarks import bench_models
 
@@ -215,6 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="instead of the kernel cases: SmolLM2, Gemma-3 (prefill and decode tokens/s, peak RSS) and "
                            "MiniLM (sentences/s) against transformers, llama.cpp (`make bench-env`) and "
                            "sentence-transformers (names, --dtype, --repeat and --no-compile do not apply)")
+    mode.add_argument("--serve", action="store_true",
+                      help="instead of the kernel cases: `fuel serve` against llama-server and llama-cpp-python's "
+                           "server (`make bench-env`) on SmolLM2, concurrency 1, 4, 8: tokens/s, TTFT, inter-token "
+                           "latency (names, --dtype, --repeat and --no-compile do not apply; more options: "
+                           "python -m benchmarks.bench_serve --help)")
     p.set_defaults(run=_bench)
     p = sub.add_parser("generate", help="stream text from a GGUF LLM (SmolLM2-135M-Instruct by default, or Gemma-3)")
     _add_generate_arguments(p)
