@@ -141,6 +141,11 @@ def test_bad_completion_prompts(prompt: Any, param: str) -> None:
     assert e.status == 400 and e.param == param, e.message
 
 
+def test_both_max_token_names_are_checked() -> None:
+    assert parse_chat(chat(max_tokens=9, max_completion_tokens=5), ENGINE).request.max_tokens == 5
+    assert error_of(parse_chat, chat(max_tokens=-3, max_completion_tokens=5)).param == "max_tokens"
+
+
 def test_chat_content_parts_join() -> None:
     parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
     a = parse_chat({"messages": [{"role": "user", "content": parts}]}, ENGINE).request.prompt_ids

@@ -225,8 +225,9 @@ def logit_bias_of(body: Mapping[str, Any], vocab: int) -> dict[int, float] | Non
 def max_tokens_of(body: Mapping[str, Any], n_prompt: int, context: int) -> int:
     """max_completion_tokens (else max_tokens): at least 1, and with the prompt within the context; absent,
     the rest of the context."""
+    old = integer(body, "max_tokens", None, 1)  # the older name, still checked when both are given
+    m = integer(body, "max_completion_tokens", old, 1)
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    m = integer(body, name, None, 1)
     if n_prompt >= context or (m is not None and n_prompt + m > context):
         asked = "" if m is None else f" and {name} = {m} (together {n_prompt + m})"
         raise BadRequest(f"this model's maximum context length is {context} tokens; the prompt has {n_prompt} "
