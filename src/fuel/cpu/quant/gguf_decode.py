@@ -2,9 +2,10 @@
 serves a call, and its job (`gguf_gemv.GEMV_ARGS`).
 
 One row (a decode token) takes the type's table kernel where the host has one (the activations permuted
-to its lanes' order first), else its words kernel, else the portable one; 2-16 rows take the `many` task.
-Each task is compiled alone, on first use: one function holding both paths compiled for several times
-as long (docs/performance/quant.md, "gguf_decode").
+to its lanes' order first), else its words kernel, else the portable one; 2-16 rows take that kernel's
+many-row form (`gguf_many`), which computes each row exactly as the one-row kernel does: a row's bytes do
+not depend on how many rows come with it. Each task is compiled alone, on first use: one function holding
+both paths compiled for several times as long (docs/performance/quant.md, "gguf_decode").
 """
 
 from __future__ import annotations
@@ -20,32 +21,32 @@ from fuel.cpu.simd.driver import pair_chunk_count
 from fuel.quant import QuantType
 from fuel.runtime import jobs
 
-# One-row kernels decoding 4-bit codes by table, with the order their lanes hold a unit's elements in: they
-# read the activations permuted to it. The same products and sums as the portable kernels, each lane's
-# elements in another order (docs/performance/quant.md, "table kernels").
-TABLE_KERNELS: dict[QuantType, tuple[Any, np.ndarray]] = {qt: k.table for qt, k in GGUF.items() if k.table}
+# One-row kernels decoding 4-bit codes by table, their many-row forms, and the order their lanes hold a unit's
+# elements in: they read the activations permuted to it. The same products and sums as the portable kernels,
+# each lane's elements in another order (docs/performance/quant.md, "table kernels").
+TABLE_KERNELS: dict[QuantType, tuple[Any, Any, np.ndarray]] = {qt: k.table for qt, k in GGUF.items() if k.table}
 USE_TABLES = bool(TABLE_KERNELS)  # tests turn it off to run the portable kernels on the same host
 
 # One-row kernels decoding codes in place in 32-bit words (`gguf_words`), for the types the host has no table
 # kernel for (a table kernel comes first). They read the activations as given and permute them themselves
 # (each part its own copy), so their jobs can be posted again (docs/performance/quant.md, "gguf_words").
-WORD_KERNELS: dict[QuantType, Any] = {qt: k.words for qt, k in GGUF.items() if k.words}
+WORD_KERNELS: dict[QuantType, tuple[Any, Any]] = {qt: k.words for qt, k in GGUF.items() if k.words}
 USE_WORDS = True  # tests turn it off to run the portable kernels on the same host
 
 WEIGHTS_PER_SECOND = 12e9  # one core's rate decoding and multiplying weights at R = 1, for the part count
 
 
 def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job | None:
-    """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes). Returns
-    the one-row job where it reads a, w and out themselves, so that it can be posted again for the same
-    arrays (`fuel.runtime.jobs`); None otherwise (several rows, or a table kernel, which reads a per-call
-    permuted copy of a)."""
+    """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes), each row
+    of out the same bytes whatever m. Returns the one-row job where it reads a, w and out themselves, so that
+    it can be posted again for the same arrays (`fuel.runtime.jobs`); None otherwise (several rows, or a
+    table kernel, which reads a per-call permuted copy of a)."""
     if a.shape[0] != 1:
         jobs.run(many_rows_job(qt, a, w, out))
         return None
     launch = one_row_job(qt, a, w, out)
     if launch is None:  # a table kernel
-        one, order = TABLE_KERNELS[qt]
+        one, _, order = TABLE_KERNELS[qt]
         xp = permuted(a, order)  # alive until the job ends: the job holds only its address
         jobs.run(_job(one, xp[:1], w, out))  # x as given is read from the row after
         return None
@@ -58,7 +59,7 @@ def table_jobs(qt: QuantType, a: np.ndarray, w: np.ndarray,
     """The one-row call of a type `one_row_job` leaves to a table kernel as two jobs, the activations
     permuted into a scratch of their own and the kernel reading it, and the arrays they point at besides
     a, w and out."""
-    one, order = TABLE_KERNELS[qt]
+    one, _, order = TABLE_KERNELS[qt]
     permute, scratch, keep = permute_job(a, order)
     return permute, _job(one, scratch[:1], w, out), keep
 
@@ -70,12 +71,18 @@ def one_row_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) ->
     if USE_TABLES and qt in TABLE_KERNELS:
         return None
     if USE_WORDS and qt in WORD_KERNELS:
-        return _job(WORD_KERNELS[qt], a, w, out)
+        return _job(WORD_KERNELS[qt][0], a, w, out)
     return _job(GGUF[qt].one, a, w, out)
 
 
 def many_rows_job(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job:
-    """The job of 2 <= m <= DECODE_ROWS activation rows a [m, k] against w into out [m, n]."""
+    """The job of 2 <= m <= DECODE_ROWS activation rows a [m, k] (as given) against w into out [m, n]: the
+    many-row form of the one-row kernel `one_row_job` or `table_jobs` gives, which permutes the activations
+    itself."""
+    if USE_TABLES and qt in TABLE_KERNELS:
+        return _job(TABLE_KERNELS[qt][1], a, w, out)
+    if USE_WORDS and qt in WORD_KERNELS:
+        return _job(WORD_KERNELS[qt][1], a, w, out)
     return _job(GGUF[qt].many, a, w, out)
 
 

@@ -21,8 +21,8 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   (`nibble_tables`; Q4_K by unit pairs in `gguf_units.kpair_q4k_table`), the activations permuted to the lanes' order;
   on AVX2 hosts Q4_0 looks a block's codes up as bfloat16 bits (`nibble_tables.codes32`), and Q4_K and
   Q6_K take their codes from 32-bit words in place (`gguf_words`).
-- 1 < R <= DECODE_ROWS: each unit's values code·s + b are formed once (gguf-py's operations) and FMA'd
-  into up to four activation rows' accumulators at a time.
+- 1 < R <= DECODE_ROWS: the one-row kernel's arithmetic for every row, each unit decoded once for up to
+  four rows (`gguf_many`), so that a row's bytes never depend on R or on the other rows.
 
 A row's output is its lanes summed in a fixed tree, plus (32-element blocks) the scalar offset accumulator
 or less (K-quants) the offset vector's lanes summed the same way: one fixed sequence of f32 operations
@@ -57,7 +57,7 @@ from fuel.runtime import jobs
 from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, record_at
 
-DECODE_ROWS = 16  # activation rows up to which this path runs (more go to dequantised tiles and sgemm)
+DECODE_ROWS = 16  # activation rows up to which this path runs, each row as at R = 1 (more go to tiles and sgemm)
 CHUNKS = 256  # fixed chunks of row pairs (the split never depends on the thread count)
 Z = np.float32(0)
 
@@ -68,23 +68,23 @@ SHARED, BIAS, FACTOR_BIAS, SUPER = 1, 2, 4, 8  # kind bits: one scale per unit, 
 
 
 @njit(inline="always", cache=True)
-def _value(q: Any, s: Any, b: Any, kind: int) -> Any:
+def unit_value(q: Any, s: Any, b: Any, kind: int) -> Any:
     """gguf-py's values: q * s, then + b where the type has offsets (two roundings, as gguf-py)."""
     v = muls(q, s)
     return adds(v, b) if kind & BIAS else v
 
 
 @njit(inline="always", cache=True)
-def _factored(kind: int) -> bool:
+def factored(kind: int) -> bool:
     return bool(kind & SHARED) and (not kind & BIAS or bool(kind & FACTOR_BIAS))
 
 
 @njit(inline="always", cache=True)
-def _dot(kind: int, q0: Any, q1: Any, s0: Any, b0: Any, w0: Any, w1: Any, x: Any, xo: int, acc: Any, macc: Any,
+def unit_dot(kind: int, q0: Any, q1: Any, s0: Any, b0: Any, w0: Any, w1: Any, x: Any, xo: int, acc: Any, macc: Any,
          sx: Any, su: int) -> Any:
     """(acc, macc) after one unit dotted with x[xo:xo + 32]: factored (codes q, scale s0, offset b0 times
     the activations' sum sx[su]) or by the values w0, w1."""
-    if _factored(kind):
+    if factored(kind):
         acc = fmas(s0, fma(q1, vload(x, xo + 16), vmul(q0, vload(x, xo))), acc)
         if kind & BIAS:
             macc += b0 * sx[su]
@@ -93,36 +93,15 @@ def _dot(kind: int, q0: Any, q1: Any, s0: Any, b0: Any, w0: Any, w1: Any, x: Any
 
 
 @njit(inline="always", cache=True)
-def _unit(vals: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) -> Any:
+def unit_codes(vals: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) -> Any:
     """Unit u of the row at byte rb: its codes, scale and offset, and its values where not factored."""
     if kind & SUPER:
         q0, q1, s0, s1, b0, b1 = vals(row, rb + bpb * (u >> 3), u & 7, sc)
     else:
         q0, q1, s0, s1, b0, b1 = vals(row, rb + bpb * u, 0, sc)
-    if _factored(kind):
+    if factored(kind):
         return q0, q1, s0, b0, q0, q1
-    return q0, q1, s0, b0, _value(q0, s0, b0, kind), _value(q1, s1, b1, kind)
-
-
-@njit(inline="always", cache=True)
-def _unit_of_row(vals: Any, prep: Any, kind: int, bpb: int, row: Any, rb: int, u: int, sc: Any) -> Any:
-    """`_unit` u of the row at byte rb, a K-quant super-block's scales unpacked into sc at its first unit."""
-    if kind & SUPER and u & 7 == 0:
-        prep(row, rb + bpb * (u >> 3), sc)
-    return _unit(vals, kind, bpb, row, rb, u, sc)
-
-
-@njit(inline="always", cache=True)
-def _row1(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, i: int, k: int, sx: Any,
-          sc: Any) -> Any:
-    """One W row (at byte rb) dotted with activation row i."""
-    acc = vzero()
-    macc = Z
-    units = k // 32
-    for u in range(units):
-        q0, q1, s0, b0, w0, w1 = _unit_of_row(vals, prep, kind, bpb, row, rb, u, sc)
-        acc, macc = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, acc, macc, sx, i * units + u)
-    return hsum(acc) + macc
+    return q0, q1, s0, b0, unit_value(q0, s0, b0, kind), unit_value(q1, s1, b1, kind)
 
 
 @njit(inline="always", cache=True)
@@ -141,7 +120,7 @@ def _next_pair(row: Any, rb: int, rb1: int, ahead: int, bpb: int, u: int) -> Non
 def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int, x: Any, i: int, i1: int,
           k: int, sx: Any, sc: Any, sc1: Any, ahead: int) -> tuple[Any, Any]:
     """W row rb with activation row i and W row rb1 with activation row i1, interleaved: independent FMA
-    chains (each pair element is computed exactly as `_row1` computes it). Where ahead > 0 the rows are
+    chains (each pair element the same operations whichever its partner). Where ahead > 0 the rows are
     adjacent (`rows_one`) and each unit prefetches its share of the next pair, `ahead` bytes on."""
     a0 = vzero()
     a1 = vzero()
@@ -153,10 +132,10 @@ def _row2(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
             prep(row, rb1 + bpb * (u >> 3), sc1)
         if ahead:
             _next_pair(row, rb, rb1, ahead, bpb, u)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb, u, sc)
-        a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
-        q0, q1, s0, b0, w0, w1 = _unit(vals, kind, bpb, row, rb1, u, sc1)
-        a1, m1 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
+        q0, q1, s0, b0, w0, w1 = unit_codes(vals, kind, bpb, row, rb, u, sc)
+        a0, m0 = unit_dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
+        q0, q1, s0, b0, w0, w1 = unit_codes(vals, kind, bpb, row, rb1, u, sc1)
+        a1, m1 = unit_dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
     return hsum(a0) + m0, hsum(a1) + m1
 
 
@@ -166,9 +145,9 @@ def _kunit(vals: Any, kind: int, row: Any, o: int, j: int, sc: Any, x: Any, xo: 
     offset is left to the super-block's vector term (`_super`)."""
     q0, q1, s0, s1, b0, b1 = vals(row, o, j, sc)
     xo += 32 * j
-    if _factored(kind):
+    if factored(kind):
         return fmas(s0, fma(q1, vload(x, xo + 16), vmul(q0, vload(x, xo))), acc)
-    return fma(_value(q1, s1, b1, kind), vload(x, xo + 16), fma(_value(q0, s0, b0, kind), vload(x, xo), acc))
+    return fma(unit_value(q1, s1, b1, kind), vload(x, xo + 16), fma(unit_value(q0, s0, b0, kind), vload(x, xo), acc))
 
 
 @njit(inline="always", cache=True)
@@ -232,30 +211,6 @@ def bpair(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, rb1: int
 
 
 @njit(inline="always", cache=True)
-def _rows4(vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, i: int, m: int, k: int,
-           sx: Any, sc: Any, out: Any, j: int) -> None:
-    """out[i:i + 4, j]: one W row with four activation rows (of m: the last repeated where m < 4), each
-    unit decoded once for the four, and each element computed exactly as `_row1` computes it."""
-    i1, i2, i3 = min(i + 1, m - 1), min(i + 2, m - 1), min(i + 3, m - 1)
-    a0 = vzero()
-    a1 = vzero()
-    a2 = vzero()
-    a3 = vzero()
-    m0 = m1 = m2 = m3 = Z
-    units = k // 32
-    for u in range(units):
-        q0, q1, s0, b0, w0, w1 = _unit_of_row(vals, prep, kind, bpb, row, rb, u, sc)
-        a0, m0 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i * k + 32 * u, a0, m0, sx, i * units + u)
-        a1, m1 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i1 * k + 32 * u, a1, m1, sx, i1 * units + u)
-        a2, m2 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i2 * k + 32 * u, a2, m2, sx, i2 * units + u)
-        a3, m3 = _dot(kind, q0, q1, s0, b0, w0, w1, x, i3 * k + 32 * u, a3, m3, sx, i3 * units + u)
-    out[i, j] = hsum(a0) + m0
-    out[i1, j] = hsum(a1) + m1
-    out[i2, j] = hsum(a2) + m2
-    out[i3, j] = hsum(a3) + m3
-
-
-@njit(inline="always", cache=True)
 def rows_one(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
               row: Any, pair: Any) -> None:
     """Chunk c of out <- a @ dequant(w)ᵀ for one activation row (x and row: a and w flat; pair: the two-row
@@ -270,30 +225,6 @@ def rows_one(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any
     for j in range(lo, hi, 2):
         j1 = min(j + 1, hi - 1)  # an odd last row as a pair with itself: the same operations
         out[0, j], out[0, j1] = pair(vals, prep, bpb, kind, row, rl * j, rl * j1, x, k, sx, sc0, sc1, ahead)
-
-
-@njit(inline="always", cache=True)
-def rows_many(vals: Any, prep: Any, bpb: int, kind: int, a: Any, w: Any, out: Any, c: int, sx: Any, x: Any,
-               row: Any) -> None:
-    """Chunk c of out <- a @ dequant(w)ᵀ for 2 <= m <= DECODE_ROWS activation rows: each unit's values are
-    formed once and FMA'd into four rows at a time. For a given m every element is the same operations
-    whichever way it is reached."""
-    m, k = a.shape
-    lo, hi = pair_bounds(c, w.shape[0])
-    rl = w.shape[1]
-    sc0 = carray(stack_f32(32), (32,))
-    sc1 = carray(stack_f32(32), (32,))
-    kind &= ~FACTOR_BIAS  # the values, formed once for all the activation rows, cost less than the offsets
-    for j in range(lo, hi):
-        g = 0
-        while m - g >= 3:  # fours, and a last three as a four repeating its last row (same value twice)
-            _rows4(vals, prep, bpb, kind, row, rl * j, x, g, m, k, sx, sc0, out, j)
-            g += 4
-        if m - g == 2:
-            out[g, j], out[g + 1, j] = _row2(vals, prep, bpb, kind, row, rl * j, rl * j, x, g, g + 1, k, sx, sc0,
-                                             sc1, 0)
-        elif m - g == 1:
-            out[g, j] = _row1(vals, prep, bpb, kind, row, rl * j, x, g, k, sx, sc0)
 
 
 @njit(inline="always", cache=True)
@@ -327,8 +258,8 @@ def gemv_args(argv: int) -> tuple[Any, Any, Any]:
 
 @njit(inline="always", cache=True)
 def activations_as_given(a: Any) -> Any:
-    """The row after a [1, k] in memory: the table kernels' activations in their own order, as given."""
-    return carray(pointer(a.ctypes.data + 4 * a.shape[1], np.float32), a.shape)
+    """The m rows after a [m, k] in memory: the table kernels' activations in their own order, as given."""
+    return carray(pointer(a.ctypes.data + 4 * a.size, np.float32), a.shape)
 
 
 # ---- the task templates: each type's decode tasks (`gguf_kernels`, generated) are one call of these -------
@@ -355,25 +286,18 @@ def one_row_permuted(vals: Any, prep: Any, bpb: int, kind: int, pair: Any, part:
 
 
 @njit(inline="always", cache=True)
-def many_rows(vals: Any, prep: Any, bpb: int, kind: int, part: int, parts: int, argv: int) -> None:
-    """Part `part` of a 2-DECODE_ROWS activation rows job: its chunks of W rows (`rows_many`)."""
-    a, w, out = gemv_args(argv)
-    sx, x, row = block_sums(a, kind), a.reshape(a.size), w.reshape(w.size)
-    for c in range(*part_chunks(part, parts, w.shape[0])):
-        rows_many(vals, prep, bpb, kind, a, w, out, c, sx, x, row)
-
-
-@njit(inline="always", cache=True)
 def block_sums(a: Any, kind: int) -> Any:
-    """Σ of each 32 activations (fixed order) for the factored offset term: only R = 1 factors offsets.
-    K-quants lay them out 16 a super-block, its eight sums in lanes 8-15 (`_super`)."""
+    """Σ of each 32 activations of each row (fixed order) for the factored offset terms, row r's from
+    r·(size / m): one a unit (32-element blocks), or 16 a super-block with its eight sums in slots 8-15
+    (K-quants, `_super`). One zero where the type factors no offset."""
     m, k = a.shape
-    factored = kind & FACTOR_BIAS and m == 1
-    per = 16 if kind & SUPER else 1  # slots per 8 units
-    sx = np.zeros(k // 32 * per // (8 if kind & SUPER else 1) if factored else 1, np.float32)
-    if factored:
-        x = a.reshape(k)
+    if not kind & FACTOR_BIAS:
+        return np.zeros(1, np.float32)
+    per = k // 16 if kind & SUPER else k // 32
+    sx = np.zeros(m * per, np.float32)
+    x = a.reshape(a.size)
+    for r in range(m):
         for u in range(k // 32):
-            at = 16 * (u >> 3) + 8 + (u & 7) if kind & SUPER else u
-            sx[at] = hsum(vadd(vload(x, 32 * u), vload(x, 32 * u + 16)))
+            at = r * per + (16 * (u >> 3) + 8 + (u & 7) if kind & SUPER else u)
+            sx[at] = hsum(vadd(vload(x, r * k + 32 * u), vload(x, r * k + 32 * u + 16)))
     return sx

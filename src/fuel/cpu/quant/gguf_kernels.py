@@ -21,16 +21,20 @@ from fuel.cpu.quant.gguf_dequant import (
     dequant_rows,
     dequant_tiles,
 )
-from fuel.cpu.quant.gguf_gemv import (
-    BIAS,
-    FACTOR_BIAS,
-    SHARED,
-    SUPER,
-    bpair,
-    kpair,
+from fuel.cpu.quant.gguf_gemv import BIAS, FACTOR_BIAS, SHARED, SUPER, bpair, kpair, one_row, one_row_permuted
+from fuel.cpu.quant.gguf_many import (
+    SCALED_OFFSETS,
+    SCALED_SUM,
+    WITH_OFFSETS,
+    bquad,
+    kquad,
     many_rows,
-    one_row,
-    one_row_permuted,
+    many_rows_permuted,
+    many_rows_words,
+    super4,
+    super4_q4k_table,
+    super4_q4k_words,
+    super4_q6k_words,
 )
 from fuel.cpu.quant.gguf_types import GGUFKernels
 from fuel.cpu.quant.gguf_units import (
@@ -76,7 +80,7 @@ def _q4_0_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_0_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q4_0, prep_none, 18, SHARED, part, parts, argv)
+    many_rows(unit_q4_0, prep_none, 18, SHARED, bpair, bquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -90,8 +94,22 @@ def _q4_0_one_table(part: int, parts: int, argv: int) -> None:
 
 
 @task()
+def _q4_0_many_table(part: int, parts: int, argv: int) -> None:
+    many_rows_permuted(
+            table_unit_q4_0, prep_none, 18, SHARED, bpair, bquad, super4, WITH_OFFSETS, UNIT_ORDER_Q4_0, part, parts,
+            argv)
+
+
+@task()
 def _q4_0_one_bytes(part: int, parts: int, argv: int) -> None:
     one_row_permuted(bytes_unit_q4_0, prep_none, 18, SHARED, bpair, part, parts, argv)
+
+
+@task()
+def _q4_0_many_bytes(part: int, parts: int, argv: int) -> None:
+    many_rows_permuted(
+            bytes_unit_q4_0, prep_none, 18, SHARED, bpair, bquad, super4, WITH_OFFSETS, BYTE_ORDER_Q4_0, part, parts,
+            argv)
 
 
 @task()
@@ -106,7 +124,9 @@ def _q4_1_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_1_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, part, parts, argv)
+    many_rows(
+            unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, bpair, bquad, super4, WITH_OFFSETS, part, parts,
+            argv)
 
 
 @task()
@@ -117,6 +137,13 @@ def _q4_1_tiles(part: int, parts: int, argv: int) -> None:
 @task()
 def _q4_1_one_table(part: int, parts: int, argv: int) -> None:
     one_row_permuted(table_unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, bpair, part, parts, argv)
+
+
+@task()
+def _q4_1_many_table(part: int, parts: int, argv: int) -> None:
+    many_rows_permuted(
+            table_unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, bpair, bquad, super4, WITH_OFFSETS,
+            UNIT_ORDER_Q4_0, part, parts, argv)
 
 
 @task()
@@ -131,7 +158,7 @@ def _q5_0_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5_0_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q5_0, prep_none, 22, SHARED, part, parts, argv)
+    many_rows(unit_q5_0, prep_none, 22, SHARED, bpair, bquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -151,7 +178,9 @@ def _q5_1_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5_1_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q5_1, prep_none, 24, SHARED | BIAS | FACTOR_BIAS, part, parts, argv)
+    many_rows(
+            unit_q5_1, prep_none, 24, SHARED | BIAS | FACTOR_BIAS, bpair, bquad, super4, WITH_OFFSETS, part, parts,
+            argv)
 
 
 @task()
@@ -171,7 +200,7 @@ def _q8_0_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q8_0_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q8_0, prep_none, 34, SHARED, part, parts, argv)
+    many_rows(unit_q8_0, prep_none, 34, SHARED, bpair, bquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -191,7 +220,7 @@ def _q8_1_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q8_1_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q8_1, prep_none, 36, SHARED, part, parts, argv)
+    many_rows(unit_q8_1, prep_none, 36, SHARED, bpair, bquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -211,7 +240,7 @@ def _q2k_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q2k_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q2k, prep_q2k, 84, SUPER | BIAS, part, parts, argv)
+    many_rows(unit_q2k, prep_q2k, 84, SUPER | BIAS, kpair, kquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -231,7 +260,7 @@ def _q3k_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q3k_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q3k, prep_q3k, 110, SUPER, part, parts, argv)
+    many_rows(unit_q3k, prep_q3k, 110, SUPER, kpair, kquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -251,7 +280,9 @@ def _q4k_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4k_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q4k, prep_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, part, parts, argv)
+    many_rows(
+            unit_q4k, prep_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, kpair, kquad, super4, WITH_OFFSETS, part,
+            parts, argv)
 
 
 @task()
@@ -265,9 +296,23 @@ def _q4k_one_table(part: int, parts: int, argv: int) -> None:
 
 
 @task()
+def _q4k_many_table(part: int, parts: int, argv: int) -> None:
+    many_rows_permuted(
+            unit_q4k, prep_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, kpair_q4k_table, kquad, super4_q4k_table,
+            WITH_OFFSETS, UNIT_ORDER_Q4K, part, parts, argv)
+
+
+@task()
 def _q4k_one_words(part: int, parts: int, argv: int) -> None:
     one_row_words(
             unit_q4k, prep_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, kpair_q4k, Q4K_LAYOUT, part, parts, argv)
+
+
+@task()
+def _q4k_many_words(part: int, parts: int, argv: int) -> None:
+    many_rows_words(
+            unit_q4k, prep_q45k, 144, SUPER | SHARED | BIAS | FACTOR_BIAS, kpair_q4k, kquad, super4_q4k_words,
+            SCALED_OFFSETS, Q4K_LAYOUT, part, parts, argv)
 
 
 @task()
@@ -282,7 +327,9 @@ def _q5k_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5k_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q5k, prep_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, part, parts, argv)
+    many_rows(
+            unit_q5k, prep_q45k, 176, SUPER | SHARED | BIAS | FACTOR_BIAS, kpair, kquad, super4, WITH_OFFSETS, part,
+            parts, argv)
 
 
 @task()
@@ -302,7 +349,7 @@ def _q6k_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q6k_many(part: int, parts: int, argv: int) -> None:
-    many_rows(unit_q6k, prep_q6k, 210, SUPER, part, parts, argv)
+    many_rows(unit_q6k, prep_q6k, 210, SUPER, kpair, kquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -315,12 +362,21 @@ def _q6k_one_words(part: int, parts: int, argv: int) -> None:
     one_row_words(unit_q6k, prep_q6k, 210, SUPER, kpair_q6k, Q6K_LAYOUT, part, parts, argv)
 
 
+@task()
+def _q6k_many_words(part: int, parts: int, argv: int) -> None:
+    many_rows_words(
+            unit_q6k, prep_q6k, 210, SUPER, kpair_q6k, kquad, super4_q6k_words, SCALED_SUM, Q6K_LAYOUT, part, parts,
+            argv)
+
+
 GGUF: dict[QuantType, GGUFKernels] = {
     QuantType.Q4_0: GGUFKernels(dequant_q4_0, _q4_0_rows, _q4_0_one, _q4_0_many, _q4_0_tiles,
-        (_q4_0_one_table, UNIT_ORDER_Q4_0) if LUT16 else (_q4_0_one_bytes, BYTE_ORDER_Q4_0) if BYTE_LUT else None,
+        (
+                _q4_0_one_table, _q4_0_many_table, UNIT_ORDER_Q4_0) if LUT16 else (_q4_0_one_bytes, _q4_0_many_bytes,
+                BYTE_ORDER_Q4_0) if BYTE_LUT else None,
         None),
     QuantType.Q4_1: GGUFKernels(dequant_q4_1, _q4_1_rows, _q4_1_one, _q4_1_many, _q4_1_tiles,
-        (_q4_1_one_table, UNIT_ORDER_Q4_0) if LUT16 else None,
+        (_q4_1_one_table, _q4_1_many_table, UNIT_ORDER_Q4_0) if LUT16 else None,
         None),
     QuantType.Q5_0: GGUFKernels(dequant_q5_0, _q5_0_rows, _q5_0_one, _q5_0_many, _q5_0_tiles,
         None,
@@ -341,12 +397,12 @@ GGUF: dict[QuantType, GGUFKernels] = {
         None,
         None),
     QuantType.Q4K: GGUFKernels(dequant_q4k, _q4k_rows, _q4k_one, _q4k_many, _q4k_tiles,
-        (_q4k_one_table, UNIT_ORDER_Q4K) if LUT16 else None,
-        _q4k_one_words),
+        (_q4k_one_table, _q4k_many_table, UNIT_ORDER_Q4K) if LUT16 else None,
+        (_q4k_one_words, _q4k_many_words)),
     QuantType.Q5K: GGUFKernels(dequant_q5k, _q5k_rows, _q5k_one, _q5k_many, _q5k_tiles,
         None,
         None),
     QuantType.Q6K: GGUFKernels(dequant_q6k, _q6k_rows, _q6k_one, _q6k_many, _q6k_tiles,
         None,
-        _q6k_one_words),
+        (_q6k_one_words, _q6k_many_words)),
 }

@@ -53,17 +53,18 @@ TYPES: dict[QuantType, TypeRow] = {
 
 class GGUFKernels(NamedTuple):
     """A type's block decoder `block(bytes, out)` and its tasks: `rows` (weight rows into a buffer), `one`
-    (one activation row), `many` (2-16 rows), `tiles` (dequantised tiles of W rows, multiplied); `table`
-    (a one-row task by table lookup on this host, and the lane order it reads the activations in) and
-    `words` (a one-row task by 32-bit words), where the type has them."""
+    (one activation row), `many` (2-16 rows, each as `one` computes it), `tiles` (dequantised tiles of W
+    rows, multiplied); `table` (a one-row task by table lookup on this host, its many-row form, and the
+    lane order they read the activations in) and `words` (a one-row task by 32-bit words and its many-row
+    form), where the type has them."""
 
     block: Any
     rows: Task
     one: Task
     many: Task
     tiles: Task
-    table: tuple[Task, np.ndarray] | None
-    words: Task | None
+    table: tuple[Task, Task, np.ndarray] | None
+    words: tuple[Task, Task] | None
 
 
 class Variant(NamedTuple):
@@ -87,6 +88,15 @@ VARIANTS = (
     Variant(QuantType.Q4K, "words", "unit_q4k", "kpair_q4k", layout="Q4K_LAYOUT"),
     Variant(QuantType.Q6K, "words", "unit_q6k", "kpair_q6k", layout="Q6K_LAYOUT"),
 )
+
+# Each one-row pair's many-row form (`gguf_many`): its four-row function, super-block form and ending.
+MANY = {
+    "bpair": ("bquad", "super4", "WITH_OFFSETS"),
+    "kpair": ("kquad", "super4", "WITH_OFFSETS"),
+    "kpair_q4k_table": ("kquad", "super4_q4k_table", "WITH_OFFSETS"),
+    "kpair_q4k": ("kquad", "super4_q4k_words", "SCALED_OFFSETS"),
+    "kpair_q6k": ("kquad", "super4_q6k_words", "SCALED_SUM"),
+}
 
 TARGET = Path(__file__).with_name("gguf_kernels.py")
 
@@ -114,7 +124,7 @@ def _{t}_one(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _{t}_many(part: int, parts: int, argv: int) -> None:
-    many_rows({unit}, {prep}, {bpb}, {kind}, part, parts, argv)
+    many_rows({unit}, {prep}, {bpb}, {kind}, {pair}, {quad}, {sup}, {how}, part, parts, argv)
 
 
 @task()
@@ -127,6 +137,11 @@ _TABLE_TASK = '''
 @task()
 def _{t}_one_{name}(part: int, parts: int, argv: int) -> None:
     one_row_permuted({unit}, {prep}, {bpb}, {kind}, {pair}, part, parts, argv)
+
+
+@task()
+def _{t}_many_{name}(part: int, parts: int, argv: int) -> None:
+    many_rows_permuted({unit}, {prep}, {bpb}, {kind}, {pair}, {quad}, {sup}, {how}, {order}, part, parts, argv)
 '''
 
 _WORDS_TASK = '''
@@ -134,6 +149,11 @@ _WORDS_TASK = '''
 @task()
 def _{t}_one_{name}(part: int, parts: int, argv: int) -> None:
     one_row_words({unit}, {prep}, {bpb}, {kind}, {pair}, {layout}, part, parts, argv)
+
+
+@task()
+def _{t}_many_{name}(part: int, parts: int, argv: int) -> None:
+    many_rows_words({unit}, {prep}, {bpb}, {kind}, {pair}, {quad}, {sup}, {how}, {layout}, part, parts, argv)
 '''
 
 
@@ -148,12 +168,19 @@ def _import_order(name: str) -> tuple[int, list[tuple[int, str]]]:
 
 
 def _wrapped(text: str) -> str:
-    """Lines over 120 characters broken after their call's opening parenthesis."""
+    """Lines over 120 characters broken after their call's opening parenthesis, and its arguments after
+    the last comma that keeps each line within 120."""
     out = []
     for line in text.split("\n"):
         if len(line) > 120 and "(" in line:
             head, args = line.split("(", 1)
-            out.append(f"{head}(\n{' ' * (len(head) - len(head.lstrip()) + 8)}{args}")
+            indent = " " * (len(head) - len(head.lstrip()) + 8)
+            out.append(f"{head}(")
+            while len(indent + args) > 120:
+                cut = (indent + args).rindex(", ", 0, 120) - len(indent) + 1
+                out.append(indent + args[:cut])
+                args = args[cut + 1:]
+            out.append(indent + args)
         else:
             out.append(line)
     return "\n".join(out)
@@ -163,7 +190,7 @@ def _table_entry(qt: QuantType) -> str:
     """The host-dependent `table` field: the first variant whose flag the host has, else None."""
     t = _lower(qt)
     tables = [v for v in VARIANTS if v.qt == qt and v.order]
-    return "".join(f"(_{t}_one_{v.name}, {v.order}) if {v.host} else " for v in tables) + "None"
+    return "".join(f"(_{t}_one_{v.name}, _{t}_many_{v.name}, {v.order}) if {v.host} else " for v in tables) + "None"
 
 
 def _imports() -> dict[str, set[str]]:
@@ -172,7 +199,9 @@ def _imports() -> dict[str, set[str]]:
     units = {r.unit for r in TYPES.values()} | {r.prep for r in TYPES.values()} | {v.unit for v in VARIANTS}
     return {
         "fuel.cpu.quant.gguf_dequant": {f"dequant_{_lower(qt)}" for qt in TYPES} | {"dequant_rows", "dequant_tiles"},
-        "fuel.cpu.quant.gguf_gemv": kinds | {"bpair", "kpair", "many_rows", "one_row", "one_row_permuted"},
+        "fuel.cpu.quant.gguf_gemv": kinds | {"bpair", "kpair", "one_row", "one_row_permuted"},
+        "fuel.cpu.quant.gguf_many": {name for many in MANY.values() for name in many}
+        | {"many_rows", "many_rows_permuted", "many_rows_words"},
         "fuel.cpu.quant.gguf_types": {"GGUFKernels"},
         "fuel.cpu.quant.gguf_units": units | {v.order for v in VARIANTS if v.order} | {"kpair_q4k_table"},
         "fuel.cpu.quant.gguf_words": {v.layout for v in VARIANTS if v.layout}
@@ -196,18 +225,21 @@ def render() -> str:
     """The text of `gguf_kernels`."""
     text = _HEAD.format(imports="".join(_import(module, names) for module, names in _imports().items()))
     for qt, row in TYPES.items():
+        quad, sup, how = MANY[row.pair]
         fields = dict(t=_lower(qt), blk=qt.block_elements, bpb=qt.block_bytes, unit=row.unit, prep=row.prep,
-                      kind=row.kind, pair=row.pair)
+                      kind=row.kind, pair=row.pair, quad=quad, sup=sup, how=how)
         text += _TASKS.format(**fields)
         for v in VARIANTS:
             if v.qt == qt:
                 template = _TABLE_TASK if v.order else _WORDS_TASK
+                quad, sup, how = MANY[v.pair]
                 text += template.format(**{**fields, "name": v.name, "unit": v.unit, "pair": v.pair,
-                                           "layout": v.layout})
+                                           "layout": v.layout, "order": v.order, "quad": quad, "sup": sup, "how": how})
     text += "\n\nGGUF: dict[QuantType, GGUFKernels] = {\n"
     for qt in TYPES:
         t = _lower(qt)
-        words = next((f"_{t}_one_{v.name}" for v in VARIANTS if v.qt == qt and v.layout), "None")
+        words = next((f"(_{t}_one_{v.name}, _{t}_many_{v.name})" for v in VARIANTS if v.qt == qt and v.layout),
+                     "None")
         text += (f"    QuantType.{qt.name}: GGUFKernels(dequant_{t}, _{t}_rows, _{t}_one, _{t}_many, _{t}_tiles,\n"
                  f"        {_table_entry(qt)},\n        {words}),\n")
     return _wrapped(text + "}\n")

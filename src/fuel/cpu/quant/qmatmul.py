@@ -7,6 +7,10 @@ Two paths, chosen by the number of activation rows R (batch dims folded in: the 
   and dotted with the activations, the block scale factored out where the block shares one (see that
   module). No dequantised weight exists anywhere, and each output is one thread's fixed
   sequence of f32 operations: the bytes never depend on the thread count.
+  Row-invariant: for 1 <= R <= ROW_INVARIANT_ROWS (= DECODE_ROWS) each output row's bytes are those of
+  its activation row alone (the same kernel's operations; 2 or more rows share each decoded weight unit,
+  `gguf_many`), whatever the other rows are or where it sits. The server's batched step caps its rows
+  at it, so that a request's tokens never depend on what else is in the batch.
 - larger R: tiles of W rows are dequantised (`gguf_blocks.dequantize_rows_into`) into a reused f32
   scratch and each is multiplied by fuel's tile kernel on AVX-512 hosts, else one one-thread OpenBLAS
   sgemm (`weight_tiles`); tiles are fixed by the weight's shape and run on fuel's threads, so the bytes
@@ -46,6 +50,8 @@ from fuel.graph.registry.qmatmul import QMatMulParams, weight_bytes
 from fuel.quant import QuantType
 from fuel.runtime import jobs
 from fuel.runtime.buffers import POOL
+
+ROW_INVARIANT_ROWS = DECODE_ROWS  # up to this many activation rows, each output row is the same bytes as alone
 
 _LAUNCHES = jobs.JobCache()  # one-row decode calls of replayed steps (`fuel.runtime.jobs`)
 
@@ -125,12 +131,12 @@ def qmatmul_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: QMatM
 # |out - ref| <= max_relative·|ref| + max_absolute·S against float64 `a @ dequant(W)ᵀ` (dequantised by
 # gguf), S = |a| @ |dequant(W)|ᵀ per element. Twice the worst `python -m fuel.testing.measure QMatMul`
 # found over seeds 0-59: worst relative 6.2e-7 (from the sgemm), absolute still needed 2.2e-7·S (from
-# the decode path's factored offsets: Q4_1, Q5_1, Q4_K and Q5_K at R = 1 sum d·Σq·x and m·Σx apart, so
+# the decode path's factored offsets: Q4_1, Q5_1, Q4_K and Q5_K at R <= 16 sum d·Σq·x and m·Σx apart, so
 # their rounding scales with |d·q|·|x| + |m|·|x| rather than |d·q + m|·|x|; within ~2x of S for weights
 # as quantized, unbounded by S only for adversarial x large exactly where d·q + m cancels).
 PRECISION = PrecisionGuarantee(True, None, 1.3e-6, 4.5e-7, "bit-exact gguf dequantisation, f32 products and "
                                "sums (fixed-order lanes when decoding, block scales and offsets factored out "
-                               "at R = 1; tile kernel or sgemm per tile otherwise)")
+                               "at R <= 16; tile kernel or sgemm per tile otherwise)")
 
 
 def register(registry: FusedKernelRegistry) -> None:
