@@ -1,9 +1,10 @@
 """FlashAttn (entry 12) on the CPU: blocked online softmax, products on BLAS, never the [Sq, Sk] matrix.
 
 A call of at most DECODE_MAX_QUERIES queries runs the decode job (`flash_attn_decode`: rows read the
-cache directly). A longer one runs blocked (`flash_attn_steps` describes the layout and the steps): in
-f32 as one job whose task calls sgemm (`flash_attn_tasks`), otherwise (f64, the half types, or no sgemm
-to call from a task) as NumPy BLAS products with the row passes as jobs between them. Block sizes are
+cache directly). A longer one runs blocked (`flash_attn_steps` describes the layout and the steps): as one
+job whose task calls sgemm or dgemm (`flash_attn_tasks`), or, where there is no gemm to call from a task
+or a block product NumPy computes without gemm, as NumPy BLAS products with the row passes as jobs
+between them. Block sizes are
 constants and each row's arithmetic is fixed by them, so results are the same bytes at any thread count.
 A row with no admissible key gives 0. Half types are widened exactly to f32, computed in f32 and rounded
 once on store; f64 runs in f64 throughout.
@@ -56,19 +57,24 @@ def attention(p: Problem, out: np.ndarray) -> None:
     query block."""
     sq = p.q.shape[2]
     n, g, _, _ = p.q.shape
-    if sq <= DECODE_MAX_QUERIES or n == 1:
-        p = p.part(0, n)
     if sq <= DECODE_MAX_QUERIES:
+        p = p.part(0, n)
         decode(p.q, p.k, p.v, out, p.win, p.scale, p.softcap, p.slopes)
         return
-    f32 = np.dtype(np.float32)
-    if p.q.dtype == p.k.dtype == p.v.dtype == out.dtype == f32:
-        job = attend_job(p, out, BQ, BK)
-        if job is not None:
-            with threads.one_blas_thread():  # the task's sgemm runs in the thread that calls it
-                jobs.run(job)
-            return
+    if n == 1 and out.dtype == p.slopes.dtype:
+        # One f16 group (its output an f32 scratch) is widened whole and runs as an f32 call: its bytes are
+        # that path's. A bf16 group is widened a key block at a time by its own task.
+        p = p.part(0, n)
     bq = query_rows(sq) if n == 1 else BQ
+    f32 = np.dtype(np.float32)
+    all_f32 = p.q.dtype == p.k.dtype == p.v.dtype == out.dtype == f32
+    job = attend_job(p, out, BQ, BK, False) if all_f32 else attend_job(p, out, bq, BK, True)
+    if job is not None:
+        with threads.one_blas_thread():  # the task's gemm runs in the thread that calls it
+            jobs.run(job)
+        return
+    if n == 1:
+        p = p.part(0, n)
     # A step's scores are [groups, G·rows, keys] with the block sizes clipped to the problem: short
     # sequences put hundreds of groups in one step.
     lo, hi = p.win.keys(0, sq)

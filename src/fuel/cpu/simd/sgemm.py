@@ -82,6 +82,18 @@ sgemv_t: Any = _gemv_intrinsic(ir.FloatType())
 dgemv_t: Any = _gemv_intrinsic(ir.DoubleType())
 
 
+@njit(inline="always", cache=True)
+def gemm(itemsize: int, address: int, trans: int, add: int, m: int, n: int, k: int, a: int, lda: int, b: int,
+         ldb: int, c: int, ldc: int) -> None:
+    """`sgemm` for 4-byte values, else `dgemm`: one call site for a kernel compiled for both (the address
+    is that routine's). trans bit 0 transposes B (stored [n, k]), bit 1 A (stored [k, m]): `Aᵀ·B` as
+    NumPy computes `a.T @ b` for a C-contiguous a."""
+    if itemsize == 4:
+        sgemm(address, trans, add, m, n, k, a, lda, b, ldb, c, ldc)
+    else:
+        dgemm(address, trans, add, m, n, k, a, lda, b, ldb, c, ldc)
+
+
 @njit(cache=True, nogil=True)
 def sgemm_nt(address: int, a: Any, b: Any, c: Any) -> None:
     """c [m, n] <- a [m, k] @ b [n, k]ᵀ, all C-contiguous f32 (for tests: the call NumPy makes for this)."""
