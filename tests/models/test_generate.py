@@ -266,6 +266,9 @@ def test_stop_text_emits_exactly_what_no_stop_can_claim(text: str, stops: list[s
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": "x"}, "top_p"),
     ({"top_k": -1}, "top_k"), ({"top_k": 2.5}, "top_k"),
     ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": "s"}, "seed"),
+    ({"min_p": 1.5}, "min_p"), ({"presence_penalty": -2.5}, "presence_penalty"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"), ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": {3: 200.0}}, "logit_bias[3]"), ({"logit_bias": {100_000: 1.0}}, "logit_bias: token id 100000"),
     ({"stop": 3}, "stop"), ({"stop": [""]}, "stop"), ({"stop": ["a", 3]}, "stop"),
     ({"stop": "a\udcff"}, "stop sequence holds a lone surrogate"),
 ], ids=lambda v: repr(v) if isinstance(v, dict) else "")

@@ -150,3 +150,31 @@ def test_demo_streams_an_answer(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert out.startswith("> What is the capital of France") and "Paris" in out
     assert "tokens/s" in err and "peak RSS" in err
+
+
+def test_the_sampling_flags_reach_the_sampler(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--min-p, --presence-penalty, --frequency-penalty and --repetition-penalty give the text `LLM.generate`
+    gives with the same arguments (tests/models/test_generate_sampling.py holds that to transformers), and
+    another text than without them."""
+    flags = {"min_p": 0.05, "presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.4}
+    argv = ["generate", "ab", "--model", str(tiny), "--context", "64", "--max-tokens", "30", "--temperature", "0.7",
+            "--seed", "3"]
+    code, plain, _ = run(argv, capsys)
+    code, out, _ = run([*argv, *(x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v)))], capsys)
+    want = gen.load(str(tiny), 64).generate("ab", 30, temperature=0.7, seed=3, **flags)
+    assert code == 0 and out == "ab" + "".join(want) + "\n" != plain
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--min-p", "1.5", "argument --min-p: expected a number in [0, 1], got 1.5"),
+    ("--presence-penalty", "-3", "argument --presence-penalty: expected a number in [-2, 2], got -3"),
+    ("--frequency-penalty", "nan", "argument --frequency-penalty: expected a number in [-2, 2], got nan"),
+    ("--repetition-penalty", "0", "argument --repetition-penalty: expected a finite number > 0, got 0"),
+])
+def test_sampling_flags_out_of_range_are_one_line(flag: str, value: str, message: str, no_loading: None,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "hi", flag, value])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2
+    assert err.splitlines() == [f"fuel generate: error: {message} (see: fuel generate --help)"]

@@ -17,7 +17,9 @@ one more is a `ModelError` when it starts.
 **Arguments are checked when `generate` is called**, before anything runs, each error a `ParamError`
 (or a `ModelError` for a prompt longer than the KV cache) naming the argument: the prompt is a str, a
 list of token ids or a list of chat messages; `max_tokens` an int >= 0; `temperature` a finite real >= 0;
-`top_k` an int >= 0; `top_p` a real in (0, 1]; `seed` None or an int >= 0; `stop` a str or a list of them.
+`top_k` an int >= 0; `top_p` a real in (0, 1]; `seed` None or an int >= 0; `stop` a str or a list of them;
+`min_p` in [0, 1]; `presence_penalty` and `frequency_penalty` in [-2, 2]; `repetition_penalty` > 0;
+`logit_bias` None or {token id: bias in [-100, 100]} (see `fuel.models.sampling`).
 
 **Finish reasons**, as OpenAI's `finish_reason`: "stop" when the model emits an end-of-turn token or the
 text reaches a stop sequence; "length" when `max_tokens` tokens were generated or the KV cache is full
@@ -186,12 +188,14 @@ def _steps(out: _Outcome, llm: LLM, seq: KVSequence, ids: list[int], max_tokens:
     llm.count(prompt_tokens=len(ids) - common, prefill_s=time.perf_counter() - start)
     pieces = llm.tokenizer.stream()
     reason, stopped = "length", False
+    history = list(ids)  # the prompt, then each token generated: what the sampler's penalties see
     while True:
-        t = sampler(logits)
+        t = sampler(logits, history, prompt_len=len(ids))
         if t in llm.tokenizer.eos_ids:
             reason = "stop"
             break
         out.tokens.append(t)
+        history.append(t)
         text, stopped = stop.push(pieces.push(t))
         if text:
             yield text
@@ -235,10 +239,16 @@ class LLM:
 
     def generate(self, prompt: Prompt, max_tokens: int = 128, *, chat: bool = False, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None) -> Generation:
+                 stop: str | Sequence[str] | None = None, min_p: float = 0.0, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 logit_bias: Mapping[int, float] | None = None) -> Generation:
         """The continuation of `prompt` (see `prompt_ids`) as text pieces, greedy unless temperature > 0,
-        ending at an end-of-turn token, a `stop` sequence, `max_tokens` tokens or a full KV cache."""
-        sampler = Sampler(temperature, top_k, top_p, seed)
+        ending at an end-of-turn token, a `stop` sequence, `max_tokens` tokens or a full KV cache. The
+        sampling arguments are `Sampler`'s (fuel.models.sampling: the order of its steps); the penalties
+        see the prompt's ids and the tokens generated so far."""
+        sampler = Sampler(temperature, top_k, top_p, seed, min_p, presence_penalty, frequency_penalty,
+                          repetition_penalty, logit_bias)
+        self.model.check_ids(list(sampler.logit_bias or ()), "generate: logit_bias")  # now, not at the first token
         stops = stops_of(stop)
         return self.stream(self.prompt_ids(prompt, chat), max_tokens, sampler, stops)
 
