@@ -3,7 +3,7 @@
 Each engine serves the bundled SmolLM2-135M-Instruct GGUF (Q4_1) on 127.0.0.1 with 2 threads, started as a
 subprocess for each concurrency C in (1, 4, 8), one server at a time:
 
-- fuel: `fuel serve --slots C`;
+- fuel: `fuel serve --slots C --context 512` (its thread count is the machine's, 2 here);
 - llama-server (built by `make bench-env`): `-np C -c C*512 -t 2 -tb 2 --cont-batching`, 512 tokens a slot;
 - llama-cpp-python's server (`make bench-env` installs its extra): `--n_threads 2`; it serves one request at
   a time, so its clients queue.
@@ -142,7 +142,8 @@ def missing(engine: str) -> str | None:
 def server_command(engine: str, model_path: str, port: int, slots: int) -> list[str]:
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if engine == "fuel":
-        return [sys.executable, "-m", "fuel.cli", "serve", "--model", model_path, *host, "--slots", str(slots)]
+        return [sys.executable, "-m", "fuel.cli", "serve", "--model", model_path, *host, "--context", str(SLOT_CONTEXT),
+                "--log-level", "warning", "--slots", str(slots)]
     if engine == "llama_server":
         return [str(LLAMA_SERVER), "-m", model_path, *host, "-np", str(slots), "-t", str(THREADS), "-tb",
                 str(THREADS), "-c", str(slots * SLOT_CONTEXT), "--cont-batching"]
