@@ -23,6 +23,8 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "smollm2"
@@ -44,6 +46,14 @@ class Server:
         text = httpx.get(self.url + "/metrics", timeout=30).text
         return {s.name + (f"{{{s.labels['code']}}}" if "code" in s.labels else ""): s.value
                 for f in text_string_to_metric_families(text) for s in f.samples}
+
+    def post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """A POST whose failure to connect reports the server's exit status and log."""
+        try:
+            return httpx.post(self.url + path, json=body, timeout=60)
+        except httpx.TransportError as e:
+            raise AssertionError(f"{e!r}; server exit status {self.proc.poll()}; its log:\n"
+                                 f"{self.log.read_text()[-4000:]}") from e
 
     def rss(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -227,6 +237,26 @@ def test_each_error(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         c.completions.create(model=MODEL, prompt=long, max_tokens=1)
     assert too_long.value.code == "context_length_exceeded"
+
+
+SAMPLING = st.fixed_dictionaries({}, optional={
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(0, 50),
+    "min_p": st.floats(0, 1), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2), "seed": st.integers(0, 2**32),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4), "logprobs": st.integers(0, 5),
+    "ignore_eos": st.booleans(), "stream": st.booleans(),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}])})
+
+
+@given(SAMPLING)
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_valid_sampling_is_served(server: Server, params: dict[str, Any]) -> None:
+    """Every combination of in-range parameters is answered 200 by the real engine (no 5xx)."""
+    r = server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3, **params})
+    assert r.status_code == 200, (params, r.text)
+    last = json.loads(r.text.split("data: ")[-2]) if params.get("stream") else r.json()
+    assert "error" not in last, (params, r.text)
 
 
 def test_full_queue_is_429_with_retry_after(tiny_queue: Server) -> None:
