@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 # The forward's fields (q [n, G, sq, d], k and v rows of d values, the mask, the row-pass task) and the
 # gradients': do and dq [n, G, sq, d], dk [n, dkgroup / d, d], dv alike, all in the accumulation type.
-GRADS_ARGS = jobs.record(**{name: ATTEND_ARGS.fields[name][0].type for name in ATTEND_ARGS.names},
+GRADS_ARGS = jobs.record(**{name: field[0].type for name, field in (ATTEND_ARGS.fields or {}).items()},
                          do=ADDRESS, dq=ADDRESS, dk=ADDRESS, dv=ADDRESS, dkgroup=INT, dvgroup=INT, delta_task=ADDRESS,
                          grad_task=ADDRESS)
 
