@@ -9,8 +9,9 @@ each query block, the keys it may see (the union of its rows' windows) are visit
   3. `acc += P·V` on BLAS.
 Memory is O(rows·BK) per step whatever the sequence length. Each row's arithmetic is fixed by the block
 sizes, and OpenBLAS splits a product over M and N, never over K, so the bytes are the same at any thread
-count. This is the path of f64, of the half types and of f32 where NumPy's BLAS offers no sgemm to call
-from a task (`flash_attn_tasks`); the backward recomputes the forward with `forward_block`.
+count. This is the path of a call the tasks (`flash_attn_tasks`) do not serve: no gemm to call from a task,
+or a block product NumPy computes without gemm. The tasks call this module's row-pass and store tasks, so
+both paths give the same bytes; the backward's steps recompute the forward with `forward_block`.
 """
 
 from __future__ import annotations
