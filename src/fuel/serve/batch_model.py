@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 import fuel as fl
-from fuel.cpu.quant.gguf_gemv import DECODE_ROWS as ROW_INVARIANT_ROWS
+from fuel.cpu.quant.qmatmul import ROW_INVARIANT_ROWS
 from fuel.errors import ParamError
 from fuel.graph.tensor import Tensor
 from fuel.models.llama import LlamaModel
