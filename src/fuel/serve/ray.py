@@ -118,7 +118,7 @@ def embed_dataset(ds: ray.data.Dataset, column: str = "text", *, output_column: 
     batch_size = _positive_int(op, "batch_size", batch_size)
     embed_batch_size = _positive_int(op, "embed_batch_size", embed_batch_size)
     cpus = _cpus(op, num_cpus)
-    columns = ds.columns()
+    columns = ds.columns(fetch_if_missing=False)  # known without running the dataset, or checked per batch
     if columns is not None:
         if column not in columns:
             raise ParamError(f"{op}: the dataset has no column {column!r}; its columns are {columns}")
