@@ -108,7 +108,8 @@ def test_a_repeated_prompt_reads_its_prefix_from_the_cache(llm: LLM, engine: Eng
     ids = _ids(llm, "Repeat after me: " + "alpha beta gamma delta " * 8)
     first = _run(engine.submit(_greedy(ids, 6)))
     second = _run(engine.submit(_greedy(ids, 6)))
-    assert second[2].cached_tokens >= (len(ids) - 1) // 16 * 16 > 0 and first[2].cached_tokens == 0
+    # the chat template's system prompt may be cached by earlier requests; the second run has every full block
+    assert second[2].cached_tokens == (len(ids) - 1) // 16 * 16 > first[2].cached_tokens
     assert first[0] == second[0] and first[3] == second[3]
 
 
