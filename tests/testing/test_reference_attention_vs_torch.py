@@ -128,7 +128,8 @@ def test_attention_gradients(cfg: tuple[Any, ...]) -> None:
 
 
 @checks("paged_attn", "gather_pages", "paged64", "paged_scale")
-@pytest.mark.parametrize("opts", [{}, {"softcap": 3.0, "alibi": True}], ids=["plain", "softcap-alibi"])
+@pytest.mark.parametrize("opts", [{}, {"softcap": 3.0, "alibi": True}, {"window": 2}],
+                         ids=["plain", "softcap-alibi", "window"])
 def test_paged_attention(opts: dict[str, Any]) -> None:
     inputs, p = paged_attn.paged_inputs(RNG, DType.F64, 3, 4, 2, 3, 16, 4, (7, 2, 0), **opts)
     q, kc, vc, bt, cl = inputs[:5]
@@ -136,13 +137,17 @@ def test_paged_attention(opts: dict[str, Any]) -> None:
     lmax = bt.shape[1] * 4
     t = torch.arange(lmax)
     lens = torch.from_numpy(cl.astype(np.int64))
-    blocks = torch.where(t < lens[:, None], torch.from_numpy(bt.astype(np.int64))[:, t // 4], 0)
-    live = (t < lens[:, None])[:, None, :, None]
+    table = torch.from_numpy(bt.astype(np.int64))[:, t // 4]
+    live = (t < lens[:, None]) & (table != paged_attn.DEAD_BLOCK)  # dead: past L, or left of the window
+    blocks = torch.where(live, table, 0)
+    live = live[:, None, :, None]
     k, v = ((t64(c)[blocks, t % 4].permute(0, 2, 1, 3) * live).numpy() for c in (kc, vc))
     close(paged_attn.gather_pages(kc, bt, cl), k, np.ones(k.shape), 0.0)
     sq = q.shape[2]
     aq = torch.arange(sq)[None, None, :] + lens[:, None, None] - sq
     mask = ((t <= aq[..., None]) & (t < lens[:, None, None, None]))
+    if "window" in opts:
+        mask &= t >= aq[..., None] - opts["window"]
     want, size = torch_attention(q, k, v, p.softmax_scale, mask, aq, p.softcap, alibi)
     close(R.reference("PagedAttn", list(inputs), p), want, size)
     close(R.scale("PagedAttn", list(inputs), p, want), size)

@@ -14,8 +14,18 @@ task is bounded by `SCORE_BUFFER`.
 
 Compute is f32 (f64 for f64). bf16 is read as uint16 bits and f16 as int16 bits, widened exactly in
 the kernel (so only the live cache rows are ever converted); bf16 is rounded once on store, f16 is
-stored through an f32 scratch and NumPy's exact rounding. Block ids and lengths are checked in NumPy
-before the kernel runs, so it never reads outside the cache.
+stored through an f32 scratch and NumPy's exact rounding.
+
+A call is two jobs over one record, both built from the shapes alone, so native replay posts them with
+a new block table and new lengths at every call: the check (one part) finds a length past the table's
+capacity or a block id outside the cache among the blocks a sequence reads, records it in the job's
+status words, and otherwise stores the longest length and the chunks it gives (`query_chunk`,
+`head_chunk`) into the record; the attention then reads those, and does nothing but zero its output when
+the check found a problem. The check job's hook raises it (`IndexOutOfRange`) once the job has run,
+eagerly before the attention, in replay after the stretch. So the cache is never read out of range.
+
+A left window (`window_size`, FlashAttn's meaning) skips the keys left of the window of a task's first
+query: their blocks are neither read nor checked.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
+from fuel.cpu.attention.paged_attn_check import STATUS_WORDS, find_problem, raise_problem
 from fuel.cpu.attention.paged_attn_tiles import accumulate, dots, prefetch, vector_path
 from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive, neg_inf_like, store_as, widen
 from fuel.dispatch.impls import (
@@ -38,7 +49,6 @@ from fuel.dispatch.impls import (
     revision_of,
 )
 from fuel.dtype import FLOAT_DTYPES, DType
-from fuel.errors import IndexOutOfRange
 from fuel.graph.node import Shape
 from fuel.graph.registry import FusedOps
 from fuel.graph.registry.paged_attn import PagedAttnParams
@@ -60,6 +70,7 @@ SCORE_BUFFER = 1 << 16
 PREFETCH_TOKENS = 32
 ITEMS = 8  # a call's kv heads are cut into chunks until it has about this many tasks (see `head_chunk`)
 SECONDS_PER_VALUE = 1e-9  # one core's time per (query row, live key, head column): a dot and an axpy
+SECONDS_PER_ENTRY = 1e-9  # one core's time per block table entry checked
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -79,17 +90,21 @@ def _softmax_in_place(buf: Any, n: Any, rows: Any, total: Any) -> None:
             total[rr] += e
 
 
+# status: `paged_attn_check`'s words; window: the left window, < 0 for none; qc, hc, longest: set by the
+# check at every call (`budget` is SCORE_BUFFER when the job was built).
 PAGED_ARGS = jobs.record(q=ADDRESS, kc=ADDRESS, vc=ADDRESS, bt=ADDRESS, cl=ADDRESS, slopes=ADDRESS, out=ADDRESS,
-                        batch=INT, heads=INT, sq=INT, d=INT, blocks=INT, block_size=INT, kv_heads=INT, table=INT,
-                        n_slopes=INT, qc=INT, hc=INT, scale=REAL, softcap=REAL)
+                        status=ADDRESS, batch=INT, heads=INT, sq=INT, d=INT, blocks=INT, block_size=INT,
+                        kv_heads=INT, table=INT, n_slopes=INT, window=INT, budget=INT, qc=INT, hc=INT, longest=INT,
+                        scale=REAL, softcap=REAL)
+LONGEST = jobs.word(PAGED_ARGS, "longest")  # the attention job's time estimate is per unit of it
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, scale: Any, softcap: Any,
-           qc: int, hc: int, first_task: int, last_task: int) -> None:
+           window: int, qc: int, hc: int, first_task: int, last_task: int) -> None:
     """Tasks [first_task, last_task) of the call. q [B,Hq,Sq,D]; kc, vc [NB,bs,Hkv,D]; bt [B,M] u32; cl [B]
     u32 (checked); slopes [Hq] or [0] in the compute type; out [B,Hq,Sq,D]; scale, softcap (0: none) in the
-    compute type; qc queries and hc kv heads per task."""
+    compute type; window the left window (< 0: none); qc queries and hc kv heads per task."""
     _, hq, sq, dh = q.shape
     bs, hkv = kc.shape[1], kc.shape[2]
     g = hq // hkv
@@ -113,8 +128,10 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
         rh = (i1 - i0) * g  # rows per kv head: row r of head h is query i0 + r // g, q head h·g + r % g
         rows = nh * rh  # row R = hl·rh + r for kv head h0 + hl
         nmax = max(0, min(ln, i1 + shift))  # keys the last query of the chunk may read
+        # The first key the chunk's first query may read: keys before it (and their blocks) are skipped.
+        ts = 0 if window < 0 else min(nmax, max(0, i0 + shift - window))
         qw = np.empty((rows, dh), slopes.dtype)
-        buf = np.empty((max(nmax, 1), rows), slopes.dtype)  # key-major: a key's scores are one write
+        buf = np.empty((max(nmax - ts, 1), rows), slopes.dtype)  # key-major (key t at t − ts): one write a key
         acc = np.zeros((rows, dh), slopes.dtype)
         total = np.zeros(rows, slopes.dtype)
         # The scale is folded into the queries, so the common score (no softcap, no ALiBi) is final as
@@ -127,12 +144,13 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
         for sweep in range(2):  # the scores of every key (K), then the weighted sum of V rows
             cache = kc if sweep == 0 else vc
             if sweep == 1:
-                _softmax_in_place(buf, nmax, rows, total)
+                _softmax_in_place(buf, nmax - ts, rows, total)
             # Prefetch cursor: token pt, at offset po of the table's block pb (no division per key).
-            pt, pb, po = np.int64(PREFETCH_TOKENS), PREFETCH_TOKENS // bs, PREFETCH_TOKENS % bs
-            for t0 in range(0, nmax, bs):  # block by block: one table lookup per block
+            pt = ts + PREFETCH_TOKENS
+            pb, po = pt // bs, pt % bs
+            for t0 in range(ts - ts % bs, nmax, bs):  # block by block: one table lookup per block
                 row0 = np.int64(bt[b, t0 // bs]) * bs * tok + h0 * dh
-                for t in range(t0, min(nmax, t0 + bs)):
+                for t in range(max(t0, ts), min(nmax, t0 + bs)):
                     if pt < nmax:
                         ahead = (np.int64(bt[b, pb]) * bs + po) * tok + h0 * dh
                         for j in range(0, nh * dh, line):
@@ -142,22 +160,27 @@ def _paged(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, sc
                             pb, po = pb + 1, 0
                     off = row0 + (t - t0) * tok
                     first = max(0, t - shift - i0) * g  # queries before i = t − shift may not see key t
+                    # nor may queries after i = t − shift + window (key t is left of their window)
+                    last = rh if window < 0 else max(first, min(rh, (t - shift + window - i0 + 1) * g))
+                    kt = t - ts
                     for hl in range(nh):
-                        lo, hi = hl * rh + first, (hl + 1) * rh
+                        lo, hi = hl * rh + first, hl * rh + last
                         if sweep == 1:
-                            accumulate(acc, lo, hi - lo, buf, t, vc, off + hl * dh, simd)
+                            accumulate(acc, lo, hi - lo, buf, kt, vc, off + hl * dh, simd)
                             continue
                         for r in range(hl * rh, lo):  # -inf: exp gives an exact 0, the max ignores it
-                            buf[t, r] = neg_inf_like(scale)
-                        dots(qw, lo, hi - lo, kc, off + hl * dh, buf, t, simd)
+                            buf[kt, r] = neg_inf_like(scale)
+                        for r in range(hi, (hl + 1) * rh):
+                            buf[kt, r] = neg_inf_like(scale)
+                        dots(qw, lo, hi - lo, kc, off + hl * dh, buf, kt, simd)
                         if capped or has_alibi:
-                            for r in range(first, rh):
-                                s = buf[t, hl * rh + r]
+                            for r in range(first, last):
+                                s = buf[kt, hl * rh + r]
                                 if capped:
                                     s = softcap * math.tanh(s / softcap)
                                 if has_alibi:
                                     s -= slopes[(h0 + hl) * g + r % g] * cast_like(abs(i0 + r // g + shift - t), scale)
-                                buf[t, hl * rh + r] = s
+                                buf[kt, hl * rh + r] = s
         for rr in range(rows):
             hl, r = rr // rh, rr % rh
             qi = i0 + r // g
@@ -178,8 +201,12 @@ def _paged_part(part: int, parts: int, argv: int, st: Any, dt: Any, ot: Any) -> 
     cl = carray(pointer(a.cl, np.uint32), (nb,))
     slopes = carray(pointer(a.slopes, dt), (a.n_slopes,))
     out = carray(pointer(a.out, ot), (nb, hq, sq, dh))
+    if carray(pointer(a.status, np.int64), (4,))[0] != 0:  # the check found a problem: read nothing
+        if part == 0:
+            out[:] = 0
+        return
     tasks = nb * -(-hkv // a.hc) * -(-sq // a.qc)
-    _paged(q, kc, vc, bt, cl, slopes, out, dt(a.scale), dt(a.softcap), a.qc, a.hc, part * tasks // parts,
+    _paged(q, kc, vc, bt, cl, slopes, out, dt(a.scale), dt(a.softcap), a.window, a.qc, a.hc, part * tasks // parts,
            (part + 1) * tasks // parts)
 
 
@@ -207,38 +234,43 @@ _TASKS = {np.dtype(np.float32): _paged_f32, np.dtype(np.float64): _paged_f64, DT
           DType.F16.np: _paged_f16}
 
 
-def check_indices(bt: np.ndarray, cl: np.ndarray, num_blocks: int, block_size: int) -> int:
-    """Raise IndexOutOfRange for a length past the table's capacity or a live block id outside the cache
-    (entries past a sequence's live length are not read, so not checked). Returns the longest length."""
-    m = bt.shape[1]
-    lens = cl.astype(np.int64)
-    over = np.flatnonzero(lens > m * block_size)
-    if over.size:
-        b = int(over[0])
-        raise IndexOutOfRange(f"paged_attn: context_lens[{b}] = {lens[b]} exceeds the block table's capacity "
-                              f"of {m} blocks × block_size {block_size} = {m * block_size} tokens")
-    used = (lens + block_size - 1) // block_size
-    bad = np.argwhere((np.arange(m)[None, :] < used[:, None]) & (bt >= num_blocks))
-    if bad.size:
-        b, j = (int(x) for x in bad[0])
-        raise IndexOutOfRange(f"paged_attn: block_table[{b}, {j}] = {int(bt[b, j])} is not a block of the "
-                              f"cache (num_blocks = {num_blocks}); sequence {b} has context length {lens[b]}, "
-                              f"so its first {used[b]} blocks are read")
-    return int(lens.max()) if lens.size else 0
+@njit(cache=True)
+def _query_chunk(sq: int, g: int, longest: int, budget: int) -> int:
+    return max(1, min(sq, budget // max(1, g * longest)))
+
+
+@njit(cache=True)
+def _head_chunk(hkv: int, rows: int, longest: int, tasks: int, budget: int) -> int:
+    hc = -(-hkv // max(1, min(hkv, -(-ITEMS // max(1, tasks)))))
+    return max(1, min(hc, budget // max(1, rows * longest)))
 
 
 def query_chunk(sq: int, g: int, longest: int) -> int:
     """Query positions per task: all of them unless their score rows would pass SCORE_BUFFER. Each row
     is computed on its own, so the split (which follows the longest live length) changes no output byte."""
-    return max(1, min(sq, SCORE_BUFFER // max(1, g * longest)))
+    return int(_query_chunk(sq, g, longest, SCORE_BUFFER))
 
 
 def head_chunk(hkv: int, rows: int, longest: int, tasks: int) -> int:
     """KV heads per task: all of them (each token's rows of every head are one contiguous read) unless
     the call would have fewer than ITEMS tasks, or the score rows would pass SCORE_BUFFER. Fixed by the
-    shape; each row is computed on its own, so the split changes no output byte."""
-    hc = -(-hkv // max(1, min(hkv, -(-ITEMS // max(1, tasks)))))
-    return max(1, min(hc, SCORE_BUFFER // max(1, rows * longest)))
+    shape and the longest length; each row is computed on its own, so the split changes no output byte."""
+    return int(_head_chunk(hkv, rows, longest, tasks, SCORE_BUFFER))
+
+
+@pool.task()
+def _check(part: int, parts: int, argv: int) -> None:
+    """The whole check (one item), then the chunks for the longest length, stored into the record."""
+    a = record_at(argv, PAGED_ARGS)
+    for _ in range(part // parts, (part + 1) // parts):
+        status = carray(pointer(a.status, np.int64), (STATUS_WORDS,))
+        bt = carray(pointer(a.bt, np.uint32), (a.batch, a.table))
+        cl = carray(pointer(a.cl, np.uint32), (a.batch,))
+        longest = find_problem(bt, cl, a.blocks, a.block_size, a.sq, a.window, status)
+        g = a.heads // a.kv_heads
+        qc = _query_chunk(a.sq, g, longest, a.budget)
+        a.qc, a.longest = qc, longest
+        a.hc = _head_chunk(a.kv_heads, g * qc, longest, a.batch * -(-a.sq // qc), a.budget)
 
 
 def _storage(a: np.ndarray) -> np.ndarray:
@@ -251,46 +283,57 @@ def _storage(a: np.ndarray) -> np.ndarray:
 
 
 @njit(cache=True)
-def _fill(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, argv: Any) -> None:
+def _fill(q: Any, kc: Any, vc: Any, bt: Any, cl: Any, slopes: Any, out: Any, status: Any, argv: Any) -> None:
     a = argv[0]
     a.q, a.kc, a.vc, a.bt, a.cl = q.ctypes.data, kc.ctypes.data, vc.ctypes.data, bt.ctypes.data, cl.ctypes.data
     a.slopes, a.out, a.n_slopes, a.table = slopes.ctypes.data, out.ctypes.data, slopes.shape[0], bt.shape[1]
+    a.status = status.ctypes.data
     a.batch, a.heads, a.sq, a.d = q.shape
     a.blocks, a.block_size, a.kv_heads = kc.shape[0], kc.shape[1], kc.shape[2]
+    a.qc = a.hc = 1
 
 
-def paged_job(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams, longest: int) -> jobs.Job:
-    """The call's job (C-contiguous arrays, block ids and lengths checked: `check_indices` gave `longest`):
-    f16 goes through an f32 scratch the job keeps, which the caller rounds into out."""
+def paged_job(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams) -> tuple[jobs.Job, ...]:
+    """The call's jobs over C-contiguous arrays, from their shapes alone: the check, then (for a non-empty
+    output) the attention. f16 goes through an f32 scratch the attention job keeps, which the caller rounds
+    into out."""
     q, kc, vc, bt, cl = inputs[:5]
     acc = np.dtype(np.float64) if q.dtype == np.float64 else np.dtype(np.float32)
     slopes = inputs[5] if len(inputs) == 6 else np.empty(0, acc)
     dst = POOL.empty(out.shape, acc) if out.dtype == DType.F16.np else _storage(out)
-    g = q.shape[1] // kc.shape[2]
-    qc = query_chunk(q.shape[2], g, longest)
-    tasks = q.shape[0] * -(-q.shape[2] // qc)
-    hc = head_chunk(kc.shape[2], g * qc, longest, tasks)
+    status = np.zeros(STATUS_WORDS, np.int64)
     argv = jobs.argv_of(PAGED_ARGS)
-    _fill(_storage(q), _storage(kc), _storage(vc), bt, cl, slopes, dst, argv)
+    _fill(_storage(q), _storage(kc), _storage(vc), bt, cl, slopes, dst, status, argv)
     a = argv[0]
-    a["qc"], a["hc"] = qc, hc
+    a["window"] = -1 if params.window_size is None else params.window_size
+    a["budget"] = SCORE_BUFFER
     a["scale"], a["softcap"] = params.softmax_scale, 0 if params.softcap is None else params.softcap
-    pairs = q.shape[0] * q.shape[1] * q.shape[2] * longest
-    return jobs.job(_TASKS[q.dtype], argv, pairs * q.shape[3] * SECONDS_PER_VALUE, tasks * -(-kc.shape[2] // hc),
-                    keep=(dst,))
+    nb, m, bs, hkv = bt.shape[0], bt.shape[1], kc.shape[1], kc.shape[2]
+    check = jobs.job(_check, argv, nb * m * SECONDS_PER_ENTRY, 1, keep=(status,),
+                     check=lambda: raise_problem(status, bs, m, kc.shape[0]))
+    if out.size == 0:
+        return (check,)
+    g, sq = q.shape[1] // hkv, q.shape[2]
+    most = nb * hkv * -(-sq // query_chunk(sq, g, m * bs))  # the tasks of the longest length the table holds
+    per_key = nb * q.shape[1] * sq * q.shape[3] * SECONDS_PER_VALUE
+    return check, jobs.job(_TASKS[q.dtype], argv, per_key, max(1, most), unit=LONGEST, keep=(dst,))
 
 
 def paged_attention(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams) -> None:
-    """The impl's kernel: block ids and lengths checked on every call (so it is not replayed natively:
-    replay would read a new table unchecked), then the job, and f16's rounding from its scratch."""
-    kc, bt, cl = inputs[1], inputs[3], inputs[4]
-    longest = check_indices(bt, cl, kc.shape[0], params.block_size)
-    if out.size == 0:
-        return
-    job = paged_job(inputs, out, params, longest)
-    jobs.run(job)
-    if out.dtype == DType.F16.np:
-        np.copyto(out, job.keep[0], casting="unsafe")
+    """The impl's kernel: the call's jobs, then f16's rounding from the attention job's scratch."""
+    found = paged_job(inputs, out, params)
+    jobs.run(found)
+    if out.dtype == DType.F16.np and len(found) == 2:
+        np.copyto(out, found[1].keep[0], casting="unsafe")
+
+
+@jobs.replays(paged_attention)
+def paged_attn_form(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams) -> tuple[jobs.Job, ...] | None:
+    """What native replay posts: the eager kernel's jobs, but for f16 (rounded in NumPy) and arrays the
+    tasks do not read as they are."""
+    if out.dtype == DType.F16.np or not all(x.flags.c_contiguous for x in (*inputs, out)):
+        return None
+    return paged_job(inputs, out, params)
 
 
 def cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: PagedAttnParams) -> CostEstimate:

@@ -5,11 +5,12 @@ q `[B,Hq,Sq,D]`; k_cache, v_cache `[num_blocks, block_size, Hkv, D]` (q's dtype)
 (F64 for F64 attention, else F32). Token t of sequence b lives at
 `cache[block_table[b, t // block_size], t % block_size]`; `context_lens[b] = L` counts the Sq new
 tokens, so query i sits at `aq = i + L − Sq` and key t is admissible iff `t < L` and `t <= aq`
-(causal, bottom-right). Query head h reads kv head `h // (Hq/Hkv)`. Scores `s = scale·q·k`, softcap
+(causal, bottom-right), and with a left window w (`window_size`, FlashAttn's `window_size_left`) also
+`t >= aq − w`. Query head h reads kv head `h // (Hq/Hkv)`. Scores `s = scale·q·k`, softcap
 `c·tanh(s/c)`, ALiBi `-slope_h·|aq − t|`, the mask, softmax; a row with no admissible key gives 0.
 
-Block ids are checked when the kernel runs (`IndexOutOfRange`): only the blocks a sequence's live
-length reaches; entries past it are neither read nor checked.
+Block ids are checked when the kernel runs (`IndexOutOfRange`): only the blocks a sequence reads, up to
+its live length and from its window's first key; entries outside that span are neither read nor checked.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PagedAttnParams:
     softmax_scale: float
     block_size: int
     softcap: float | None
+    window_size: int | None = None  # the left window: key t is visible from aq iff aq − window <= t <= aq
 
 
 def check_params(p: PagedAttnParams) -> None:
@@ -44,6 +46,9 @@ def check_params(p: PagedAttnParams) -> None:
         raise ParamError(f"{OP}: softcap must be a positive finite number or None, got {p.softcap}")
     if isinstance(p.block_size, bool) or not isinstance(p.block_size, int) or p.block_size < 1:
         raise ParamError(f"{OP}: block_size must be an int >= 1, got {p.block_size!r}")
+    w = p.window_size
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+        raise ParamError(f"{OP}: window_size must be a non-negative int or None, got {w!r}")
 
 
 def shape_rule(shapes: tuple[Shape, ...], params: PagedAttnParams) -> Shape:
@@ -92,9 +97,11 @@ def decompose(inputs: list[Tensor], params: PagedAttnParams) -> Tensor:
     """The executor's fallback where no kernel serves a dtype (every float dtype has one), exact in
     primitives so tests/test_contract.py can hold it to the reference like every other entry's.
 
-    Gather every table entry's block (dead entries redirected to block 0), then dense attention under
-    the runtime mask `t + Sq − i <= L_b` (which is `t <= aq` and implies `t < L_b`). Values at dead
-    positions are zeroed, so a never-written cache slot cannot leak NaN through a zero probability."""
+    Gather every table entry's block (dead entries, and with a window w those wholly left of every
+    query's window, redirected to block 0), then dense attention under the runtime mask `t + Sq − i <= L_b`
+    (which is `t <= aq` and implies `t < L_b`), and with a window `L_b <= t + Sq − i + w` (which is
+    `t >= aq − w`). Values at dead positions (past L_b, or left of the first query's window) are zeroed, so a
+    never-written cache slot cannot leak NaN through a zero probability."""
     q, kc, vc, bt, cl = inputs[:5]
     alibi = inputs[5] if len(inputs) == 6 else None
     b, hq, sq, d = q.shape
@@ -104,15 +111,20 @@ def decompose(inputs: list[Tensor], params: PagedAttnParams) -> Tensor:
     if q.size == 0 or lmax == 0:
         return zeros(q.shape, q.dtype)
     lens = cl.reshape(b, 1)
-    ids = where(_u32(np.arange(m) * bs) < lens, bt, 0).reshape(b * m)
+    w = params.window_size
+    ids = where(_u32(np.arange(m) * bs) < lens, bt, 0)
+    if w is not None:  # the block's last token t = (j+1)·bs − 1 reaches the first query's window
+        ids = where(_u32((np.arange(m) + 1) * bs + sq + w) > lens, ids, 0)
+    ids = ids.reshape(b * m)
 
     def dense(cache: Tensor) -> Tensor:
         pages = cache.index_select(0, ids).reshape(b, lmax, hkv, d).permute(0, 2, 1, 3)
         return repeat_heads(pages, hq)
 
     lb = cl.reshape(b, 1, 1, 1)
-    live = _u32(np.arange(lmax).reshape(lmax, 1)) < lb
-    v = where(live, dense(vc), 0.0)
+    v = where(_u32(np.arange(lmax).reshape(lmax, 1)) < lb, dense(vc), 0.0)
+    if w is not None:
+        v = where(_u32(np.arange(lmax).reshape(lmax, 1) + sq + w) >= lb, v, 0.0)
     s = matmul(q, dense(kc).transpose(-2, -1)) * params.softmax_scale
     if params.softcap is not None:
         s = (s * (1.0 / params.softcap)).tanh() * params.softcap
@@ -121,6 +133,8 @@ def decompose(inputs: list[Tensor], params: PagedAttnParams) -> Tensor:
         dist = (lb.cast(alibi.dtype) - tensor(reach.astype(alibi.dtype.np))).abs()  # |aq − t|
         s = s + (alibi.reshape(1, hq, 1, 1) * -dist).cast(q.dtype)
     s = where(_u32(reach) <= lb, s, -np.inf)
+    if w is not None:
+        s = where(_u32(reach + w) >= lb, s, -np.inf)
     has_key = _u32(sq - np.arange(sq).reshape(sq, 1)) <= lb  # key 0 admissible
     return matmul(where(has_key, s.softmax(-1), 0.0), v)
 
@@ -144,8 +158,9 @@ def _index_input(name: str, x: TensorLike) -> Tensor:
 
 def paged_attn(q: TensorLike, k_cache: TensorLike, v_cache: TensorLike, block_table: TensorLike,
                context_lens: TensorLike, softmax_scale: float | None = None, softcap: float | None = None,
-               alibi: TensorLike | None = None) -> Tensor:
-    """Causal attention of q `[B,Hq,Sq,D]` over a paged cache; see the module doc for the layout."""
+               alibi: TensorLike | None = None, window_size: int | None = None) -> Tensor:
+    """Causal attention of q `[B,Hq,Sq,D]` over a paged cache, each query seeing its last `window_size`
+    keys and itself when a window is given; see the module doc for the layout."""
     tensors = [as_tensor(q), as_tensor(k_cache), as_tensor(v_cache), _index_input("block_table", block_table),
                _index_input("context_lens", context_lens)]
     tq, tk = tensors[0], tensors[1]
@@ -162,7 +177,8 @@ def paged_attn(q: TensorLike, k_cache: TensorLike, v_cache: TensorLike, block_ta
     d = tq.shape[3]
     scale = _number("softmax_scale", softmax_scale) if softmax_scale is not None else (
         1.0 / math.sqrt(d) if d else 1.0)
-    params = PagedAttnParams(scale, int(tk.shape[1]), None if softcap is None else _number("softcap", softcap))
+    params = PagedAttnParams(scale, int(tk.shape[1]), None if softcap is None else _number("softcap", softcap),
+                             window_size)
     return Tensor(fused_node(FusedOps.PAGED_ATTN, [t.node for t in tensors], params))
 
 

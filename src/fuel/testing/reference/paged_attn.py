@@ -25,13 +25,15 @@ DEAD_BLOCK = 0xFFFFFFFF
 
 
 def gather_pages(cache: np.ndarray, bt: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """`[B,Hkv,Lmax,D]` float64 from a `[NB,bs,Hkv,D]` cache: token t of b at cache[bt[b, t//bs], t%bs]."""
+    """`[B,Hkv,Lmax,D]` float64 from a `[NB,bs,Hkv,D]` cache: token t of b at cache[bt[b, t//bs], t%bs].
+    Tokens in DEAD_BLOCK entries (left of a window) stay 0: the window masks them."""
     _, bs, hkv, d = cache.shape
     lmax = bt.shape[1] * bs
     out = np.zeros((bt.shape[0], hkv, lmax, d))
     for b, ln in enumerate(int(x) for x in lens):
         t = np.arange(ln)
-        out[b, :, :ln] = np.asarray(cache, np.float64)[bt[b, t // bs].astype(np.intp), t % bs].transpose(1, 0, 2)
+        t = t[bt[b, t // bs] != DEAD_BLOCK]
+        out[b][:, t] = np.asarray(cache, np.float64)[bt[b, t // bs].astype(np.intp), t % bs].transpose(1, 0, 2)
     return out
 
 
@@ -45,8 +47,8 @@ def _per_sequence(fn: Attn, xs: list[np.ndarray], p: PagedAttnParams) -> np.ndar
     out = np.zeros(q.shape)
     for b in range(q.shape[0]):
         s = slice(b, b + 1)
-        out[s] = fn(q[s], k[s], v[s], p.softmax_scale, causal=True, softcap=p.softcap, alibi=alibi,
-                    k_len=int(cl[b]))
+        out[s] = fn(q[s], k[s], v[s], p.softmax_scale, causal=True, left=p.window_size, softcap=p.softcap,
+                    alibi=alibi, k_len=int(cl[b]))
     return out
 
 
@@ -61,9 +63,11 @@ def paged_scale(xs: list[np.ndarray], params: Any, ref: np.ndarray) -> np.ndarra
 
 def paged_inputs(rng: np.random.Generator, dt: DType, b: int, hq: int, hkv: int, sq: int, d: int, bs: int,
                  lens: Sequence[int], softcap: float | None = None, alibi: bool = False, q_scale: float = 1.0,
-                 spare_blocks: int = 3, shared_prefix: bool = False) -> tuple[tuple[np.ndarray, ...], PagedAttnParams]:
+                 spare_blocks: int = 3, shared_prefix: bool = False, window: int | None = None
+                 ) -> tuple[tuple[np.ndarray, ...], PagedAttnParams]:
     """Inputs with a shuffled block table: live blocks in random cache order, DEAD_BLOCK past them, a few
-    cache blocks no one uses; with `shared_prefix`, every sequence's first block is sequence 0's."""
+    cache blocks no one uses; with `shared_prefix`, every sequence's first block is sequence 0's. With a
+    `window`, the blocks wholly left of every query's window are DEAD_BLOCK too (never read)."""
     used = [math.ceil(n / bs) for n in lens]
     m = max(used, default=0) + 1
     nb = sum(used) + spare_blocks
@@ -74,6 +78,9 @@ def paged_inputs(rng: np.random.Generator, dt: DType, b: int, hq: int, hkv: int,
             bt[i, j] = next(order)
     if shared_prefix and b and used[0]:
         bt[:, 0] = np.where(np.array(used) > 0, bt[0, 0], bt[:, 0])
+    if window is not None:
+        for i, n in enumerate(lens):
+            bt[i, :max(0, n - sq - window) // bs] = DEAD_BLOCK
     kc = randn(rng, (nb, bs, hkv, d), dt)
     vc = randn(rng, (nb, bs, hkv, d), dt)
     q = randn(rng, (b, hq, sq, d), dt, q_scale)
@@ -81,7 +88,7 @@ def paged_inputs(rng: np.random.Generator, dt: DType, b: int, hq: int, hkv: int,
     if alibi:
         slopes = 2.0 ** (-8.0 * (np.arange(hq) + 1) / max(hq, 1))
         inputs = (*inputs, slopes.astype(alibi_dtype(dt).np))
-    return inputs, PagedAttnParams(1.0 / math.sqrt(d) if d else 1.0, bs, softcap)
+    return inputs, PagedAttnParams(1.0 / math.sqrt(d) if d else 1.0, bs, softcap, window)
 
 
 # (label, b, hq, hkv, sq, d, bs, lens, options)
@@ -103,6 +110,11 @@ CASES: tuple[tuple[str, int, int, int, int, int, int, tuple[int, ...], dict[str,
     ("zero batch", 0, 4, 2, 1, 32, 16, (), {}),
     ("zero queries", 2, 4, 2, 0, 32, 16, (3, 0), {}),
     ("zero queries, alibi", 1, 2, 1, 0, 32, 16, (0,), {"alibi": True}),
+    ("window decode gqa 9/3 d64", 3, 9, 3, 1, 64, 16, (1, 40, 100), {"window": 20}),
+    ("window prefill chunk gqa 4/2, block size 4", 2, 4, 2, 6, 32, 4, (9, 30), {"window": 5}),
+    ("window 0: the diagonal only", 2, 4, 1, 3, 32, 4, (3, 11), {"window": 0}),
+    ("window + softcap + alibi", 2, 4, 1, 5, 64, 16, (50, 7), {"window": 9, "softcap": 5.0, "alibi": True}),
+    ("window wider than the context, d256", 1, 4, 1, 1, 256, 16, (40,), {"window": 511}),
 )
 
 
