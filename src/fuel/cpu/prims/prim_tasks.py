@@ -10,6 +10,7 @@ does, else None (the step stays in Python):
 - MATMUL of a few f32 rows with a weight: `gemv`'s partial sums, then their sum, as two jobs.
 - CACHE_WRITE: the rows copied into the cache at the offset, a DynScalar offset bound at each call.
 - INDEX_COPY: `index_copy`'s check and write, the index read afresh at each call.
+- INDEX_SELECT: `index_select`'s check and gather, likewise.
 Elements are independent, so a job's split into parts never changes a byte.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
-from fuel.cpu.prims import gemv, index_copy, logistic
+from fuel.cpu.prims import gemv, index_copy, index_select, logistic
 from fuel.graph.node import Op, OpSpec
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
@@ -225,3 +226,8 @@ def index_copy_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: An
     if out is not target or not target.flags.writeable:
         return None
     return index_copy.index_copy_jobs(target, index, rows)
+
+
+@prim_job(Op.INDEX_SELECT)
+def index_select_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> tuple[Job, Job] | None:
+    return index_select.index_select_jobs(xs[0], xs[1], out, arg)
