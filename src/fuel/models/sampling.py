@@ -19,10 +19,11 @@ never written):
    transformers' TopK, TopP and MinP warpers in that order, except at ties: `top_k` and `top_p` take a
    prefix of the ranking in which equal logits put the lower id first, so `top_k` keeps exactly k.
 
-The logprobs a `Choice` reports are the log-softmax of the processed logits (step 4), before the
-temperature and the cuts: what vLLM reports by default for a processed request. They describe the
-model's distribution as the request shaped it (bias, penalties, grammar), the same for greedy and
-sampled requests and whatever the temperature, and a token the mask forbids never appears among them.
+The logprobs a `Choice` reports are the log-softmax of the processed logits (after step 4), before the
+temperature and the cuts. So they describe the distribution the request chose from as its bias,
+penalties and grammar shaped it, and not the sampling knobs: a greedy and a sampled request with the
+same prefix report the same numbers, every token the model could emit has a finite logprob (a token
+cut by top_k, top_p or min_p is not -inf), and a token the mask forbids never appears among them.
 
 Each Sampler draws with its own NumPy generator seeded by `seed`: a seeded Sampler's draws depend only
 on its own calls (one uniform per sampled call, none for greedy), so a request's tokens never depend
@@ -187,7 +188,7 @@ class Sampler:
         if top is None:
             return Choice(token, math.nan)
         hi = x.max()
-        with np.errstate(over="ignore"):  # a logit far below the largest: exp underflows to 0, as it should
+        with np.errstate(over="ignore"):  # x - hi may overflow to -inf (|x| near the float's limit): weight 0
             lse = float(hi + np.log(np.exp(x - hi).sum()))
         best = _ranked_top(x, top)
         best = best[x[best] > -np.inf]
