@@ -20,8 +20,8 @@ are the same bytes whatever else shares its steps, and the engine never runs mor
 **Captures.** The step is one `fl.jit` function; each (rows, logit rows) shape is its own capture, traced on
 first use. The caches are `[num_blocks·block_size, kv_heads, D]` float32 arrays per layer, written in place.
 
-**Gemma 3** attends over a sliding window on five of six layers; PagedAttn has no window, so its sequences
-are limited to the window's length (`max_context`), where the window never binds.
+**Gemma 3** attends over a sliding window on five of six layers: there PagedAttn gets the model's left
+window (`sliding_window - 1`, as `LlamaModel` gives FlashAttn), so its sequences hold the model's capacity.
 """
 
 from __future__ import annotations
@@ -58,9 +58,7 @@ class BatchedLlama:
     @staticmethod
     def context_of(model: LlamaModel) -> int:
         """The most positions one sequence may hold: the model's capacity (Gemma's window: module doc)."""
-        cfg = model.cfg
-        window = cfg.sliding_window if cfg.gemma and cfg.sliding_window else None
-        return min(model.capacity, window) if window else model.capacity
+        return model.capacity
 
     def _forward(self, x: Tensor, slots: Tensor, block_table: Tensor, context_lens: Tensor, logit_rows: Tensor,
                  *tables: Tensor) -> Tensor:
@@ -86,8 +84,10 @@ class BatchedLlama:
             vc = fl.index_copy(fl.tensor(self.v_cache[i]), slots, v.permute(0, 2, 1, 3).reshape(m, cfg.kv_heads, hd))
             if logit_rows is None and i == cfg.layers - 1:
                 return kc[:1, :1, :1] + vc[:1, :1, :1]
+            window = cfg.sliding_window - 1 if cfg.is_local(i) and cfg.sliding_window else None
             a = fl.ops.paged_attn(q.permute(2, 1, 0, 3), kc.reshape(*cache_shape), vc.reshape(*cache_shape),
-                                  block_table, context_lens, softmax_scale=cfg.attn_scale)  # [M, heads, 1, D]
+                                  block_table, context_lens, softmax_scale=cfg.attn_scale,
+                                  window_size=window)  # [M, heads, 1, D]
             x = model.after_attention(lw, x, lw["o"](a.reshape(m, cfg.heads * hd)))
         assert logit_rows is not None
         return model.logits(x.index_select(0, logit_rows))
