@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from fuel.errors import FuelError, ParamError
 from fuel.models import generate as gen
+from fuel.models.generate_args import StopText
 from fuel.models.llama import LlamaModel, ModelError
 from fuel.models.tokenizer import GGUFTokenizer
 from fuel.testing.llama_files import tiny_llama_gguf
@@ -228,12 +229,14 @@ def _settled(text: str, stops: list[str]) -> str:
 @given(text=st.text("abc", max_size=30), stops=st.lists(st.text("abc", min_size=1, max_size=4), min_size=1,
                                                         max_size=3), cuts=st.lists(st.integers(0, 30)))
 def test_stop_text_emits_exactly_what_no_stop_can_claim(text: str, stops: list[str], cuts: list[int]) -> None:
-    """Against a brute-force statement of the contract: the text before the first occurrence of any stop
-    sequence, emitted as soon as no stop sequence can begin in it (whatever the cut into pieces)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    """Against a brute-force statement of the contract: the text before the stop sequence that completes
+    first (the longer of two ending together), emitted as soon as no stop sequence can begin in it
+    (whatever the cut into pieces)."""
+    ends = [(e, e - len(s)) for e in range(len(text) + 1) for s in stops if text[:e].endswith(s)]
+    hits = [min(ends)[1]] if ends else []
     want = text[:min(hits, default=len(text))]
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    filt, out, stopped = gen._StopText(tuple(stops)), "", False
+    filt, out, stopped = StopText(tuple(stops)), "", False
     for a, b in itertools.pairwise(bounds):
         piece, stopped = filt.push(text[a:b])
         out += piece

@@ -11,7 +11,8 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from fuel.models.generate import _StopText, describe, model_path
+from fuel.models.generate import describe, model_path
+from fuel.models.generate_args import StopText
 from fuel.serve.engine import Done, EngineStats, Piece, QueueFull, Request, TokenLogprob
 
 TEXT = " The quick brown fox jumps over the lazy dog. Ünïcödé ✓ 🦊 done."
@@ -70,7 +71,7 @@ class FakeEngine:
         return stream
 
     def _run(self, req: Request, stream: FakeStream) -> None:
-        text, stop = self.tokenizer.stream(), _StopText(req.stop)
+        text, stop = self.tokenizer.stream(), StopText(req.stop)
         reason, n, stopped = "length", 0, False
         try:
             for i, t in enumerate(self.output + [self.tokenizer.eos_id]):

@@ -26,8 +26,10 @@ text reaches a stop sequence; "length" when `max_tokens` tokens were generated o
 (`context_full`: the prompt and the tokens so far fill the model's capacity, and one more token would
 need a position past it).
 
-**Stop sequences** (`stop=`): the text ends before the first occurrence of any of them, which is not
-returned; an occurrence may span tokens. A piece never holds text a stop sequence might still claim:
+**Stop sequences** (`stop=`): the text ends before the first of them to complete (of two completing at
+the same character, the longer), which is not returned; an occurrence may span tokens. "First to
+complete" is what a stream can decide as text arrives, so the result never depends on how the text was
+cut into tokens. A piece never holds text a stop sequence might still claim:
 while the text ends with the start of a stop sequence, that end is held back until the next tokens
 settle it (then it is emitted, or the generation stops).
 
@@ -48,7 +50,7 @@ from typing import Any, TextIO
 
 from fuel.errors import ParamError
 from fuel.io.gguf import GGUFError, GGUFFile, open_gguf
-from fuel.models.generate_args import encode_prompt, stops_of
+from fuel.models.generate_args import StopText, encode_prompt, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import LlamaModel, ModelError
 from fuel.models.llama_weights import LlamaConfig
@@ -86,32 +88,6 @@ def model_path(name: str) -> Path:
     except GGUFError as e:  # a missing package is a MissingDependency, which says how to install it
         raise ModelError(f"generate: unknown model {name!r}; give one of {', '.join(MODELS)} "
                          "or the path of a .gguf file") from e
-
-
-class _StopText:
-    """The text of a generation with its stop sequences cut (module doc): `push` a piece, get what is
-    settled and whether a stop sequence was reached; `flush` the held end once no token follows."""
-
-    def __init__(self, stops: tuple[str, ...]) -> None:
-        self.stops, self.held = stops, ""
-
-    def push(self, piece: str) -> tuple[str, bool]:
-        if not self.stops:
-            return piece, False
-        held = self.held + piece
-        hits = [i for i in (held.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return held[:min(hits)], True
-        # the longest end of the text that begins a stop sequence stays held
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(held)), 0, -1)
-                    if held.endswith(s[:k])), default=0)
-        self.held = held[len(held) - keep:]
-        return held[:len(held) - keep], False
-
-    def flush(self) -> str:
-        out, self.held = self.held, ""
-        return out
 
 
 # ---- generating ---------------------------------------------------------------------------------------
@@ -171,7 +147,7 @@ def _run(out: _Outcome, llm: LLM, ids: list[int], max_tokens: int, sampler: Samp
         if not seq.in_use.acquire(blocking=False):
             raise ModelError("generate: the sequence given is in use by another generation")
         try:
-            yield from _steps(out, llm, seq, ids, max_tokens, sampler, _StopText(stops))
+            yield from _steps(out, llm, seq, ids, max_tokens, sampler, StopText(stops))
         finally:
             seq.in_use.release()
     finally:
@@ -180,7 +156,7 @@ def _run(out: _Outcome, llm: LLM, ids: list[int], max_tokens: int, sampler: Samp
 
 
 def _steps(out: _Outcome, llm: LLM, seq: KVSequence, ids: list[int], max_tokens: int, sampler: Sampler,
-           stop: _StopText) -> Generator[str, None, None]:
+           stop: StopText) -> Generator[str, None, None]:
     common = min(seq.common_prefix(ids), len(ids) - 1)  # at least one token runs, for its logits
     seq.rewind(common)
     start = time.perf_counter()

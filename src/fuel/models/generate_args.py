@@ -67,3 +67,30 @@ def _describe(v: Any) -> str:
         kinds = sorted({type(x).__name__ for x in v})
         return f"an empty {type(v).__name__}" if not v else f"a {type(v).__name__} of {', '.join(kinds)}"
     return type(v).__name__
+
+
+class StopText:
+    """The text of a generation with its stop sequences cut (`fuel.models.generate`'s module doc): `push` a
+    piece, get what is settled and whether a stop sequence was reached; `flush` the held end once no token
+    follows. Shared by `fuel generate` and the serving engine."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops, self.held = stops, ""
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        if not self.stops:
+            return piece, False
+        held = self.held + piece
+        hits = [(i + len(s), i) for s, i in ((s, held.find(s)) for s in self.stops) if i >= 0]
+        if hits:  # the stop sequence that completes first (a longer one first where two end together)
+            self.held = ""
+            return held[:min(hits)[1]], True
+        # the longest end of the text that begins a stop sequence stays held
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(held)), 0, -1)
+                    if held.endswith(s[:k])), default=0)
+        self.held = held[len(held) - keep:]
+        return held[:len(held) - keep], False
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out

@@ -41,7 +41,8 @@ from typing import Any
 import numpy as np
 
 from fuel.errors import FuelError, ParamError
-from fuel.models.generate import LLM, _StopText
+from fuel.models.generate import LLM
+from fuel.models.generate_args import StopText
 from fuel.models.sampling import Sampler
 from fuel.serve.batch_model import MAX_ROWS, BatchedLlama
 from fuel.serve.kv_blocks import ROOT, BlockPool
@@ -164,7 +165,7 @@ class _Seq:
         self.cached = 0
         self.generated = 0
         self.text = tokenizer.stream()
-        self.stop = _StopText(req.stop)
+        self.stop = StopText(req.stop)
         self.pending: Piece = Piece("", [], [])
 
     @property
