@@ -138,6 +138,8 @@ def test_cancelled_streams_free_their_blocks(llm: LLM, engine: Engine) -> None:
 def test_the_queue_bound_and_bad_requests(llm: LLM) -> None:
     eng = Engine(llm, slots=1, max_queue=1)
     try:
+        assert eng.warm() == 3 and eng.batch._step.captures == 2 and eng.batch._fill.captures == 1
+        assert eng.stats().blocks_used == 0
         first = eng.submit(_greedy(_ids(llm, PROMPTS[0]), 40))
         eng.submit(_greedy(_ids(llm, PROMPTS[1]), 40))
         with pytest.raises(QueueFull, match="max_queue 1"):

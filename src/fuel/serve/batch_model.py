@@ -27,7 +27,7 @@ window (`sliding_window - 1`, as `LlamaModel` gives FlashAttn), so its sequences
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -113,8 +113,12 @@ class BatchedLlama:
             out = self._step(*args, logit_rows.astype(np.int64), *tables)
         return np.asarray(out.numpy())
 
-    def warm(self, shapes: Any) -> None:
-        """Capture the step for each (rows, logit rows) in `shapes` (a first call traces and plans it)."""
+    def warm(self, shapes: Sequence[tuple[int, int]], blocks: list[int]) -> None:
+        """Capture the step for each (rows, logit rows) in `shapes` (a first call traces and plans it),
+        writing its rows into `blocks` (blocks no sequence holds, enough for the most rows)."""
         for m, r in shapes:
             n = np.arange(m)
-            self.step(np.zeros(m, np.int64), n, n, np.zeros((m, self.max_blocks), np.int64), np.arange(r))
+            table = np.zeros((m, self.max_blocks), np.int64)
+            table[:, :len(blocks)] = blocks
+            slots = np.array(blocks)[n // self.block_size] * self.block_size + n % self.block_size
+            self.step(np.zeros(m, np.int64), n, slots, table, np.arange(r))

@@ -222,6 +222,20 @@ class Engine:
             self._cv.notify()
         return stream
 
+    def warm(self) -> int:
+        """Capture the steps a steady load runs (each decoding count alone, and full prompt chunks) before
+        any request comes, so the first requests do not wait for their tracing. Returns the shapes taken."""
+        shapes = [(n, n) for n in range(1, self.slots + 1)] + [(MAX_ROWS, 0), (MAX_ROWS, 1)]
+        with self._cv:
+            if self._running or self._waiting:
+                raise ParamError("engine: warm before the first request")
+            blocks = [self.pool.allocate() for _ in range(-(-MAX_ROWS // self.pool.block_size))]
+            try:
+                self.batch.warm(shapes, blocks)
+            finally:
+                self.pool.release(blocks)
+        return len(shapes)
+
     def stats(self) -> EngineStats:
         with self._cv:
             c = dict(self._counts)

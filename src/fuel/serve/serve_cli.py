@@ -65,6 +65,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
         embedder = bert.load()
     engine = Engine(llm, slots=args.slots, max_queue=args.max_queue, model_name=served_name(args.model))
+    sys.stderr.write("Capturing the batched steps ...\n")
+    sys.stderr.write(f"  {engine.warm()} step shapes ready\n")
     try:
         uvicorn.run(create_app(engine, embedder=embedder), host=args.host, port=args.port, log_level=args.log_level)
     finally:
