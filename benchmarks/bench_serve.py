@@ -5,8 +5,9 @@ subprocess for each concurrency C in (1, 4, 8), one server at a time:
 
 - fuel: `fuel serve --slots C --context 512` (its thread count is the machine's, 2 here);
 - llama-server (built by `make bench-env`): `-np C -c C*512 -t 2 -tb 2 --cont-batching`, 512 tokens a slot;
-- llama-cpp-python's server (`make bench-env` installs its extra): `--n_threads 2`; it serves one request at
-  a time, so its clients queue.
+- llama-cpp-python's server (`make bench-env` installs its extra): `--n_threads 2 --interrupt_requests False`;
+  it serves one request at a time, so its clients queue (by default a new request would cut off the running
+  stream instead).
 
 After /health (or /v1/models) answers, C warm-up requests run at once, then C clients each send `requests`
 streamed chat/completions requests one after another (`serve_load`): a 128-token prompt (the chat template
@@ -149,7 +150,7 @@ def server_command(engine: str, model_path: str, port: int, slots: int) -> list[
                 str(THREADS), "-c", str(slots * SLOT_CONTEXT), "--cont-batching"]
     if engine == "llama_cpp_python":
         return [sys.executable, "-m", "llama_cpp.server", "--model", model_path, *host, "--n_threads", str(THREADS),
-                "--n_threads_batch", str(THREADS), "--n_ctx", str(SLOT_CONTEXT)]
+                "--n_threads_batch", str(THREADS), "--n_ctx", str(SLOT_CONTEXT), "--interrupt_requests", "False"]
     raise ValueError(f"bench_serve: unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
 
 

@@ -102,12 +102,14 @@ async def stream_one(client: Any, url: str, body: dict[str, Any]) -> RequestTimi
             if resp.status_code != 200:
                 t.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return t
+            done = False
             async for line in resp.aiter_lines():
                 now = time.perf_counter()
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -119,6 +121,8 @@ async def stream_one(client: Any, url: str, body: dict[str, Any]) -> RequestTimi
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                     t.completion_tokens = int(usage["completion_tokens"])
                     t.prompt_tokens = usage.get("prompt_tokens")
+            if not done:  # a server that drops a stream (llama-cpp-python's interrupting one) sends no [DONE]
+                t.error = f"the stream ended without [DONE] after {len(t.chunks)} text chunks"
     except Exception as e:  # a refused connection or a broken stream is this request's result, not a crash
         t.error = f"{type(e).__name__}: {e}"
     t.finished = time.perf_counter()

@@ -6,7 +6,7 @@
   chunks, the first after FIRST_DELAY_S and each next one GAP_S later, then a usage chunk when
   stream_options.include_usage is set, then [DONE]. A request for another model gets a 404, one that
   would stop at EOS (neither ignore_eos nor min_tokens >= max_tokens) a 400: the benchmark must ask
-  every engine for exactly max_tokens tokens.
+  every engine for exactly max_tokens tokens. A request whose `user` is "drop" ends without [DONE].
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ def make_server(port: int, first_delay: float, gap: float) -> ThreadingHTTPServe
                 if i:
                     time.sleep(gap)
                 send({"choices": [{"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": None}]})
+            if body.get("user") == "drop":  # as llama-cpp-python's server cuts off a stream: no [DONE]
+                return
             if (body.get("stream_options") or {}).get("include_usage"):
                 send({"choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": n,
                                                "total_tokens": PROMPT_TOKENS + n}})

@@ -132,6 +132,8 @@ def test_http_errors_are_results_not_crashes(fake_url: str) -> None:
                                                                               "stream": True}]]))
     assert timings[0].error is not None and timings[0].error.startswith("HTTP 404")
     assert timings[1].error is not None and timings[1].error.startswith("HTTP 400")
+    dropped, _ = asyncio.run(sl.run_load(fake_url + "/v1/chat/completions", [[{**_body("fuel", 3), "user": "drop"}]]))
+    assert dropped[0].error == "the stream ended without [DONE] after 3 text chunks"
     refused, _ = asyncio.run(sl.run_load("http://127.0.0.1:9/v1/chat/completions", [[_body("fuel", 3)]]))
     assert refused[0].error is not None and refused[0].chunks == []
 
@@ -157,7 +159,7 @@ def test_peer_commands_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         c = bs.server_command(e, "m.gguf", 8123, 4)
         assert c[c.index("--host") + 1] == "127.0.0.1" and c[c.index("--port") + 1] == "8123"
     lcp = bs.server_command("llama_cpp_python", "m.gguf", 8123, 4)
-    assert lcp[lcp.index("--n_threads") + 1] == "2"
+    assert lcp[lcp.index("--n_threads") + 1] == "2" and lcp[lcp.index("--interrupt_requests") + 1] == "False"
     assert bs.server_command("fuel", "m.gguf", 1, 8)[-2:] == ["--slots", "8"]
     monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
