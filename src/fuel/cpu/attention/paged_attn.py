@@ -308,9 +308,9 @@ def paged_job(inputs: list[np.ndarray], out: np.ndarray, params: PagedAttnParams
     a["window"] = -1 if params.window_size is None else params.window_size
     a["budget"] = SCORE_BUFFER
     a["scale"], a["softcap"] = params.softmax_scale, 0 if params.softcap is None else params.softcap
-    nb, m, bs, hkv = bt.shape[0], bt.shape[1], kc.shape[1], kc.shape[2]
+    nb, m, bs, hkv, blocks = bt.shape[0], bt.shape[1], kc.shape[1], kc.shape[2], kc.shape[0]
     check = jobs.job(_check, argv, nb * m * SECONDS_PER_ENTRY, 1, keep=(status,),
-                     check=lambda: raise_problem(status, bs, m, kc.shape[0]))
+                     check=lambda: raise_problem(status, bs, m, blocks))
     if out.size == 0:
         return (check,)
     g, sq = q.shape[1] // hkv, q.shape[2]
