@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -346,19 +347,25 @@ def main(out_dir: str, sizes: Sizes | None = None, engines: tuple[str, ...] = EN
     sizes = sizes or Sizes()
     model_path = str(bundled_gguf("smollm2"))
     absent = {e: missing(e) for e in engines}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # A terminated run stops its server on the way out (the `with` in measure) and keeps the rounds it ran.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {e: {str(c): [] for c in sizes.concurrency} for e in engines}
-    for r in range(sizes.rounds):
-        order = [e for e in (engines if r % 2 == 0 else engines[::-1]) if absent[e] is None]
-        for c in sizes.concurrency:
-            for engine in order:
-                print(f"{engine} at concurrency {c} (round {r + 1} of {sizes.rounds}) ...", flush=True)
-                runs[engine][str(c)].append(measure(engine, c, sizes, r, model_path))
+    try:
+        for r in range(sizes.rounds):
+            order = [e for e in (engines if r % 2 == 0 else engines[::-1]) if absent[e] is None]
+            for c in sizes.concurrency:
+                for engine in order:
+                    print(f"{engine} at concurrency {c} (round {r + 1} of {sizes.rounds}) ...", flush=True)
+                    runs[engine][str(c)].append(measure(engine, c, sizes, r, model_path))
+                    (out / "serve-rounds.json").write_text(json.dumps(runs, indent=1))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     results = {e: {c: ({"error": why} if (why := absent[e]) else combine(rs)) for c, rs in by_c.items()}
                for e, by_c in runs.items()}
     summary = summarise(results)
     print_table(results, summary)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
             "threads": THREADS, "model": Path(model_path).name, "sizes": asdict(sizes),
             "commands": {e: server_command(e, "MODEL", 0, 1) for e in engines}}

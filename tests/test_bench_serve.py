@@ -170,7 +170,8 @@ def test_peer_commands_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_harness_end_to_end_on_a_fake_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two rounds at concurrency 1 and 2 with `fuel` served by the stand-in (as a subprocess, as the real
     servers are) and llama-server not built: the missing peer is reported with `make bench-env`, not a
-    crash, the rounds' medians and spreads come out, and the JSON and PNG are written."""
+    crash, the rounds' medians and spreads come out, and the JSON (the rounds too, as they run) and PNG are
+    written."""
     monkeypatch.setattr(bs, "LLAMA_SERVER", tmp_path / "no-llama-server")
     real_missing, real_command = bs.missing, bs.server_command
     monkeypatch.setattr(bs, "missing", lambda e: None if e == "fuel" else real_missing(e))
@@ -191,6 +192,8 @@ def test_harness_end_to_end_on_a_fake_server(tmp_path: Path, monkeypatch: pytest
     assert data["summary"]["targets"]["C=4: tokens/s >= 2x llama-server"] is None
     assert data["meta"]["threads"] == 2 and data["meta"]["sizes"]["rounds"] == 2
     assert (tmp_path / "serve.png").stat().st_size > 1000
+    kept = json.loads((tmp_path / "serve-rounds.json").read_text())  # written after every measurement
+    assert [len(kept["fuel"][c]) for c in ("1", "2")] == [2, 2] and kept["llama_server"] == {"1": [], "2": []}
 
 
 def test_summary_ratios_and_targets() -> None:
