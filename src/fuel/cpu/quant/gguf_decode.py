@@ -38,13 +38,11 @@ WEIGHTS_PER_SECOND = 12e9  # one core's rate decoding and multiplying weights at
 
 def gemv(qt: QuantType, a: np.ndarray, w: np.ndarray, out: np.ndarray) -> jobs.Job | None:
     """out [m, n] <- a [m, k] @ dequant(w)ᵀ for 1 <= m <= DECODE_ROWS (w: n rows of raw block bytes), each row
-    of out the same bytes whatever m. Returns the one-row job where it reads a, w and out themselves, so that
-    it can be posted again for the same arrays (`fuel.runtime.jobs`); None otherwise (several rows, or a
-    table kernel, which reads a per-call permuted copy of a)."""
-    if a.shape[0] != 1:
-        jobs.run(many_rows_job(qt, a, w, out))
-        return None
-    launch = one_row_job(qt, a, w, out)
+    of out the same bytes whatever m. Returns the job it ran where that job reads a, w and out themselves, so
+    that it can be posted again for the same arrays (`fuel.runtime.jobs`): every many-row job (each part
+    lays out its own copy of the rows) and the one-row jobs but a table kernel's, which reads a per-call
+    permuted copy of a (None then)."""
+    launch = many_rows_job(qt, a, w, out) if a.shape[0] != 1 else one_row_job(qt, a, w, out)
     if launch is None:  # a table kernel
         one, _, order = TABLE_KERNELS[qt]
         xp = permuted(a, order)  # alive until the job ends: the job holds only its address

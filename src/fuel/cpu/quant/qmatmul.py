@@ -31,7 +31,7 @@ import numpy as np
 
 from fuel.cpu.quant import gguf_tiles
 from fuel.cpu.quant.gguf_blocks import dequantize_rows_into
-from fuel.cpu.quant.gguf_decode import gemv, one_row_job, table_jobs
+from fuel.cpu.quant.gguf_decode import gemv, many_rows_job, one_row_job, table_jobs
 from fuel.cpu.quant.gguf_gemv import DECODE_ROWS
 from fuel.cpu.quant.weight_tiles import F32, tile_rows, tiled_product
 from fuel.cpu.simd import row_blocks
@@ -53,7 +53,7 @@ from fuel.runtime.buffers import POOL
 
 ROW_INVARIANT_ROWS = DECODE_ROWS  # up to this many activation rows, each output row is the same bytes as alone
 
-_LAUNCHES = jobs.JobCache()  # one-row decode calls of replayed steps (`fuel.runtime.jobs`)
+_LAUNCHES = jobs.JobCache()  # decode calls (1..DECODE_ROWS rows) of replayed steps (`fuel.runtime.jobs`)
 
 
 def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> None:
@@ -83,14 +83,18 @@ def qmatmul_kernel(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulPar
 
 @jobs.replays(qmatmul_kernel)
 def qmatmul_form(inputs: list[np.ndarray], out: np.ndarray, params: QMatMulParams) -> jobs.Jobs | None:
-    """One activation row of a non-transposed product: the decode job `qmatmul_kernel` posts (a table
-    kernel's after the job permuting the activations into its scratch, as `gemv` does per call)."""
+    """1..ROW_INVARIANT_ROWS activation rows of a non-transposed f32 product: the decode job `qmatmul_kernel`
+    posts for them (`gguf_decode.gemv`): at two or more rows the many-row job, at one the one-row job, or a
+    table kernel's after the job permuting the activations into its scratch, as `gemv` does per call."""
     a, w = inputs
-    if (params.transpose or math.prod(a.shape[:-1]) != 1 or out.size == 0 or params.k == 0
+    rows = math.prod(a.shape[:-1])
+    if (params.transpose or not 1 <= rows <= ROW_INVARIANT_ROWS or out.size == 0 or params.k == 0
             or a.dtype != np.float32 or not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous)):
         return None
     raw = w.view(np.uint8)[:weight_bytes(params)].reshape(params.n, -1)
-    a2, o2 = a.reshape(1, a.shape[-1]), out.reshape(1, out.shape[-1])
+    a2, o2 = a.reshape(rows, a.shape[-1]), out.reshape(rows, out.shape[-1])
+    if rows > 1:
+        return many_rows_job(params.quant_type, a2, raw, o2)
     job = one_row_job(params.quant_type, a2, raw, o2)
     if job is not None:
         return job
