@@ -130,12 +130,19 @@ def _grad(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> None:
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _exp_store_sum(seg: Any, m: Any, o: Any) -> float:
-    """o <- exp(seg − m) in the compute type; returns their sum in f64 (one vectorised pass)."""
+    """o <- exp(seg − m) in the compute type; returns their sum in f64. The store and the sum are loops of
+    their own: a loop that reads seg and writes o gets a runtime check of the distance between them, and
+    its scalar fallback (o just past seg, as the buffer pool may hand it out) would sum in another order.
+    An f32 o is summed as stored; an f64 row's exponentials are summed as `_exp_sum` forms them (that
+    loop's order is the one a sum of o would not reproduce; see docs/performance/rows.md,
+    "fused_softmax_cross_entropy")."""
+    for j in range(seg.shape[0]):
+        o[j] = exp_nonpositive(widen(seg[j]) - m)
+    if o.itemsize == 8:
+        return _exp_sum(seg, m)
     s = 0.0
     for j in range(seg.shape[0]):
-        e = exp_nonpositive(widen(seg[j]) - m)
-        o[j] = e
-        s += np.float64(e)
+        s += np.float64(o[j])
     return s
 
 
