@@ -19,6 +19,7 @@ from fuel.graph.registry import FusedOpEntry, default_registry, fused_node
 from fuel.graph.slots import slots_of
 from fuel.testing.check import excess, nonfinite_mismatch, row_max_scale
 from fuel.testing.contract import output_bytes, output_for, verify_impl
+from fuel.testing.placement import GAPS, LAYOUTS, placed_call
 from fuel.testing.reference import Case, cases, has_reference, reference
 
 ENTRIES = list(default_registry())
@@ -193,3 +194,24 @@ def test_impl_bytes_do_not_depend_on_where_the_output_lies(entry: FusedOpEntry, 
         far = output_bytes(output_for(entry, impl, case.inputs, case.params))
         for gap in (0, 1, 2, 3, 5, 8, 12, 17):
             assert _placed_after(entry, impl, case, gap) == far, f"{case.label}: output {gap} elements after input 0"
+
+
+NOT_DESTRUCTIVE = [(e, i) for e, i in IMPLS if e.destructive_input is None]
+
+
+@pytest.mark.parametrize(("entry", "impl"), NOT_DESTRUCTIVE, ids=[i.name for _, i in NOT_DESTRUCTIVE])
+def test_impl_bytes_do_not_depend_on_where_its_scratch_lies(entry: FusedOpEntry, impl: BackendImpl) -> None:
+    """Every buffer the impl takes from the pool placed 0-256 bytes before or after its inputs and outputs
+    (the outputs or the inputs nearest), consecutive pool buffers as far apart: the same bytes as far from
+    them. An impl that takes nothing from the pool is run once placed."""
+    for case in cases(entry.name, impl.dtypes, np.random.default_rng(3)):
+        far = output_for(entry, impl, case.inputs, case.params)
+        outs = [np.full(o.shape, np.nan, o.dtype) if o.dtype.kind == "f" else np.zeros_like(o)
+                for o in (far if isinstance(far, tuple) else (far,))]
+        layouts = [(side, first, gap) for side, first in LAYOUTS for gap in GAPS]
+        for side, first, gap in layouts:
+            got, taken = placed_call(impl.kernel, case.inputs, outs, case.params, gap, side, first,
+                                     pack=tuple if isinstance(far, tuple) else None)
+            assert got == output_bytes(far), f"{case.label}: scratch {side} the {first}, {gap} bytes apart"
+            if not taken:
+                break

@@ -25,8 +25,11 @@ ENTRIES = [e for e in default_registry() if e.name in NAMES]
 IMPLS = [(e, i) for e in ENTRIES for i in fl.kernels().impls(e.id)]
 BY_ID = {e.id: e for e in ENTRIES}
 # Beyond the reference cases: the blocked tasks at a model's head size (several query blocks, two key
-# blocks), a call the NumPy steps serve (513 live keys: a key block of one), and a long decode row.
-SHAPES = ((1, 4, 2, 150, 600, 64, True, None), (1, 2, 2, 20, 513, 16, False, None), (2, 8, 2, 3, 700, 64, True, 650))
+# blocks), a call the NumPy steps serve (513 live keys: a key block of one), a long decode row, and calls
+# whose arrays are smaller than a vectoriser's distance check (a fallback needs two buffers' starts that
+# close, so only a buffer of under 256 bytes can put the next one there).
+SHAPES = ((1, 4, 2, 150, 600, 64, True, None), (1, 2, 2, 20, 513, 16, False, None), (2, 8, 2, 3, 700, 64, True, 650),
+          (1, 1, 1, 2, 3, 8, False, None), (1, 2, 1, 6, 9, 4, True, None), (1, 2, 2, 5, 7, 8, False, None))
 
 
 def _extra_cases(entry: FusedOpEntry, impl: BackendImpl) -> list[Case]:
