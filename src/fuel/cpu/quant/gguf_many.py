@@ -9,11 +9,12 @@ the same lane tree: `bquad` (32-element blocks, any unit decoder), `kquad` with 
 (`super4`: the portable K-quants; `super4_q4k_table`; `super4_q4k_words`, `super4_q6k_words`).
 
 A job's W rows are cut in the one-row path's fixed chunks; in each, the activation rows go four at a time
-(a last three as a four repeating its last row, a last two as a four of which two are left unused), each
-group over the chunk's W rows, whose bytes stay in cache for the next group, and a last single row by the
-one-row kernel's own pair of W rows. The activations are those the one-row kernel reads, for every row:
-as given, permuted to a table kernel's lanes, or in a words kernel's lanes and scale (`word_rows`); each
-part makes its own copy, so a job reads a, w and out only.
+(a last three or two as a group of three or two, whose absent rows' work is skipped: a last three as a four
+took ~1.2x the time, docs/performance/quant.md, "many-row replay"), each group over the chunk's W rows, whose
+bytes stay in cache for the next group, and a last single row by the one-row kernel's own pair of W rows.
+The activations are those the one-row kernel reads, for every row: as given, permuted to a table kernel's
+lanes, or in a words kernel's lanes and scale (`word_rows`); each part makes its own copy, so a job reads a,
+w and out only.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ Z = np.float32(0)
 def bquad(sup: Any, how: int, vals: Any, prep: Any, bpb: int, kind: int, row: Any, rb: int, x: Any, t: Any, k: int,
           sx: Any, s: Any, sc: Any, nr: int) -> Any:
     """The 32-element block W row at byte rb with the activation rows at x[t[r]:] (block sums at sx[s[r]:]),
-    r < nr (2 or 4): `gguf_gemv._row2`'s operations for each row, each unit decoded once (sup and how, the
+    r < nr (2, 3 or 4): `gguf_gemv._row2`'s operations for each row, each unit decoded once (sup and how, the
     K-quant forms' arguments, unused)."""
     a0 = vzero()
     a1 = vzero()
@@ -63,6 +64,7 @@ def bquad(sup: Any, how: int, vals: Any, prep: Any, bpb: int, kind: int, row: An
         a1, m1 = unit_dot(kind, q0, q1, s0, b0, w0, w1, x, t[1] + 32 * u, a1, m1, sx, s[1] + u)
         if nr > 2:
             a2, m2 = unit_dot(kind, q0, q1, s0, b0, w0, w1, x, t[2] + 32 * u, a2, m2, sx, s[2] + u)
+        if nr > 3:
             a3, m3 = unit_dot(kind, q0, q1, s0, b0, w0, w1, x, t[3] + 32 * u, a3, m3, sx, s[3] + u)
     return hsum(a0) + m0, hsum(a1) + m1, hsum(a2) + m2, hsum(a3) + m3
 
@@ -75,9 +77,9 @@ def _offsets(kind: int, sc: Any, sx: Any, s: Any, b: int, mv: Any, nr: int) -> A
     mins = hi8(vload(sc, 0))
     m0 = fma(mins, vload(sx, s[0] + 16 * b), mv[0])
     m1 = fma(mins, vload(sx, s[1] + 16 * b), mv[1])
-    if nr > 2:
-        return m0, m1, fma(mins, vload(sx, s[2] + 16 * b), mv[2]), fma(mins, vload(sx, s[3] + 16 * b), mv[3])
-    return m0, m1, mv[2], mv[3]
+    m2 = fma(mins, vload(sx, s[2] + 16 * b), mv[2]) if nr > 2 else mv[2]
+    m3 = fma(mins, vload(sx, s[3] + 16 * b), mv[3]) if nr > 3 else mv[3]
+    return m0, m1, m2, m3
 
 
 @njit(inline="always", cache=True)
@@ -88,19 +90,15 @@ def _kunit4(vals: Any, kind: int, row: Any, o: int, j: int, sc: Any, x: Any, xo:
     if factored(kind):
         r0 = fmas(s0, fma(q1, vload(x, xo[0] + at + 16), vmul(q0, vload(x, xo[0] + at))), acc[0])
         r1 = fmas(s0, fma(q1, vload(x, xo[1] + at + 16), vmul(q0, vload(x, xo[1] + at))), acc[1])
-        if nr > 2:
-            r2 = fmas(s0, fma(q1, vload(x, xo[2] + at + 16), vmul(q0, vload(x, xo[2] + at))), acc[2])
-            r3 = fmas(s0, fma(q1, vload(x, xo[3] + at + 16), vmul(q0, vload(x, xo[3] + at))), acc[3])
-            return r0, r1, r2, r3
-        return r0, r1, acc[2], acc[3]
+        r2 = fmas(s0, fma(q1, vload(x, xo[2] + at + 16), vmul(q0, vload(x, xo[2] + at))), acc[2]) if nr > 2 else acc[2]
+        r3 = fmas(s0, fma(q1, vload(x, xo[3] + at + 16), vmul(q0, vload(x, xo[3] + at))), acc[3]) if nr > 3 else acc[3]
+        return r0, r1, r2, r3
     w0, w1 = unit_value(q0, s0, b0, kind), unit_value(q1, s1, b1, kind)
     r0 = fma(w1, vload(x, xo[0] + at + 16), fma(w0, vload(x, xo[0] + at), acc[0]))
     r1 = fma(w1, vload(x, xo[1] + at + 16), fma(w0, vload(x, xo[1] + at), acc[1]))
-    if nr > 2:
-        r2 = fma(w1, vload(x, xo[2] + at + 16), fma(w0, vload(x, xo[2] + at), acc[2]))
-        r3 = fma(w1, vload(x, xo[3] + at + 16), fma(w0, vload(x, xo[3] + at), acc[3]))
-        return r0, r1, r2, r3
-    return r0, r1, acc[2], acc[3]
+    r2 = fma(w1, vload(x, xo[2] + at + 16), fma(w0, vload(x, xo[2] + at), acc[2])) if nr > 2 else acc[2]
+    r3 = fma(w1, vload(x, xo[3] + at + 16), fma(w0, vload(x, xo[3] + at), acc[3])) if nr > 3 else acc[3]
+    return r0, r1, r2, r3
 
 
 @njit(inline="always", cache=True)
@@ -138,6 +136,7 @@ def super4_q4k_table(vals: Any, kind: int, prep: Any, row: Any, o: int, sc: Any,
         a1 = fma(ps, _inner4(c0, c1, c2, c3, x, xo[1] + xp, 16), a1)
         if nr > 2:
             a2 = fma(ps, _inner4(c0, c1, c2, c3, x, xo[2] + xp, 16), a2)
+        if nr > 3:
             a3 = fma(ps, _inner4(c0, c1, c2, c3, x, xo[3] + xp, 16), a3)
     return (a0, a1, a2, a3), _offsets(kind, sc, sx, s, b, mv, nr)
 
@@ -171,6 +170,7 @@ def super4_q4k_words(vals: Any, kind: int, prep: Any, row: Any, o: int, sc: Any,
         a1 = _words_row(n, sc, g, x, xo[1] + GROUP * g, a1)
         if nr > 2:
             a2 = _words_row(n, sc, g, x, xo[2] + GROUP * g, a2)
+        if nr > 3:
             a3 = _words_row(n, sc, g, x, xo[3] + GROUP * g, a3)
     return (a0, a1, a2, a3), _offsets(kind, sc, sx, s, b, mv, nr)
 
@@ -197,6 +197,7 @@ def super4_q6k_words(vals: Any, kind: int, prep: Any, row: Any, o: int, sc: Any,
         a1, m1 = _q6k_row(first, last, sc, h, x, xo[1] + GROUP * h, a1, m1)
         if nr > 2:
             a2, m2 = _q6k_row(first, last, sc, h, x, xo[2] + GROUP * h, a2, m2)
+        if nr > 3:
             a3, m3 = _q6k_row(first, last, sc, h, x, xo[3] + GROUP * h, a3, m3)
     return (a0, a1, a2, a3), (m0, m1, m2, m3)
 
@@ -242,8 +243,8 @@ def _tail(x: Any, at: int) -> Any:
 @njit(inline="always", cache=True)
 def _group(quad: Any, sup: Any, how: int, vals: Any, prep: Any, bpb: int, kind: int, row: Any, rl: int, lo: int,
            hi: int, x: Any, xs: int, k: int, sx: Any, ss: int, sc: Any, out: Any, g: int, m: int, nr: int) -> None:
-    """out[g:g + nr (at most m), lo:hi]: W rows lo..hi with activation rows g.. (nr = 4: a last three repeat
-    their last; nr = 2: two)."""
+    """out[g:g + nr, lo:hi]: W rows lo..hi with activation rows g..g + nr - 1 (nr = 2, 3 or 4; the offsets
+    of rows past the last repeat it, their accumulators unused)."""
     i = (g, g + 1, min(g + 2, m - 1), min(g + 3, m - 1))
     t = (i[0] * xs, i[1] * xs, i[2] * xs, i[3] * xs)
     s = (i[0] * ss, i[1] * ss, i[2] * ss, i[3] * ss)
@@ -253,6 +254,7 @@ def _group(quad: Any, sup: Any, how: int, vals: Any, prep: Any, bpb: int, kind: 
         out[i[1], j] = y[1]
         if nr > 2:
             out[i[2], j] = y[2]
+        if nr > 3:
             out[i[3], j] = y[3]
 
 
@@ -268,11 +270,11 @@ def _chunk(quad: Any, sup: Any, how: int, pair: Any, vals: Any, prep: Any, bpb: 
     sc = carray(stack_f32(32), (32,))
     sc1 = carray(stack_f32(32), (32,))
     g = 0
-    while m - g >= 3:
+    while m - g >= 4:
         _group(quad, sup, how, vals, prep, bpb, kind, row, rl, lo, hi, x, xs, k, sx, ss, sc, out, g, m, 4)
         g += 4
-    if m - g == 2:
-        _group(quad, sup, how, vals, prep, bpb, kind, row, rl, lo, hi, x, xs, k, sx, ss, sc, out, g, m, 2)
+    if m - g >= 2:
+        _group(quad, sup, how, vals, prep, bpb, kind, row, rl, lo, hi, x, xs, k, sx, ss, sc, out, g, m, m - g)
     elif m - g == 1:  # the one-row kernel's pairs of W rows, for the last row
         xg, sg = _tail(x, g * xs), _tail(sx, g * ss)
         for j in range(lo, hi, 2):
