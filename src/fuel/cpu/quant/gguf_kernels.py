@@ -6,21 +6,8 @@ the table of them by `QuantType`.
 
 from __future__ import annotations
 
-from fuel.cpu.quant.gguf_dequant import (
-    dequant_q2k,
-    dequant_q3k,
-    dequant_q4_0,
-    dequant_q4_1,
-    dequant_q4k,
-    dequant_q5_0,
-    dequant_q5_1,
-    dequant_q5k,
-    dequant_q6k,
-    dequant_q8_0,
-    dequant_q8_1,
-    dequant_rows,
-    dequant_tiles,
-)
+from fuel.cpu.quant import gguf_dequant
+from fuel.cpu.quant.gguf_dequant import dequant_rows, dequant_tiles
 from fuel.cpu.quant.gguf_gemv import BIAS, FACTOR_BIAS, SHARED, SUPER, bpair, kpair, one_row, one_row_permuted
 from fuel.cpu.quant.gguf_many import (
     SCALED_OFFSETS,
@@ -70,7 +57,7 @@ from fuel.runtime.pool import task
 
 @task()
 def _q4_0_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q4_0, 32, 18, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q4_0, 32, 18, part, parts, argv)
 
 
 @task()
@@ -85,7 +72,7 @@ def _q4_0_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_0_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q4_0, 32, 18, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q4_0, 32, 18, part, parts, argv)
 
 
 @task()
@@ -114,7 +101,7 @@ def _q4_0_many_bytes(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_1_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q4_1, 32, 20, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q4_1, 32, 20, part, parts, argv)
 
 
 @task()
@@ -131,7 +118,7 @@ def _q4_1_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_1_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q4_1, 32, 20, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q4_1, 32, 20, part, parts, argv)
 
 
 @task()
@@ -148,7 +135,7 @@ def _q4_1_many_table(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5_0_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q5_0, 32, 22, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q5_0, 32, 22, part, parts, argv)
 
 
 @task()
@@ -163,12 +150,12 @@ def _q5_0_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5_0_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q5_0, 32, 22, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q5_0, 32, 22, part, parts, argv)
 
 
 @task()
 def _q5_1_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q5_1, 32, 24, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q5_1, 32, 24, part, parts, argv)
 
 
 @task()
@@ -185,12 +172,12 @@ def _q5_1_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5_1_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q5_1, 32, 24, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q5_1, 32, 24, part, parts, argv)
 
 
 @task()
 def _q8_0_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q8_0, 32, 34, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q8_0, 32, 34, part, parts, argv)
 
 
 @task()
@@ -205,12 +192,12 @@ def _q8_0_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q8_0_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q8_0, 32, 34, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q8_0, 32, 34, part, parts, argv)
 
 
 @task()
 def _q8_1_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q8_1, 32, 36, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q8_1, 32, 36, part, parts, argv)
 
 
 @task()
@@ -225,12 +212,12 @@ def _q8_1_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q8_1_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q8_1, 32, 36, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q8_1, 32, 36, part, parts, argv)
 
 
 @task()
 def _q2k_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q2k, 256, 84, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q2k, 256, 84, part, parts, argv)
 
 
 @task()
@@ -245,12 +232,12 @@ def _q2k_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q2k_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q2k, 256, 84, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q2k, 256, 84, part, parts, argv)
 
 
 @task()
 def _q3k_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q3k, 256, 110, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q3k, 256, 110, part, parts, argv)
 
 
 @task()
@@ -265,12 +252,12 @@ def _q3k_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q3k_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q3k, 256, 110, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q3k, 256, 110, part, parts, argv)
 
 
 @task()
 def _q4k_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q4k, 256, 144, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q4k, 256, 144, part, parts, argv)
 
 
 @task()
@@ -287,7 +274,7 @@ def _q4k_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4k_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q4k, 256, 144, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q4k, 256, 144, part, parts, argv)
 
 
 @task()
@@ -317,7 +304,7 @@ def _q4k_many_words(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5k_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q5k, 256, 176, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q5k, 256, 176, part, parts, argv)
 
 
 @task()
@@ -334,12 +321,12 @@ def _q5k_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5k_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q5k, 256, 176, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q5k, 256, 176, part, parts, argv)
 
 
 @task()
 def _q6k_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_q6k, 256, 210, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_q6k, 256, 210, part, parts, argv)
 
 
 @task()
@@ -354,7 +341,7 @@ def _q6k_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q6k_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_q6k, 256, 210, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_q6k, 256, 210, part, parts, argv)
 
 
 @task()
@@ -370,39 +357,39 @@ def _q6k_many_words(part: int, parts: int, argv: int) -> None:
 
 
 GGUF: dict[QuantType, GGUFKernels] = {
-    QuantType.Q4_0: GGUFKernels(dequant_q4_0, _q4_0_rows, _q4_0_one, _q4_0_many, _q4_0_tiles,
+    QuantType.Q4_0: GGUFKernels(gguf_dequant.dequant_q4_0, _q4_0_rows, _q4_0_one, _q4_0_many, _q4_0_tiles,
         (
                 _q4_0_one_table, _q4_0_many_table, UNIT_ORDER_Q4_0) if LUT16 else (_q4_0_one_bytes, _q4_0_many_bytes,
                 BYTE_ORDER_Q4_0) if BYTE_LUT else None,
         None),
-    QuantType.Q4_1: GGUFKernels(dequant_q4_1, _q4_1_rows, _q4_1_one, _q4_1_many, _q4_1_tiles,
+    QuantType.Q4_1: GGUFKernels(gguf_dequant.dequant_q4_1, _q4_1_rows, _q4_1_one, _q4_1_many, _q4_1_tiles,
         (_q4_1_one_table, _q4_1_many_table, UNIT_ORDER_Q4_0) if LUT16 else None,
         None),
-    QuantType.Q5_0: GGUFKernels(dequant_q5_0, _q5_0_rows, _q5_0_one, _q5_0_many, _q5_0_tiles,
+    QuantType.Q5_0: GGUFKernels(gguf_dequant.dequant_q5_0, _q5_0_rows, _q5_0_one, _q5_0_many, _q5_0_tiles,
         None,
         None),
-    QuantType.Q5_1: GGUFKernels(dequant_q5_1, _q5_1_rows, _q5_1_one, _q5_1_many, _q5_1_tiles,
+    QuantType.Q5_1: GGUFKernels(gguf_dequant.dequant_q5_1, _q5_1_rows, _q5_1_one, _q5_1_many, _q5_1_tiles,
         None,
         None),
-    QuantType.Q8_0: GGUFKernels(dequant_q8_0, _q8_0_rows, _q8_0_one, _q8_0_many, _q8_0_tiles,
+    QuantType.Q8_0: GGUFKernels(gguf_dequant.dequant_q8_0, _q8_0_rows, _q8_0_one, _q8_0_many, _q8_0_tiles,
         None,
         None),
-    QuantType.Q8_1: GGUFKernels(dequant_q8_1, _q8_1_rows, _q8_1_one, _q8_1_many, _q8_1_tiles,
+    QuantType.Q8_1: GGUFKernels(gguf_dequant.dequant_q8_1, _q8_1_rows, _q8_1_one, _q8_1_many, _q8_1_tiles,
         None,
         None),
-    QuantType.Q2K: GGUFKernels(dequant_q2k, _q2k_rows, _q2k_one, _q2k_many, _q2k_tiles,
+    QuantType.Q2K: GGUFKernels(gguf_dequant.dequant_q2k, _q2k_rows, _q2k_one, _q2k_many, _q2k_tiles,
         None,
         None),
-    QuantType.Q3K: GGUFKernels(dequant_q3k, _q3k_rows, _q3k_one, _q3k_many, _q3k_tiles,
+    QuantType.Q3K: GGUFKernels(gguf_dequant.dequant_q3k, _q3k_rows, _q3k_one, _q3k_many, _q3k_tiles,
         None,
         None),
-    QuantType.Q4K: GGUFKernels(dequant_q4k, _q4k_rows, _q4k_one, _q4k_many, _q4k_tiles,
+    QuantType.Q4K: GGUFKernels(gguf_dequant.dequant_q4k, _q4k_rows, _q4k_one, _q4k_many, _q4k_tiles,
         (_q4k_one_table, _q4k_many_table, UNIT_ORDER_Q4K) if LUT16 else None,
         (_q4k_one_words, _q4k_many_words)),
-    QuantType.Q5K: GGUFKernels(dequant_q5k, _q5k_rows, _q5k_one, _q5k_many, _q5k_tiles,
+    QuantType.Q5K: GGUFKernels(gguf_dequant.dequant_q5k, _q5k_rows, _q5k_one, _q5k_many, _q5k_tiles,
         None,
         None),
-    QuantType.Q6K: GGUFKernels(dequant_q6k, _q6k_rows, _q6k_one, _q6k_many, _q6k_tiles,
+    QuantType.Q6K: GGUFKernels(gguf_dequant.dequant_q6k, _q6k_rows, _q6k_one, _q6k_many, _q6k_tiles,
         None,
         (_q6k_one_words, _q6k_many_words)),
 }

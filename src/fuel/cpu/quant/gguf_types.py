@@ -114,7 +114,7 @@ _TASKS = '''
 
 @task()
 def _{t}_rows(part: int, parts: int, argv: int) -> None:
-    dequant_rows(dequant_{t}, {blk}, {bpb}, part, parts, argv)
+    dequant_rows(gguf_dequant.dequant_{t}, {blk}, {bpb}, part, parts, argv)
 
 
 @task()
@@ -129,7 +129,7 @@ def _{t}_many(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _{t}_tiles(part: int, parts: int, argv: int) -> None:
-    dequant_tiles(dequant_{t}, {blk}, {bpb}, part, parts, argv)
+    dequant_tiles(gguf_dequant.dequant_{t}, {blk}, {bpb}, part, parts, argv)
 '''
 
 _TABLE_TASK = '''
@@ -198,7 +198,8 @@ def _imports() -> dict[str, set[str]]:
     kinds = {k.strip() for row in TYPES.values() for k in row.kind.split("|")}
     units = {r.unit for r in TYPES.values()} | {r.prep for r in TYPES.values()} | {v.unit for v in VARIANTS}
     return {
-        "fuel.cpu.quant.gguf_dequant": {f"dequant_{_lower(qt)}" for qt in TYPES} | {"dequant_rows", "dequant_tiles"},
+        "fuel.cpu.quant": {"gguf_dequant"},  # its per-type decoders by module: one import line for any number
+        "fuel.cpu.quant.gguf_dequant": {"dequant_rows", "dequant_tiles"},
         "fuel.cpu.quant.gguf_gemv": kinds | {"bpair", "kpair", "one_row", "one_row_permuted"},
         "fuel.cpu.quant.gguf_many": {name for many in MANY.values() for name in many}
         | {"many_rows", "many_rows_permuted", "many_rows_words"},
@@ -240,7 +241,8 @@ def render() -> str:
         t = _lower(qt)
         words = next((f"(_{t}_one_{v.name}, _{t}_many_{v.name})" for v in VARIANTS if v.qt == qt and v.layout),
                      "None")
-        text += (f"    QuantType.{qt.name}: GGUFKernels(dequant_{t}, _{t}_rows, _{t}_one, _{t}_many, _{t}_tiles,\n"
+        text += (f"    QuantType.{qt.name}: GGUFKernels(gguf_dequant.dequant_{t}, _{t}_rows, _{t}_one, _{t}_many, "
+                 f"_{t}_tiles,\n"
                  f"        {_table_entry(qt)},\n        {words}),\n")
     return _wrapped(text + "}\n")
 
