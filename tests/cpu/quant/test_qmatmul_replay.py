@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
-from fuel.cpu.quant import gguf_decode
+from fuel.cpu.quant import gguf_decode, gguf_units
+from fuel.cpu.quant import gguf_kernels as gk
 from fuel.cpu.quant import qmatmul as kernel_module
 from fuel.cpu.quant.qmatmul import ROW_INVARIANT_ROWS
 from fuel.dtype import DType
@@ -24,17 +25,28 @@ from fuel.quant import QuantType
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
 
-# (type, way): each type on each kernel the hosts have for it; "tables" only where this host has one.
-WAYS = [(qt, way) for qt in (QuantType.Q4_0, QuantType.Q4_1, QuantType.Q5_1, QuantType.Q8_0, QuantType.Q2K,
-                             QuantType.Q4K, QuantType.Q5K, QuantType.Q6K)
-        for way in ("portable", "tables", "words")
-        if (way != "tables" or qt in gguf_decode.TABLE_KERNELS) and (way != "words" or qt in gguf_decode.WORD_KERNELS)]
+# The decode kernels of each host, forced on any host: the table kernels an AVX-512 host picks (one row, its
+# many-row form, the activations' lane order) and an AVX2 host's; both take Q4_K (where no table serves it)
+# and Q6_K by words, every other type portable.
+HOSTS: dict[str, tuple[dict[QuantType, Any], bool]] = {
+    "avx512": ({QuantType.Q4_0: (gk._q4_0_one_table, gk._q4_0_many_table, gguf_units.UNIT_ORDER_Q4_0),
+                QuantType.Q4_1: (gk._q4_1_one_table, gk._q4_1_many_table, gguf_units.UNIT_ORDER_Q4_0),
+                QuantType.Q4K: (gk._q4k_one_table, gk._q4k_many_table, gguf_units.UNIT_ORDER_Q4K)}, True),
+    "avx2": ({QuantType.Q4_0: (gk._q4_0_one_bytes, gk._q4_0_many_bytes, gguf_units.BYTE_ORDER_Q4_0)}, True),
+    "portable": ({}, False)}
+# (host, type): every kernel family (table, words, portable; 32-element blocks and super-blocks).
+WAYS = [("avx512", QuantType.Q4_0), ("avx512", QuantType.Q4_1), ("avx512", QuantType.Q4K), ("avx512", QuantType.Q6K),
+        ("avx2", QuantType.Q4_0), ("avx2", QuantType.Q4K), ("portable", QuantType.Q5_1), ("portable", QuantType.Q8_0),
+        ("portable", QuantType.Q2K), ("portable", QuantType.Q3K), ("portable", QuantType.Q4K),
+        ("portable", QuantType.Q5K)]
 N = 37  # W rows: an odd count, so the last chunk's row pair holds one row twice
 
 
-def _use(way: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gguf_decode, "USE_TABLES", way == "tables")
-    monkeypatch.setattr(gguf_decode, "USE_WORDS", way == "words")
+def _use(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tables, words = HOSTS[host]
+    monkeypatch.setattr(gguf_decode, "TABLE_KERNELS", tables)
+    monkeypatch.setattr(gguf_decode, "USE_TABLES", bool(tables))
+    monkeypatch.setattr(gguf_decode, "USE_WORDS", words)
 
 
 def _weight(qt: QuantType, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,10 +67,10 @@ def _k(qt: QuantType) -> int:
     return 512 + (64 if qt.block_elements == 32 else 256)
 
 
-@pytest.mark.parametrize(("qt", "way"), WAYS, ids=lambda v: getattr(v, "ggml_name", v))
+@pytest.mark.parametrize(("way", "qt"), WAYS, ids=lambda v: getattr(v, "ggml_name", v))
 @settings(max_examples=1)
 @given(seed=st.integers(0, 2**32 - 1))
-def test_captured_rows_replay_as_one_native_stretch(qt: QuantType, way: str, seed: int) -> None:
+def test_captured_rows_replay_as_one_native_stretch(way: str, qt: QuantType, seed: int) -> None:
     """A captured `qmatmul` at every row count 1..16 (batch dims folded at odd counts) is one native
     stretch, the eager kernel's job (two at one row by table: the permute, then the kernel), and each call
     gives the eager bytes for its new activations."""
@@ -80,11 +92,11 @@ def test_captured_rows_replay_as_one_native_stretch(qt: QuantType, way: str, see
             cap = f.capture_for(a)
             assert cap is not None and cap.native is not None
             assert [len(item) for item in cap.native.items] == [2]
-            assert len(cap.native.program.jobs) == (2 if rows == 1 and way == "tables" else 1)
+            assert len(cap.native.program.jobs) == (2 if rows == 1 and qt in HOSTS[way][0] else 1)
 
 
-@pytest.mark.parametrize(("qt", "way"), WAYS, ids=lambda v: getattr(v, "ggml_name", v))
-def test_eager_kernel_reposts_its_many_row_job_with_new_values(qt: QuantType, way: str,
+@pytest.mark.parametrize(("way", "qt"), WAYS, ids=lambda v: getattr(v, "ggml_name", v))
+def test_eager_kernel_reposts_its_many_row_job_with_new_values(way: str, qt: QuantType,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The eager kernel remembers a 2..16-row job for the same arrays (as a replayed Python step calls it)
     and the job reposted reads their current values: the bytes of a call on fresh copies."""
