@@ -177,7 +177,7 @@ class TestServeReplicas:
             assert httpx.get(url + "/health", timeout=30).status_code == 200
             yield url
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(60) == EXIT_INTERRUPTED, log.read_text()
+            assert proc.wait(150) == EXIT_INTERRUPTED, log.read_text()  # Ray Serve shuts its replicas down first
             assert not _serve_running()  # the command shut Ray Serve down on its way out
         finally:
             if proc.poll() is None:

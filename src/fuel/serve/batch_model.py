@@ -50,8 +50,10 @@ class BatchedLlama:
         self.max_context = self.context_of(model)
         self.max_blocks = math.ceil(self.max_context / block_size)  # a block table's length
         slots = (num_blocks * block_size, cfg.kv_heads, cfg.head_dim)
-        self.k_cache = [np.zeros(slots, np.float32) for _ in range(cfg.layers)]
-        self.v_cache = [np.zeros(slots, np.float32) for _ in range(cfg.layers)]
+        # written now, not lazily by the kernel: the server's memory is all taken at start (calloc'd zeros
+        # would be paged in as blocks are first used, so RSS would climb for as long as new blocks come)
+        self.k_cache = [np.full(slots, 0.0, np.float32) for _ in range(cfg.layers)]
+        self.v_cache = [np.full(slots, 0.0, np.float32) for _ in range(cfg.layers)]
         self._step = fl.jit(self._forward)
         self._fill = fl.jit(self._fill_forward)
 

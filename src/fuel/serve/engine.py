@@ -48,6 +48,8 @@ __all__ = ["Done", "Engine", "EngineStats", "Piece", "QueueFull", "Request", "St
 
 log = logging.getLogger("fuel.serve")
 
+ROW_BUCKET = 4  # a step that reads a prompt runs a multiple of this many rows (padded; see Engine._step)
+
 
 class _Seq:
     """A running request: its tokens (prompt, then generated), how many have K/V in the cache, its blocks."""
@@ -89,7 +91,12 @@ class Engine:
                              f"({slots} x {per_sequence}), got {blocks}")
         self.batch = BatchedLlama(llm.model, blocks, block_size)
         self.context = self.batch.max_context
-        self.pool = BlockPool(blocks, block_size)
+        self.pool = BlockPool(blocks + -(-(ROW_BUCKET - 1) // block_size), block_size)
+        # padding rows (see _step) write into blocks of their own, held for the engine's life
+        spare = [self.pool.allocate() for _ in range(self.pool.num_blocks - blocks)]
+        self._spare_blocks = len(spare)  # not counted as used: no request holds them
+        self._padding = [(spare[j // block_size], spare[j // block_size] * block_size + j % block_size)
+                         for j in range(ROW_BUCKET - 1)]  # (block, slot) of each padding row
         self._waiting: deque[tuple[Request, Stream]] = deque()
         self._running: list[_Seq] = []
         self._cv = threading.Condition()
@@ -136,8 +143,8 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._cv:
             c = dict(self._counts)
-            return EngineStats(len(self._running), len(self._waiting), self.pool.used, self.pool.free,
-                               self.pool.hits, int(c["prompt_tokens"]), int(c["generated_tokens"]),
+            return EngineStats(len(self._running), len(self._waiting), self.pool.used - self._spare_blocks,
+                               self.pool.free, self.pool.hits, int(c["prompt_tokens"]), int(c["generated_tokens"]),
                                float(c["prefill_s"]), float(c["decode_s"]), int(c["requests"]))
 
     def close(self) -> None:
@@ -213,19 +220,27 @@ class Engine:
         for s, p in rows:
             while len(s.blocks) <= p // bs:
                 s.blocks.append(self.pool.allocate())
-        tokens = np.array([s.tokens[p] for s, p in rows], np.int64)
-        positions = np.array([p for _, p in rows], np.int64)
-        slots = np.array([s.blocks[p // bs] * bs + p % bs for s, p in rows], np.int64)
-        tables = np.zeros((len(rows), self.batch.max_blocks), np.int64)
+        # a step reading a prompt is padded to a multiple of ROW_BUCKET rows, so that the shapes captured stay
+        # few (each decoding count, and ROW_BUCKET-sized prompt steps): each padding row is position 0 of a
+        # spare block, its logits never read; no real row's bytes depend on it (batch_model's invariance)
+        pad = -len(rows) % ROW_BUCKET if len(rows) > decode_rows else 0
+        m = len(rows) + pad
+        tokens = np.array([s.tokens[p] for s, p in rows] + [0] * pad, np.int64)
+        positions = np.array([p for _, p in rows] + [0] * pad, np.int64)
+        slots = np.array([s.blocks[p // bs] * bs + p % bs for s, p in rows] + [t for _, t in self._padding[:pad]],
+                         np.int64)
+        tables = np.zeros((m, self.batch.max_blocks), np.int64)
         for r, (s, _) in enumerate(rows):
             tables[r, :len(s.blocks)] = s.blocks
+        for j, (b, _) in enumerate(self._padding[:pad]):
+            tables[len(rows) + j, 0] = b
         order = sorted(range(len(logit_of)), key=lambda j: logit_of[j][1])
         logit_of = [logit_of[j] for j in order]
         start = time.perf_counter()
         logits = self.batch.step(tokens, positions, slots, tables, np.array([r for _, r in logit_of], np.int64))
         spent = time.perf_counter() - start
         with self._cv:
-            m = len(rows)
+            m = len(rows)  # the real rows
             self._counts["prompt_tokens"] += m - decode_rows
             self._counts["prefill_s"] += spent * (m - decode_rows) / m
             self._counts["decode_s"] += spent * decode_rows / m
