@@ -27,9 +27,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context=32768, letters_only=True)
 
 
+def interruptible() -> None:
+    """Ctrl-C's default action in the child: a shell running the suite in the background (job control off)
+    starts it with SIGINT ignored, which a child would inherit and Python would keep."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def fuel(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", "fuel", *args], cwd=ROOT, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
 
 
 def read_some(p: subprocess.Popen[bytes], n: int) -> bytes:

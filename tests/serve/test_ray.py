@@ -47,6 +47,11 @@ SENTENCES = [f"{i}: " + " ".join(["fuel", "serves", "tokens", "on", "ray"][: i %
              for i in range(20)] + ["", "A cat.", "A cat."]
 
 
+def interruptible() -> None:
+    """Ctrl-C's default action in the child (a suite run in the background starts with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -165,7 +170,7 @@ class TestServeReplicas:
             proc = subprocess.Popen([sys.executable, "-m", "fuel", "serve", "--ray-replicas", "2", "--ray-cpus", "1",
                                      "--model", MODEL, "--context", str(CONTEXT), "--slots", str(SLOTS),
                                      "--max-queue", "4", "--host", "127.0.0.1", "--port", str(port)],
-                                    env=env, stdout=out, stderr=out)
+                                    env=env, stdout=out, stderr=out, preexec_fn=interruptible)
         try:
             deadline = time.time() + STARTUP_S
             while True:
