@@ -43,7 +43,7 @@ def _run(stream: object) -> tuple[list[int], str, Done, list[float]]:
             logprobs += [lp.logprob for lp in ev.logprobs]
         else:
             done = ev
-    assert isinstance(done, Done)
+    assert isinstance(done, Done) and done.error is None, done
     return tokens, text, done, logprobs
 
 

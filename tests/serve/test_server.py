@@ -314,7 +314,9 @@ def test_soak(server: Server) -> None:
                     if r.status_code >= 500:
                         failures.append(f"{r.status_code}: {r.read()!r}")
                         continue
-                    for i, _ in enumerate(r.iter_lines()):
+                    for i, line in enumerate(r.iter_lines()):
+                        if '"error"' in line:  # a generation that failed inside the engine
+                            failures.append(line)
                         if leave and i >= 2:
                             break
                 with lock:

@@ -89,11 +89,11 @@ class Engine:
         if blocks < slots * per_sequence:
             raise ParamError(f"engine: num_blocks must be at least slots x blocks per sequence "
                              f"({slots} x {per_sequence}), got {blocks}")
-        self.batch = BatchedLlama(llm.model, blocks, block_size)
+        spare_blocks = -(-(ROW_BUCKET - 1) // block_size)  # the padding rows' (see _step), held for life
+        self.batch = BatchedLlama(llm.model, blocks + spare_blocks, block_size)
         self.context = self.batch.max_context
-        self.pool = BlockPool(blocks + -(-(ROW_BUCKET - 1) // block_size), block_size)
-        # padding rows (see _step) write into blocks of their own, held for the engine's life
-        spare = [self.pool.allocate() for _ in range(self.pool.num_blocks - blocks)]
+        self.pool = BlockPool(blocks + spare_blocks, block_size)
+        spare = [self.pool.allocate() for _ in range(spare_blocks)]
         self._spare_blocks = len(spare)  # not counted as used: no request holds them
         self._padding = [(spare[j // block_size], spare[j // block_size] * block_size + j % block_size)
                          for j in range(ROW_BUCKET - 1)]  # (block, slot) of each padding row
