@@ -29,7 +29,7 @@ from fuel.errors import (
     StaleInput,
 )
 from fuel.graph.autograd import grad
-from fuel.graph.functions import cache_write, concat, index_copy, pad, where
+from fuel.graph.functions import assign, cache_write, concat, index_copy, pad, where
 from fuel.graph.node import DynScalar, dyn
 from fuel.graph.registry import default_registry
 from fuel.graph.tensor import Tensor, full, matmul, ones, tensor, zeros
@@ -58,6 +58,7 @@ __all__ = [
     "ShapeError",
     "StaleInput",
     "Tensor",
+    "assign",
     "bf16",
     "cache_write",
     "concat",

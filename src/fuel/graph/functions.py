@@ -1,6 +1,7 @@
 """The ops the API offers as functions rather than Tensor methods: `fl.where`, `fl.concat`, `fl.pad`,
-`fl.cache_write` and `fl.index_copy`. `fl.matmul` and the constructors (`fl.tensor`, `fl.zeros`, ...) stay
-in fuel.graph.tensor, since Tensor's own methods (`@`, leaves from arrays) call them."""
+and the destructive `fl.cache_write`, `fl.index_copy` and `fl.assign`. `fl.matmul` and the constructors
+(`fl.tensor`, `fl.zeros`, ...) stay in fuel.graph.tensor, since Tensor's own methods (`@`, leaves from
+arrays) call them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fuel.graph.prims import CacheWriteArg, make
 from fuel.graph.promote import broadcast, is_number, promote_pair, result_dtype
 from fuel.graph.shapes import as_int, broadcast_shapes, norm_axis
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, to_operand
+from fuel.graph.traced import note_effect
 
 
 def where(cond: TensorLike, a: TensorLike, b: TensorLike) -> Tensor:
@@ -58,7 +60,7 @@ def cache_write(cache: TensorLike, rows: TensorLike, offset: DynScalar | int, ax
     ax = norm_axis("cache_write", axis, tc.ndim)
     if not isinstance(offset, DynScalar):
         offset = as_int("cache_write", offset, "the offset")
-    return Tensor(make(Op.CACHE_WRITE, (tc.node, tr.node), CacheWriteArg(ax, offset)))
+    return _effect(Tensor(make(Op.CACHE_WRITE, (tc.node, tr.node), CacheWriteArg(ax, offset))))
 
 
 def index_copy(target: TensorLike, index: TensorLike, rows: TensorLike) -> Tensor:
@@ -70,4 +72,30 @@ def index_copy(target: TensorLike, index: TensorLike, rows: TensorLike) -> Tenso
     build; at realize an index outside [0, N) or one repeated (a scatter with duplicates has no single
     answer) raises IndexOutOfRange naming its position and value, before anything is written."""
     tt, ti, tr = as_tensor(target), as_tensor(index), as_tensor(rows)
-    return Tensor(make(Op.INDEX_COPY, (tt.node, ti.node, tr.node)))
+    return _effect(Tensor(make(Op.INDEX_COPY, (tt.node, ti.node, tr.node))))
+
+
+def assign(target: TensorLike, value: TensorLike) -> Tensor:
+    """Write `value` into `target`'s memory in place and return the target, as torch's `target.copy_(value)`
+    with equal shapes and dtypes (no broadcast, no cast: a mismatch is an error naming both). The target is
+    a realised tensor: a parameter or an optimizer state. Readers of `target` built before the write run
+    before it, so `fl.assign(w, w - lr * g)` reads the old w. Inside `fl.jit` the write runs at every call
+    even when nothing reads the result: a training step returns its loss, and its updates are effects."""
+    tt, tv = as_tensor(target), as_tensor(value)
+    if tt.node.value is None:
+        raise ParamError(f"assign: the target must be a realised tensor (a parameter or state), got a lazy "
+                         f"{tt.node.op.name} result")
+    if tt.shape != tv.shape:
+        raise ShapeError(f"assign: value is {list(tv.shape)}, the target is {list(tt.shape)}")
+    if tt.dtype is not tv.dtype:
+        raise DTypeError(f"assign: value is {tv.dtype.value}, the target is {tt.dtype.value}")
+    if tt.ndim == 0:
+        return _effect(Tensor(make(Op.CACHE_WRITE, (tt.reshape((1,)).node, tv.reshape((1,)).node),
+                                   CacheWriteArg(0, 0)))).reshape(())
+    return _effect(Tensor(make(Op.CACHE_WRITE, (tt.node, tv.node), CacheWriteArg(0, 0))))
+
+
+def _effect(t: Tensor) -> Tensor:
+    """A destructive op's result, recorded as an effect of the `fl.jit` trace in progress (if any)."""
+    note_effect(t.node)
+    return t

@@ -18,18 +18,33 @@ from collections.abc import Iterator, Sequence
 from fuel.errors import RealizeInTrace
 from fuel.graph.node import Node, is_constant, topo_order
 
-_STATE = threading.local()  # .args: {id(placeholder node): argument index} while this thread traces
+_STATE = threading.local()  # .args: {id(placeholder node): argument index}, .effects: the destructive
+# nodes built, while this thread traces
 
 
 @contextlib.contextmanager
 def tracing(placeholders: Sequence[Node]) -> Iterator[None]:
     """This thread traces a function over `placeholders` (one per positional argument)."""
-    outer = getattr(_STATE, "args", None)
+    outer, outer_effects = getattr(_STATE, "args", None), getattr(_STATE, "effects", None)
     _STATE.args = {id(p): i for i, p in enumerate(placeholders)}
+    _STATE.effects = []
     try:
         yield
     finally:
-        _STATE.args = outer
+        _STATE.args, _STATE.effects = outer, outer_effects
+
+
+def note_effect(node: Node) -> None:
+    """Record a destructive node built while this thread traces: `fl.jit` runs it at every call even when
+    no output reads it (an optimizer's parameter update), as an eager program would have run the write."""
+    effects: list[Node] | None = getattr(_STATE, "effects", None)
+    if effects is not None:
+        effects.append(node)
+
+
+def effects() -> list[Node]:
+    """The destructive nodes built so far in this thread's trace (empty outside a trace)."""
+    return list(getattr(_STATE, "effects", None) or ())
 
 
 def check_realize(nodes: Sequence[Node], how: str) -> None:

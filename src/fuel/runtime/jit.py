@@ -27,7 +27,9 @@ The contract:
   cannot change: arithmetic reading constants alone (read-only arrays with no writable base,
   `fl.tensor(arr, const=True)`, Python numbers; `fuel.graph.node.frozen`), and views of captured
   arrays, which see their updates (`arena.fold`). A destructive op writes into its input as in
-  `realize`, be it an argument or a captured array.
+  `realize`, be it an argument or a captured array. Every destructive op `fn` builds runs at every call,
+  in graph order, even when no output reads it: an optimizer's in-place parameter updates are the step's
+  effects, and `fn` returns only the loss.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from fuel.dtype import from_numpy
 from fuel.errors import ParamError
 from fuel.graph.node import Node, Op, dyn_value, is_constant, topo_order
 from fuel.graph.registry import default_registry
+from fuel.graph.traced import effects as traced_effects
 from fuel.graph.traced import tracing
 from fuel.runtime import replay
 from fuel.runtime.arena import arena, fold, shared_outputs
@@ -79,12 +82,15 @@ class Capture:
 
         with tracing(placeholders):  # fn may not realise what depends on them (`fuel.graph.traced`)
             result = fn(*(Tensor(p) for p in placeholders))
+            effects = traced_effects()
         self.single = isinstance(result, Tensor)
         outs = [result] if self.single else list(result) if isinstance(result, (tuple, list)) else None
         if outs is None or not all(isinstance(t, Tensor) for t in outs):
             raise ParamError(f"jit: fn must return a Tensor or a tuple/list of Tensors, got {type(result).__name__}")
         nodes = [t.node for t in outs]
         roots = [n for n in nodes if n.value is None]
+        reached = {id(n) for n in topo_order(roots)}
+        roots += [n for n in effects if id(n) not in reached]  # writes no output reads still run
         order = topo_order(roots)
         leaves = [n for n in order if n.value is not None]
         position = {id(p): i for i, p in enumerate(placeholders)}

@@ -26,6 +26,7 @@ from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.node import Shape
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
+from fuel.graph.traced import note_effect
 
 NAME = "inplace_affine"
 
@@ -85,7 +86,9 @@ def inplace_affine(x: TensorLike, mul: float, add: float) -> Tensor:
     together (each from the old value: chain them instead) raise `fl.StaleInput`.
     """
     params = InplaceAffineParams(mul, add)
-    return Tensor(fused_node(FusedOps.INPLACE_AFFINE, [as_tensor(x).node], params))
+    node = fused_node(FusedOps.INPLACE_AFFINE, [as_tensor(x).node], params)
+    note_effect(node)  # runs inside fl.jit even when nothing reads it
+    return Tensor(node)
 
 
 ENTRY = FusedOpEntry(
