@@ -1,4 +1,4 @@
-"""The `fuel` command: inventory, verify, bench, generate (and demo, its default run), embed, serve.
+"""The `fuel` command: inventory, verify, bench, generate (and demo, its default run), embed, serve, train.
 
 Exit statuses: 0 done; 1 a check failed (`verify`); 2 a bad request: an argument argparse refuses, or a
 FuelError (a bad file, a prompt that does not fit, ...), told in one line `fuel: error: ...` (argparse's
@@ -171,6 +171,20 @@ def _serve(args: argparse.Namespace) -> int:
     return run_serve_ray(args) if args.ray_replicas else run_serve(args)
 
 
+def _train(args: argparse.Namespace) -> int:
+    from fuel.train.cli import run_train
+
+    return run_train(args)
+
+
+def _train_lora(argv: list[str]) -> int:
+    """`fuel train --lora ...`: every argument after `train` goes to `fuel.lora.cli.main(argv) -> int`."""
+    import importlib
+
+    code: int = importlib.import_module("fuel.lora.cli").main(argv)
+    return code
+
+
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     from fuel.models.generate_cli import add_generate_arguments
 
@@ -242,7 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_arguments(p)
     add_serve_ray_arguments(p)
     p.set_defaults(run=_serve)
-    args = parser.parse_args(argv)
+    p = sub.add_parser("train", help="train a small Llama (nanoGPT's CPU config by default) and export it to GGUF")
+    from fuel.train.cli import add_train_arguments
+
+    add_train_arguments(p)
+    p.set_defaults(run=_train)
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["train"] and "--lora" in words[1:]:  # QLoRA has its own options: fuel.lora.cli parses them
+        args = argparse.Namespace(run=lambda _: _train_lora(words[1:]))
+    else:
+        args = parser.parse_args(argv)
     try:
         code: int = args.run(args)
     except KeyboardInterrupt:
