@@ -10,6 +10,7 @@ by `fl.jit` over the parameters sees the loaded values at its next replay.
 
 from __future__ import annotations
 
+import enum
 import os
 import types
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ from fuel.graph.tensor import Tensor
 __all__ = ["get_parameters", "get_state_dict", "load_state_dict", "safe_load", "safe_save"]
 
 # leaves that are not walked into: they hold no parameters (and a str is a sequence of itself)
-_ATOMS = (str, bytes, int, float, complex, bool, type(None), np.ndarray, np.generic, type,
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), np.ndarray, np.generic, enum.Enum, type,
           types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
 
 
