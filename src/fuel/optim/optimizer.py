@@ -90,12 +90,13 @@ class Optimizer:
         return float(self.schedule(max(self.step_count, 1)))
 
     def advance(self) -> None:
-        """Count one more update and write its scalars (call before each replay of a step from `update`)."""
+        """Count one more update and write its scalars (call before each replay of a step from `update`).
+        A schedule value that is not a finite lr >= 0 is a ParamError, and the count stays."""
+        self._write_scalars(self.step_count + 1)
         self.step_count += 1
-        self._write_scalars()
 
-    def _write_scalars(self) -> None:
-        values = self._values(max(self.step_count, 1))
+    def _write_scalars(self, step: int) -> None:
+        values = self._values(max(step, 1))
         for (name, _), arr in self._scalars.items():
             arr[()] = values[name]
 
@@ -188,7 +189,7 @@ class Optimizer:
             if master is not None:
                 np.copyto(master, arrays[f"master.{i}"])
         self.step_count = step
-        self._write_scalars()
+        self._write_scalars(step)
 
     # ---- the captured step -------------------------------------------------------------------
     def compile(self, loss_fn: Callable[..., Tensor], accumulate: int = 1) -> TrainStep:
@@ -290,7 +291,12 @@ class TrainStep:
             return float(self.add(*batch).numpy())
         self.micro = 0
         self.opt.advance()
-        out = self.apply(*batch)
+        try:
+            out = self.apply(*batch)
+        except BaseException:
+            self.opt.step_count -= 1  # the update did not happen: its scalars are the previous step's again
+            self.opt._write_scalars(self.opt.step_count)
+            raise
         if isinstance(out, tuple):
             self.last_grad_norm = float(out[1].numpy())
             return float(out[0].numpy())
