@@ -93,7 +93,7 @@ def _bench(args: argparse.Namespace) -> int:
     script = ("bench_attention.py" if args.attention else "bench_latency.py" if args.latency
               else "bench_quant.py" if args.quant else "bench_models.py" if args.models
               else "bench_serve.py" if args.serve else "bench_conv.py" if args.conv
-              else "bench_scans.py" if args.scans else "bench_ops.py")
+              else "bench_scans.py" if args.scans else "bench_train.py" if args.train else "bench_ops.py")
     if not (root / "benchmarks" / script).exists():
         print("bench: the benchmarks live in the source checkout (benchmarks/); install Fuel editable from it")
         return 2
@@ -118,6 +118,10 @@ def _bench(args: argparse.Namespace) -> int:
         from benchmarks import bench_serve
 
         return bench_serve.main(args.out)
+    if args.train:
+        from benchmarks import bench_train
+
+        return bench_train.main(args.out)
     if args.models:
         from benchmarks import bench_models
 
@@ -239,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
                            "server (`make bench-env`) on SmolLM2, concurrency 1, 4, 8: tokens/s, TTFT, inter-token "
                            "latency (names, --dtype, --repeat and --no-compile do not apply; more options: "
                            "python -m benchmarks.bench_serve --help)")
+    mode.add_argument("--train", action="store_true",
+                      help="instead of the kernel cases: training tokens/s and peak RSS (AdamW, f32) of fuel.nn.Llama "
+                           "against transformers' LlamaForCausalLM in torch eager and torch.compile, at the "
+                           "stories15M (B4 x T256) and SmolLM2-135M (B1 x T128) shapes, 3 interleaved rounds (more "
+                           "options: python -m benchmarks.bench_train --help)")
     p.set_defaults(run=_bench)
     p = sub.add_parser("generate", help="stream text from a GGUF LLM (SmolLM2-135M-Instruct by default, or Gemma-3)")
     _add_generate_arguments(p)
