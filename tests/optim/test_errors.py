@@ -77,3 +77,19 @@ def test_bad_compile_and_schedule_values() -> None:
     with pytest.raises(fl.ParamError, match=r"SGD: the schedule gave lr=-0\.1 at step 2; expected a finite"):
         opt.advance()
     assert opt.step_count == 1
+
+
+def test_a_failed_micro_batch_is_not_counted() -> None:
+    """With accumulate=2, a micro-batch whose step fails (a batch of the wrong shape) adds nothing: the next
+    two good calls make the update."""
+    ps = params()
+    opt = SGD(ps, 0.5)
+    step = opt.compile(lambda x: (ps[0] * x).sum(), accumulate=2)
+    with pytest.raises(fl.ShapeError):
+        step(np.ones((3, 3), np.float32))
+    assert step.micro == 0
+    step(np.ones((2, 3), np.float32))
+    assert opt.step_count == 0
+    step(np.ones((2, 3), np.float32))
+    assert opt.step_count == 1
+    np.testing.assert_array_equal(ps[0].numpy(), np.full((2, 3), -0.5, np.float32))

@@ -21,8 +21,9 @@ import numpy as np
 
 from fuel.dtype import DType, from_numpy
 from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.autograd import grad
 from fuel.graph.functions import assign
-from fuel.graph.tensor import Tensor, tensor
+from fuel.graph.tensor import Tensor, tensor, zeros
 from fuel.optim.clip import clip_grad_norm
 from fuel.optim.schedule import Schedule, as_schedule
 
@@ -262,8 +263,6 @@ class TrainStep:
             what = f"a {list(loss.shape)} {loss.dtype.value} tensor" if isinstance(loss, Tensor) \
                 else type(loss).__name__
             raise ShapeError(f"compile: loss_fn must return a scalar float Tensor, got {what}")
-        from fuel.graph.autograd import grad
-
         scaled = loss if self.accumulate == 1 else loss / float(self.accumulate)
         gs = grad(scaled, self.opt.params)
         gs = [g.cast(dt) for g, dt in zip(gs, self.opt.compute_dtypes, strict=True)]
@@ -281,15 +280,15 @@ class TrainStep:
             gs = [b + g for b, g in zip(self._buffer_leaves, gs, strict=True)]
         _, norm = self.opt.build(gs)  # its writes are the capture's effects
         for b in self._buffer_leaves:
-            assign(b, _zeros_like(b))
+            assign(b, zeros(b.shape, b.dtype))
         return loss if norm is None else (loss, norm)
 
     def __call__(self, *batch: Any) -> float:
-        self.micro += 1
-        if self.micro < self.accumulate:
+        if self.micro + 1 < self.accumulate:
             assert self.add is not None
-            return float(self.add(*batch).numpy())
-        self.micro = 0
+            loss = float(self.add(*batch).numpy())
+            self.micro += 1  # counted once its gradient is in the buffers
+            return loss
         self.opt.advance()
         try:
             out = self.apply(*batch)
@@ -297,13 +296,8 @@ class TrainStep:
             self.opt.step_count -= 1  # the update did not happen: its scalars are the previous step's again
             self.opt._write_scalars(self.opt.step_count)
             raise
+        self.micro = 0
         if isinstance(out, tuple):
             self.last_grad_norm = float(out[1].numpy())
             return float(out[0].numpy())
         return float(out.numpy())
-
-
-def _zeros_like(t: Tensor) -> Tensor:
-    from fuel.graph.tensor import zeros
-
-    return zeros(t.shape, t.dtype)
