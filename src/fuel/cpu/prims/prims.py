@@ -315,7 +315,9 @@ def _cache_write(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.
 def _grad_kernel(module: str, name: str) -> PrimKernel:
     """A fused op's gradient kernel, `kernel(inputs, arg) -> array or tuple of arrays`, living beside the
     op's forward kernels in module `module` of `fuel.cpu` (imported on first use: it compiles Numba code,
-    then kept). Inputs the autograd built as broadcast zeros arrive contiguous."""
+    then kept). Inputs the autograd built as broadcast zeros arrive contiguous. A one-array result is copied
+    into `out` when one is given, as every primitive's: an fl.jit capture reads that buffer through views
+    of it that it folded at capture."""
     found: list[Callable[..., Any]] = []
 
     def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
@@ -323,7 +325,8 @@ def _grad_kernel(module: str, name: str) -> PrimKernel:
             import importlib
 
             found.append(getattr(importlib.import_module(f"fuel.cpu.{module}"), name))
-        return found[0]([np.ascontiguousarray(x) for x in xs], n.arg)
+        res = found[0]([np.ascontiguousarray(x) for x in xs], n.arg)
+        return res if isinstance(res, tuple) else _copy_into(res, out)
     return run
 
 
