@@ -53,7 +53,10 @@ def save(path: str | os.PathLike[str], model_state: dict[str, Any], optim_state:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     safe_save(model_state, tmp / MODEL_FILE, metadata={"format": FORMAT})
-    meta = {"format": FORMAT, "step": str(step), "data_rng": json.dumps(data_rng), "config": json.dumps(config)}
+    # safetensors reads a 0-d array back as [1]: the names of the 0-d ones (the step count) are kept to undo it
+    scalars = [k for k, v in optim_state.items() if np.ndim(v) == 0]
+    meta = {"format": FORMAT, "step": str(step), "data_rng": json.dumps(data_rng), "config": json.dumps(config),
+            "scalars": json.dumps(scalars)}
     safe_save({k: np.ascontiguousarray(v) for k, v in optim_state.items()}, tmp / OPTIM_FILE, metadata=meta)
     if final.exists():
         shutil.rmtree(final)
@@ -84,6 +87,8 @@ def load(path: str | os.PathLike[str]) -> Checkpoint:
                               f"expected {FORMAT!r})")
     try:
         step, rng, config = int(meta["step"]), json.loads(meta["data_rng"]), json.loads(meta["config"])
+        for k in json.loads(meta["scalars"]):
+            optim[k] = optim[k].reshape(())
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"train: --resume {p}: its metadata is incomplete ({e})") from None
     return Checkpoint(model, optim, step, rng, config)

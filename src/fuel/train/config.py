@@ -1,7 +1,7 @@
 """The configuration of a `fuel train` run: defaults, then a TOML or JSON file, then command-line flags.
 
 The defaults are nanoGPT's CPU Shakespeare run in Llama form (4 layers, 4 heads, dim 128, SwiGLU hidden 512,
-block 64, batch 12, 2000 steps, AdamW lr 1e-3 with 100 warmup steps and a cosine decay to 1e-4, betas (0.9,
+block 64, batch 12, 2000 steps, AdamW lr 1e-3 with 100 (5%) warmup steps and a cosine decay to 1e-4, betas (0.9,
 0.99), weight decay 0.1, gradient clipping at 1.0) on the built-in corpus with the byte tokenizer.
 
 Every value is checked when the config is built, and a bad one is a ParamError naming the key, what it must
@@ -38,11 +38,12 @@ class TrainConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     block_size: int = 64
+    context_length: int = 2048  # what the exported GGUF declares; positions past block_size are untrained
     batch_size: int = 12
     steps: int = 2000
     lr: float = 1e-3
     min_lr: float = 1e-4
-    warmup_steps: int = 100
+    warmup_steps: int = -1  # -1: 5% of steps (nanoGPT's 100 of 2000)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.99
@@ -57,11 +58,13 @@ class TrainConfig:
         for f in fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         positive = ("dim", "n_layers", "n_heads", "hidden_dim", "block_size", "batch_size", "steps", "eval_interval",
-                    "eval_iters", "checkpoint_interval", "rope_theta", "norm_eps", "lr")
+                    "eval_iters", "checkpoint_interval", "context_length", "rope_theta", "norm_eps", "lr")
         for name in positive:
             if getattr(self, name) <= 0:
                 _bad(name, "positive", getattr(self, name))
-        for name in ("n_kv_heads", "warmup_steps", "seed", "weight_decay", "grad_clip", "min_lr"):
+        if self.warmup_steps < -1:
+            _bad("warmup_steps", ">= 0 (or -1: 5% of steps)", self.warmup_steps)
+        for name in ("n_kv_heads", "seed", "weight_decay", "grad_clip", "min_lr"):
             if getattr(self, name) < 0:
                 _bad(name, ">= 0", getattr(self, name))
         if not 0.0 < self.val_fraction < 1.0:
@@ -82,13 +85,21 @@ class TrainConfig:
         if self.n_heads % self.kv_heads:
             raise ParamError(f"train: n_kv_heads must divide n_heads, got n_heads {self.n_heads} and n_kv_heads "
                              f"{self.n_kv_heads}")
+        if self.context_length < self.block_size:
+            raise ParamError(f"train: context_length must be at least block_size, got context_length "
+                             f"{self.context_length} and block_size {self.block_size}")
         if self.min_lr > self.lr:
             raise ParamError(f"train: min_lr must be at most lr, got min_lr {self.min_lr} and lr {self.lr}")
-        if self.warmup_steps > self.steps:
-            raise ParamError(f"train: warmup_steps must be at most steps, got warmup_steps {self.warmup_steps} and "
+        if self.warmup >= self.steps:
+            raise ParamError(f"train: warmup_steps must be below steps, got warmup_steps {self.warmup_steps} and "
                              f"steps {self.steps}")
         if "q8_0" in self.export and self.dim % 32:
             raise ParamError(f"train: a q8_0 export needs dim to be a multiple of 32 (Q8_0's block), got {self.dim}")
+
+    @property
+    def warmup(self) -> int:
+        """The warmup steps of the schedule: warmup_steps, or 5% of steps for -1."""
+        return self.steps // 20 if self.warmup_steps == -1 else self.warmup_steps
 
     @property
     def kv_heads(self) -> int:

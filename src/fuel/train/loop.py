@@ -51,16 +51,15 @@ class Result:
 
 def model_hparams(cfg: TrainConfig, vocab: int) -> dict[str, Any]:
     return {"dim": cfg.dim, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.kv_heads,
-            "hidden_dim": cfg.hidden_dim, "vocab_size": vocab, "context_length": cfg.block_size,
+            "hidden_dim": cfg.hidden_dim, "vocab_size": vocab, "context_length": cfg.context_length,
             "rope_theta": cfg.rope_theta, "norm_eps": cfg.norm_eps}
 
 
 def build_model(cfg: TrainConfig, vocab: int) -> Any:
     from fuel.nn.llama import Llama, LlamaConfig
 
-    hp = model_hparams(cfg, vocab)
     lc = LlamaConfig(dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.kv_heads,
-                     vocab_size=vocab, hidden_dim=cfg.hidden_dim, max_seq_len=hp["context_length"],
+                     vocab_size=vocab, hidden_dim=cfg.hidden_dim, max_seq_len=cfg.block_size,
                      rope_theta=cfg.rope_theta, norm_eps=cfg.norm_eps)
     return Llama(lc, seed=cfg.seed)
 
@@ -70,7 +69,7 @@ def build_optimizer(cfg: TrainConfig, model: Any) -> Any:
     from fuel.optim import AdamW
     from fuel.optim.schedule import cosine
 
-    sched = cosine(cfg.lr, cfg.steps, warmup_steps=cfg.warmup_steps, min_lr=cfg.min_lr)
+    sched = cosine(cfg.lr, cfg.steps, warmup_steps=cfg.warmup, min_lr=cfg.min_lr)
     return AdamW(get_parameters(model), lr=sched, betas=(cfg.beta1, cfg.beta2), eps=1e-8,
                  weight_decay=cfg.weight_decay, max_grad_norm=cfg.grad_clip or None)
 
@@ -109,6 +108,7 @@ class Trainer:
             ("train_loss", Batches(train_ids, cfg.batch_size, cfg.block_size, cfg.seed + 1)),
             ("val_loss", Batches(val_ids, cfg.batch_size, cfg.block_size, cfg.seed + 2)))}
         self.step = 0
+        self.bar: Any = None
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = RunLog(cfg.to_dict())
         if resume is not None:
@@ -140,7 +140,12 @@ class Trainer:
     def _record_eval(self) -> dict[str, float]:
         losses = self.evaluate()
         self.log.eval.append({"step": self.step, **{k: round(v, 6) for k, v in losses.items()}})
-        self.echo(f"step {self.step}: train loss {losses['train_loss']:.4f}, val loss {losses['val_loss']:.4f}")
+        line = f"step {self.step}: train loss {losses['train_loss']:.4f}, val loss {losses['val_loss']:.4f}"
+        if self.bar is not None:  # the line goes above the bar, which is drawn again below it
+            self.bar.clear()
+        self.echo(line)
+        if self.bar is not None:
+            self.bar.refresh()
         return losses
 
     def run(self) -> Result:
@@ -148,7 +153,7 @@ class Trainer:
         started = time.perf_counter()
         before = self.log.seconds
         tokens_per_step = cfg.batch_size * cfg.block_size
-        bar = self._bar()
+        self.bar = bar = self._bar()
         last: dict[str, float] = {}
         if self.step == 0 and not self.log.eval:
             last = self._record_eval()
@@ -178,6 +183,7 @@ class Trainer:
                 self.log.save(self.out / "log.json")
         if bar is not None:
             bar.close()
+            self.bar = None
         self.log.seconds = before + time.perf_counter() - started
         self.log.save(self.out / "log.json")
         self.log.plot(self.out / "loss.png")
