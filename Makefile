@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fuel-installed
 
-.PHONY: demo test bench bench-env lint verify inventory clean
+.PHONY: demo test bench bench-env lint verify inventory clean train-demo
 
 $(STAMP): pyproject.toml constraints.txt test-models.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/fuel compile
 	$(BIN)/python -m pytest --durations=25
+
+# `fuel train`'s demo: nanoGPT's CPU Shakespeare config (4 layers, 4 heads, dim 128, block 64, batch 12, 2000
+# steps) as a Llama, byte-level, on the text Python ships as pydoc_data/topics.py; then a generation from its
+# GGUF export. `python -m benchmarks.train_demo_torch` trains the same run in torch (its target).
+train-demo: $(STAMP)
+	$(BIN)/fuel train --out train-out
+	$(BIN)/fuel generate --model train-out/model-q8_0.gguf --max-tokens 200 --temperature 0.8 --seed 0 'The "if" statement'
 
 verify: $(STAMP)
 	$(BIN)/fuel verify
@@ -52,4 +59,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) bench-results train-out .pytest_cache .mypy_cache .ruff_cache
