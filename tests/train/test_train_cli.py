@@ -126,3 +126,29 @@ def test_fuel_generate_runs_the_export(run: Path, capsys: pytest.CaptureFixture[
     assert main(["generate", "--model", str(run / "model-f32.gguf"), "--max-tokens", "8", "--context", "64",
                  "def"]) == 0
     assert capsys.readouterr().out.startswith("def")
+
+
+def test_smollm2_tokenizer_run_exports_the_bundled_vocabulary(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from fuel.io.bundled import bundled_gguf
+    from fuel.models.tokenizer import GGUFTokenizer
+
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. 12345\n" * 40, encoding="utf-8")
+    assert main(["train", "--tokenizer", "smollm2", "--data", str(text), "--dim", "32", "--n-layers", "1",
+                 "--n-heads", "2", "--hidden-dim", "32", "--block-size", "8", "--batch-size", "2", "--steps", "1",
+                 "--eval-iters", "1", "--export", "f32", "--out", str(tmp_path / "run"), "--quiet"]) == 0
+    assert "vocab 49152" in capsys.readouterr().out
+    bundled = GGUFTokenizer.from_gguf(bundled_gguf("smollm2"))
+    exported = GGUFTokenizer.from_gguf(tmp_path / "run" / "model-f32.gguf")
+    sample = "def f(x):\n    return x ** 2  # 12 µs <|im_end|>"
+    assert exported.encode(sample) == bundled.encode(sample)
+    assert (exported.eos_id, exported.bos_id, exported.chat_template) == (
+        bundled.eos_id, bundled.bos_id, bundled.chat_template)
+
+
+def test_lora_goes_to_fuel_lora_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--lora", "--steps", "0"])
+    assert e.value.code == 2
+    assert "fuel train --lora: error: argument --steps" in capsys.readouterr().err
