@@ -54,6 +54,7 @@ def test_run_folder(run: Path) -> None:
     assert log["config"]["dim"] == 64 and log["train"][0]["lr"] == pytest.approx(3e-3)
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert ckpt.latest(run) == run / "checkpoints" / "step-000004"  # what --resume RUN_FOLDER continues
 
 
 def test_resume_equals_the_uninterrupted_run_bit_for_bit(run: Path, resumed: Path) -> None:

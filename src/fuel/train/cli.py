@@ -24,7 +24,12 @@ _HELP = {
     "tokenizer": "byte (UTF-8 bytes: character models; default) or smollm2 (the bundled SmolLM2's BPE)",
     "val_fraction": "the held-out tail of the corpus (default 0.1)",
     "n_kv_heads": "key/value heads (default 0: as many as --n-heads)",
+    "warmup_steps": "linear warmup steps before the cosine decay (default -1: 5%% of --steps)",
+    "context_length": "the context the exported GGUF declares (default 2048; positions past --block-size are "
+                      "untrained)",
     "grad_clip": "clip the global gradient norm to this (0: no clipping; default 1.0)",
+    "eval_interval": "evaluate every this many steps, and at the end (default 250)",
+    "checkpoint_interval": "write a checkpoint every this many steps, and at the end (default 500)",
     "export": "GGUF exports at the end, comma-separated among f32,q8_0 ('' for none; default f32,q8_0)",
 }
 
