@@ -11,6 +11,7 @@ call, not once.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,10 @@ from transformers import AutoModelForCausalLM
 from fuel.io.gguf import bundled_gguf
 
 
+@functools.cache
 def hf_model(name: str) -> Any:
+    """transformers' float32 model of a bundled GGUF file, loaded once per process (loading SmolLM2 takes
+    ~20 s) and shared by every test directory that uses it: users must leave it as they found it."""
     torch.set_num_threads(1)
     path = bundled_gguf(name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)

@@ -63,6 +63,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                                      "and the text by this (transformers' and vLLM's; 1: none)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="end the text before this stop sequence (repeatable)")
+    p.add_argument("--lora", default=None, metavar="DIR",
+                   help="add the LoRA adapter saved in DIR (PEFT's format, e.g. by `fuel train --lora`)")
     p.add_argument("--context", type=number(int, 1, what="an integer >= 1"), default=2048,
                    help="the KV cache's capacity in tokens (default 2048)")
 
@@ -90,7 +92,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> i
         raise ModelError(f"generate: --context {args.context} is more than the model's context of "
                          f"{cfg.context_length} tokens")
     if args.chat and args.prompt is None:
-        llm = load(args.model, args.context, err)
+        llm = _load(args, err)
         return _chat_loop(llm, args.max_tokens, sampler, stops, out, err, stdin)
     chat = args.chat or args.prompt is None  # the default prompt is a question for the chat model
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
@@ -100,7 +102,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> i
     if len(ids) > args.context:
         raise ModelError(f"generate: the prompt has {len(ids)} tokens, more than --context {args.context}; "
                          "give a larger --context")
-    llm = load(args.model, args.context, err)
+    llm = _load(args, err)
     seq = llm.model.acquire(ids)
     try:
         warm_up(seq, len(ids), err)
@@ -110,6 +112,15 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> i
         llm.model.release(seq)
     report(llm.stats, err)
     return 0
+
+
+def _load(args: argparse.Namespace, err: TextIO) -> LLM:
+    """The process's shared model, or with --lora a model of its own carrying the adapter."""
+    if getattr(args, "lora", None) is None:
+        return load(args.model, args.context, err)
+    from fuel.lora.model import load_llm
+
+    return load_llm(args.model, args.context, args.lora, err)
 
 
 def _chat_loop(llm: LLM, max_tokens: int, sampler: Sampler, stops: tuple[str, ...], out: TextIO, err: TextIO,

@@ -69,7 +69,11 @@ from fuel.models.llama_weights import (
 )
 from fuel.quant import dequantize_rows_into, weight_rows
 
-__all__ = ["ARCHITECTURES", "KVSequence", "LlamaConfig", "LlamaModel", "ModelError", "load", "rope_tables"]
+# (layer, projection name, input rows x, the projection's output y) -> the output to use instead (y plus a term)
+ProjectionHook = Callable[[int, str, Tensor, Tensor], Tensor]
+
+__all__ = ["ARCHITECTURES", "KVSequence", "LlamaConfig", "LlamaModel", "ModelError", "ProjectionHook", "load",
+           "rope_tables"]
 
 
 def _gelu_tanh(x: Tensor) -> Tensor:
@@ -108,6 +112,8 @@ class LlamaModel:
         self.rope = {"global": rope_tables(cfg.rope_base, cfg.head_dim, positions)}
         if cfg.local_rope_base is not None:
             self.rope["local"] = rope_tables(cfg.local_rope_base, cfg.head_dim, positions)
+        # an adapter over the projections (LoRA, `fuel.lora`): read when a step's graph is built
+        self.adapter: ProjectionHook | None = None
         self.lock = threading.RLock()  # held by every step of every sequence: one step at a time
         self._pool_lock = threading.Lock()
         self._idle: list[KVSequence] = []
@@ -124,6 +130,7 @@ class LlamaModel:
         p = f"blk.{i}."
         permuted = not cfg.gemma  # llama.cpp permutes Q/K rows for its pair-rotating rope
         lw: dict[str, Any] = {
+            "index": i,
             "attn_norm": f[p + "attn_norm.weight"].array(),
             "qkv": _Projections({"q": _Linear.of(f[p + "attn_q.weight"], cfg.heads if permuted else None),
                                  "k": _Linear.of(f[p + "attn_k.weight"], cfg.kv_heads if permuted else None),
@@ -144,10 +151,15 @@ class LlamaModel:
     def _norm(self, x: Tensor, w: np.ndarray) -> Tensor:
         return fl.ops.rms_norm_last_dim(x, self.cfg.eps) * fl.tensor(w)
 
-    def _heads(self, x: Tensor, heads: int) -> Tensor:
-        """`[S, heads·D]` → `[1, heads, S, D]`."""
-        s = x.shape[0]
-        return x.reshape(1, s, heads, self.cfg.head_dim).permute(0, 2, 1, 3)
+    def _heads(self, x: Tensor, heads: int, batch: int = 1) -> Tensor:
+        """`[B·S, heads·D]` → `[B, heads, S, D]` (rows of sequence b are b·S … b·S + S - 1)."""
+        s = x.shape[0] // batch
+        return x.reshape(batch, s, heads, self.cfg.head_dim).permute(0, 2, 1, 3)
+
+    def project(self, lw: dict[str, Any], name: str, x: Tensor, y: Tensor) -> Tensor:
+        """Projection `name` ("q", "k", "v", "o", "gate", "up", "down") of layer lw: its output y of the
+        input rows x, with the adapter's term added when one is set."""
+        return y if self.adapter is None else self.adapter(lw["index"], name, x, y)
 
     def _write_kv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]],
                   caches: Caches) -> tuple[Tensor, Tensor, Tensor]:
@@ -158,18 +170,21 @@ class LlamaModel:
         vc = fl.cache_write(fl.tensor(caches[1][i]), v, pos)
         return q, kc, vc
 
-    def qkv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]]
+    def qkv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]], batch: int = 1
             ) -> tuple[Tensor, Tensor, Tensor]:
-        """Layer i's queries, keys and values `[1, heads, S, D]` of the normed rows h `[S, hidden]`, rope
-        applied with the tables' rows (row s of the tables is row s's position)."""
+        """Layer i's queries, keys and values `[B, heads, S, D]` of the normed rows h `[B·S, hidden]` (B = batch
+        sequences of S rows), rope applied with the tables' rows (row s of the tables is position s's)."""
         cfg = self.cfg
-        p = lw["qkv"](h, joined=("q", "k"))
+        p = lw["qkv"](h, joined=None if self.adapter else ("q", "k"))
+        if self.adapter is not None:
+            p = {n: self.project(lw, n, h, p[n]) for n in ("q", "k", "v")}
         cos, sin = tables["local" if cfg.is_local(i) else "global"]
         if "q+k" in p and not cfg.gemma:  # one rope over Q's and K's heads: one step less per layer
-            qk = fl.ops.rope(self._heads(p["q+k"], cfg.heads + cfg.kv_heads), cos, sin)
-            q, k, v = qk[:, :cfg.heads], qk[:, cfg.heads:], self._heads(p["v"], cfg.kv_heads)
+            qk = fl.ops.rope(self._heads(p["q+k"], cfg.heads + cfg.kv_heads, batch), cos, sin)
+            q, k, v = qk[:, :cfg.heads], qk[:, cfg.heads:], self._heads(p["v"], cfg.kv_heads, batch)
         else:
-            q, k, v = (self._heads(p[n], hs) for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
+            q, k, v = (self._heads(p[n], hs, batch)
+                       for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
             if cfg.gemma:
                 q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
             q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
@@ -182,8 +197,13 @@ class LlamaModel:
         window = (cfg.sliding_window - 1 if local and cfg.sliding_window else None, None)
         a = fl.ops.flash_attn(q, kc, vc, softmax_scale=cfg.attn_scale, causal=True, window_size=window,
                               k_len=fl.dyn(k_len))
-        s = q.shape[2]
-        return lw["o"](a.permute(0, 2, 1, 3).reshape(s, cfg.heads * cfg.head_dim))
+        return self.output_projection(lw, a)
+
+    def output_projection(self, lw: dict[str, Any], a: Tensor) -> Tensor:
+        """The attention output `[B, heads, S, D]` as rows `[B·S, hidden]` through the o projection."""
+        b, heads, s, d = a.shape
+        rows = a.permute(0, 2, 1, 3).reshape(b * s, heads * d)
+        return self.project(lw, "o", rows, lw["o"](rows))
 
     def forward(self, x: Tensor, table_args: Sequence[Tensor], caches: Caches, rows: Any = None) -> Tensor:
         """The logits `[S, vocab]` of the rows x `[S, hidden]` (a decode step), writing their K/V rows into
@@ -214,9 +234,29 @@ class LlamaModel:
         x = x + (self._norm(a, lw["post_attention_norm"]) if cfg.gemma else a)
         h = self._norm(x, lw["ffn_norm"])
         p = lw["gate_up"](h)
-        act = _gelu_tanh(p["gate"]) if cfg.gemma else p["gate"].silu()
-        d = lw["down"](act * p["up"])
+        gate, up = self.project(lw, "gate", h, p["gate"]), self.project(lw, "up", h, p["up"])
+        act = (_gelu_tanh(gate) if cfg.gemma else gate.silu()) * up
+        d = self.project(lw, "down", act, lw["down"](act))
         return x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
+
+    def causal_logits(self, x: Tensor, batch: int = 1) -> Tensor:
+        """The logits `[B·S, vocab]` of B whole sequences given as their embedding rows x `[B·S, hidden]` (the
+        rows of sequence b are b·S … b·S + S - 1, positions 0 … S - 1): causal attention within each sequence,
+        no KV cache, every row's logits (a training step's forward; S at most the model's capacity)."""
+        cfg = self.cfg
+        rows = x.shape[0]
+        if batch < 1 or rows % batch or not 1 <= rows // batch <= self.capacity:
+            raise ModelError(f"model: causal_logits: {rows} rows are not {batch} sequences of 1 … {self.capacity} "
+                             "(the capacity) rows each")
+        s = rows // batch
+        tables = {n: (fl.tensor(cos[:s]), fl.tensor(sin[:s])) for n, (cos, sin) in self.rope.items()}
+        x = self.scaled_input(x)
+        for i, lw in enumerate(self.layers):
+            q, k, v = self.qkv(i, lw, self._norm(x, lw["attn_norm"]), tables, batch)
+            window = (cfg.sliding_window - 1 if cfg.is_local(i) and cfg.sliding_window else None, None)
+            a = fl.ops.flash_attn(q, k, v, softmax_scale=cfg.attn_scale, causal=True, window_size=window)
+            x = self.after_attention(lw, x, self.output_projection(lw, a))
+        return self.logits(x)
 
     def logits(self, x: Tensor) -> Tensor:
         """The logits `[S, vocab]` of the last layer's rows x."""
