@@ -3,8 +3,9 @@ gradients of `peft.PeftModel` over transformers' float model of the same GGUF fi
 the same bytes), and over bitsandbytes' NF4 re-quantisation of those weights for the NF4 base.
 
 Tolerances are per row of logits (or of a gradient matrix): max |fuel − oracle| over the row's max |oracle|.
-The logits: 1e-3 (GGUF and NF4 alike: both sides multiply the same f32 weight values, only the summation
-order differs; measured 4e-6). The gradients: 1e-3 (thirty layers of backward in f32, summed in different
+The logits: 1e-3 over the GGUF base (the issue's bound; measured 3.6e-6) and 1e-4 over the NF4 base (both
+sides multiply the very same f32 weight values, NF4 table entry times absmax, and differ only in the order of
+the f32 sums; measured 4.5e-6). The gradients: 1e-3 (thirty layers of backward in f32 summed in different
 orders; measured under 7e-4)."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tests.lora.conftest import random_adapter
 from tests.models.oracles import hf_greedy
 
 LOGITS_RTOL = 1e-3
+NF4_LOGITS_RTOL = 1e-4
 GRAD_RTOL = 1e-3
 PROMPT = "Why is the sky blue?"
 
@@ -41,8 +43,11 @@ def row_error(got: np.ndarray, want: np.ndarray) -> float:
     return float((np.abs(g - w).max(-1) / np.abs(w).max(-1)).max())
 
 
-def chat_ids(tok: GGUFTokenizer, prompt: str = PROMPT) -> np.ndarray:
-    return np.array([tok.encode_chat([{"role": "user", "content": prompt}])], np.int64)
+def chat_ids(tok: GGUFTokenizer, *prompts: str) -> np.ndarray:
+    """`[B, S]` ids of the chat-templated prompts (PROMPT by default), each cut to the shortest's length."""
+    rows = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts or (PROMPT,)]
+    s = min(len(r) for r in rows)
+    return np.array([r[:s] for r in rows], np.int64)
 
 
 def fuel_logits(model: LlamaModel, adapter: LoraAdapter, ids: np.ndarray) -> np.ndarray:
@@ -54,14 +59,14 @@ def fuel_logits(model: LlamaModel, adapter: LoraAdapter, ids: np.ndarray) -> np.
 
 
 def peft_logits(hf: Any, adapter_dir: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """peft's logits with the adapter, and the base model's."""
+    """peft's logits `[B·S, vocab]` with the adapter, and the base model's."""
     torch.set_num_threads(1)
     pm = peft.PeftModel.from_pretrained(hf, str(adapter_dir))
     try:
         with torch.inference_mode():
-            with_adapter = pm(torch.tensor(ids)).logits[0].double().numpy()
+            with_adapter = pm(torch.tensor(ids)).logits.flatten(0, 1).double().numpy()
             with pm.disable_adapter():
-                base = pm(torch.tensor(ids)).logits[0].double().numpy()
+                base = pm(torch.tensor(ids)).logits.flatten(0, 1).double().numpy()
     finally:
         pm.unload()
     return with_adapter, base
@@ -69,7 +74,7 @@ def peft_logits(hf: Any, adapter_dir: Path, ids: np.ndarray) -> tuple[np.ndarray
 
 def test_trained_adapter_logits_match_peft_on_the_gguf_model(smol_gguf: Any, smol_hf: Any, trained: Path) -> None:
     model, tok = smol_gguf
-    ids = chat_ids(tok)
+    ids = chat_ids(tok, PROMPT, "Name three colours of the rainbow.")  # two sequences: the batched forward
     adapter = LoraAdapter.load(trained, model.cfg)
     want, base = peft_logits(smol_hf, trained, ids)
     assert row_error(base, want) > 10 * LOGITS_RTOL  # the trained adapter changes the logits: the check can fail
@@ -102,7 +107,7 @@ def test_nf4_logits_match_peft_on_bitsandbytes_weights(smol_nf4: Any, smol_hf: A
     ids = chat_ids(tok)
     adapter = LoraAdapter.load(trained, model.cfg)
     want, _ = peft_logits(hf, trained, ids)
-    assert row_error(fuel_logits(model, adapter, ids), want) <= LOGITS_RTOL
+    assert row_error(fuel_logits(model, adapter, ids), want) <= NF4_LOGITS_RTOL
 
 
 def test_adapter_gradients_match_peft(smol_gguf: Any, smol_hf: Any, tmp_path: Path) -> None:

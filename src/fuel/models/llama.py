@@ -30,6 +30,12 @@ its keys end at DynScalar `last_len`), which gives the logits: prefill never com
 projection it would throw away, nor reads every weight again for a separate one-token step (docs/models.md,
 "Measurements": "the last row's logits"). Other chunks stop after the last layer's cache writes.
 
+**Adapters and training.** `model.adapter` (a `ProjectionHook`, e.g. a `fuel.lora.LoraAdapter`) adds a
+term to each attention and FFN projection's output in every graph built while it is set (`project`); a step
+captured before it was set replays without it. `causal_logits` is the training forward: B whole sequences
+with causal attention among their own rows and no KV cache, every row's logits. The serving batch model
+(`fuel.serve.batch_model`) runs the o projection itself and takes no adapter.
+
 **Token embedding** rows are dequantised outside the graph with the QMatMul decoders
 (`fuel.quant.dequantize_rows_into`): a lookup of a few rows of a quantized table is not a graph op
 (a gather over block bytes would need a dequantising gather kernel), and the rows are the step's input.
@@ -175,7 +181,7 @@ class LlamaModel:
         """Layer i's queries, keys and values `[B, heads, S, D]` of the normed rows h `[B·S, hidden]` (B = batch
         sequences of S rows), rope applied with the tables' rows (row s of the tables is position s's)."""
         cfg = self.cfg
-        p = lw["qkv"](h, joined=None if self.adapter else ("q", "k"))
+        p = lw["qkv"](h, joined=None if self.adapter is not None else ("q", "k"))
         if self.adapter is not None:
             p = {n: self.project(lw, n, h, p[n]) for n in ("q", "k", "v")}
         cos, sin = tables["local" if cfg.is_local(i) else "global"]
