@@ -22,11 +22,11 @@ import torch
 
 import fuel as fl
 from fuel.cli import main as fuel_main
-from fuel.lora import LoraAdapter, causal_loss, embed_batch
+from fuel.lora import LoraAdapter, causal_loss, embed_batch, load_model
 from fuel.lora.instructions import INSTRUCTIONS
 from fuel.lora.model import Nf4Linear
 from fuel.lora.train import encode_examples
-from fuel.models.llama import LlamaModel
+from fuel.models.llama import LlamaModel, ModelError
 from fuel.models.tokenizer import GGUFTokenizer
 from tests.lora.conftest import random_adapter
 from tests.models.oracles import hf_greedy
@@ -55,7 +55,7 @@ def fuel_logits(model: LlamaModel, adapter: LoraAdapter, ids: np.ndarray) -> np.
     try:
         return model.causal_logits(fl.tensor(embed_batch(model, ids)), ids.shape[0]).numpy()
     finally:
-        model.adapter = None
+        model.set_adapter(None)
 
 
 def peft_logits(hf: Any, adapter_dir: Path, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +123,7 @@ def test_adapter_gradients_match_peft(smol_gguf: Any, smol_hf: Any, tmp_path: Pa
         params = adapter.parameters()
         got = fl.realize(loss, *fl.grad(loss, params))
     finally:
-        model.adapter = None
+        model.set_adapter(None)
     torch.set_num_threads(1)
     flags = {n: p.requires_grad for n, p in smol_hf.named_parameters()}
     pm = peft.PeftModel.from_pretrained(smol_hf, str(tmp_path), is_trainable=True)
@@ -166,3 +166,20 @@ def test_generate_with_the_adapter_continues_as_peft(smol_gguf: Any, smol_hf: An
     finally:
         pm.unload()
     assert text == tok.decode(toks, skip_special=True)
+
+
+def test_an_adapter_is_refused_by_a_model_that_has_captured_steps() -> None:
+    """Its captured steps would replay without the adapter: a silent wrong answer."""
+    model, _ = load_model("smollm2", 8)
+    model.decode(0)
+    with pytest.raises(ModelError, match="set_adapter: this model has captured steps"):
+        LoraAdapter.create(model.cfg).attach(model)
+    assert model.adapter is None
+
+
+def test_causal_logits_needs_whole_sequences_within_the_capacity(smol_gguf: Any) -> None:
+    model, _ = smol_gguf
+    with pytest.raises(ModelError, match=r"causal_logits: 5 rows are not 2 sequences of 1 … 64 \(the capacity\)"):
+        model.causal_logits(fl.tensor(np.zeros((5, model.cfg.hidden), np.float32)), 2)
+    with pytest.raises(ModelError, match="causal_logits: 65 rows are not 1 sequences"):
+        model.causal_logits(fl.tensor(np.zeros((65, model.cfg.hidden), np.float32)))

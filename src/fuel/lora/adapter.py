@@ -207,13 +207,12 @@ class LoraAdapter:
             self._draw(m)
 
     def attach(self, model: LlamaModel) -> None:
-        """Add this adapter's terms to every step of `model` built from now on. A model whose steps were
-        already captured (a sequence that ran) would replay them without the adapter: attach to a model
-        that has not run, as `fuel.lora.load_model` gives."""
+        """Add this adapter's terms to every step of `model` built from now on (`LlamaModel.set_adapter`: a
+        model that has captured steps is refused; `fuel.lora.load_model` gives one that has not run)."""
         if model.cfg != self.cfg:
             raise ShapeError(f"lora: the adapter is for a model of {self.cfg.layers} layers, hidden {self.cfg.hidden}; "
                              f"the model has {model.cfg.layers} layers, hidden {model.cfg.hidden}")
-        model.adapter = self
+        model.set_adapter(self)
 
     # -- state -----------------------------------------------------------------------------------
 

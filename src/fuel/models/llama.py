@@ -30,11 +30,11 @@ its keys end at DynScalar `last_len`), which gives the logits: prefill never com
 projection it would throw away, nor reads every weight again for a separate one-token step (docs/models.md,
 "Measurements": "the last row's logits"). Other chunks stop after the last layer's cache writes.
 
-**Adapters and training.** `model.adapter` (a `ProjectionHook`, e.g. a `fuel.lora.LoraAdapter`) adds a
-term to each attention and FFN projection's output in every graph built while it is set (`project`); a step
-captured before it was set replays without it. `causal_logits` is the training forward: B whole sequences
-with causal attention among their own rows and no KV cache, every row's logits. The serving batch model
-(`fuel.serve.batch_model`) runs the o projection itself and takes no adapter.
+**Adapters and training.** `model.set_adapter(hook)` (a `ProjectionHook`, e.g. a `fuel.lora.LoraAdapter`)
+adds a term to each attention and FFN projection's output in every graph built while it is set (`project`);
+it is refused once a sequence has captured a step, which would replay without it. `causal_logits` is the
+training forward: B whole sequences with causal attention among their own rows and no KV cache, every row's
+logits. The serving batch model (`fuel.serve.batch_model`) runs the o projection itself and takes no adapter.
 
 **Token embedding** rows are dequantised outside the graph with the QMatMul decoders
 (`fuel.quant.dequantize_rows_into`): a lookup of a few rows of a quantized table is not a graph op
@@ -118,7 +118,7 @@ class LlamaModel:
         self.rope = {"global": rope_tables(cfg.rope_base, cfg.head_dim, positions)}
         if cfg.local_rope_base is not None:
             self.rope["local"] = rope_tables(cfg.local_rope_base, cfg.head_dim, positions)
-        # an adapter over the projections (LoRA, `fuel.lora`): read when a step's graph is built
+        # an adapter over the projections (LoRA, `fuel.lora`), read when a step's graph is built: `set_adapter`
         self.adapter: ProjectionHook | None = None
         self.lock = threading.RLock()  # held by every step of every sequence: one step at a time
         self._pool_lock = threading.Lock()
@@ -161,6 +161,16 @@ class LlamaModel:
         """`[B·S, heads·D]` → `[B, heads, S, D]` (rows of sequence b are b·S … b·S + S - 1)."""
         s = x.shape[0] // batch
         return x.reshape(batch, s, heads, self.cfg.head_dim).permute(0, 2, 1, 3)
+
+    def set_adapter(self, hook: ProjectionHook | None) -> None:
+        """Set (None: remove) the projections' adapter. A step already captured would replay as it was built,
+        so a model any of whose sequences has captured a step is refused with a ModelError."""
+        with self._pool_lock:
+            seqs = [self.default, *self._idle, *self._lent]
+        if any(j.captures for s in seqs for j in (s.decode_step, s.prefill_step, s.prefill_last_step)):
+            raise ModelError("model: set_adapter: this model has captured steps, which would replay without the "
+                             "change; set the adapter on a model that has not run (fuel.lora.load_model gives one)")
+        self.adapter = hook
 
     def project(self, lw: dict[str, Any], name: str, x: Tensor, y: Tensor) -> Tensor:
         """Projection `name` ("q", "k", "v", "o", "gate", "up", "down") of layer lw: its output y of the
