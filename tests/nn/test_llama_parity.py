@@ -19,8 +19,8 @@ runs eager attention in f32 on as many threads as fuel. Checked:
 
 Two shapes, both llama2.c's with their tied embeddings: stories260K (dim 64, 5 layers, 8 query / 4 key-value
 heads, vocab 512, FFN 172: llama2.c's rule, 2/3 of 4·dim rounded up to a multiple of 4) and stories15M (dim 288,
-6 layers, 6 heads, vocab 32000, FFN 768). The batches (B2 x T32) cycle through four fixed token sequences, so
-the models learn and the losses move.
+6 layers, 6 heads, vocab 32000, FFN 768). The batches (B2 x T32, and B1 x T16 for stories15M) cycle through
+four fixed token sequences, so the models learn and the losses move.
 """
 
 from __future__ import annotations
@@ -48,16 +48,20 @@ SHAPES = {
     "stories15M": LlamaConfig(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=32000, hidden_dim=768,
                               max_seq_len=256, tie_embeddings=True),
 }
-B, T, STEPS = 2, 32, 20
+# rows per batch (B x T): the small shape's B2 x T32; the large one's cost is its 32000-word vocabulary and its
+# 15M parameters' AdamW update, whatever the rows, so B1 x T16 keeps its 20 steps quick
+ROWS = {"stories260K": (2, 32), "stories15M": (1, 16)}
+STEPS = 20
 ADAMW = {"lr": 5e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
-def batches(vocab: int, n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
+def batches(shape: str, n: int = 4) -> list[tuple[np.ndarray, np.ndarray]]:
     """n fixed batches of tokens and their next tokens, each row a short random motif repeated (learnable)."""
     rng = np.random.default_rng(7)
+    vocab, (b, t) = SHAPES[shape].vocab_size, ROWS[shape]
     out = []
     for _ in range(n):
-        rows = [np.resize(rng.integers(0, vocab, rng.integers(3, 9)), T + 1) for _ in range(B)]
+        rows = [np.resize(rng.integers(0, vocab, rng.integers(3, 9)), t + 1) for _ in range(b)]
         data = np.stack(rows).astype(np.int64)
         out.append((np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])))
     return out
@@ -88,6 +92,7 @@ def same_threads() -> Iterator[None]:
 
 @dataclass
 class Start:
+    name: str
     cfg: LlamaConfig
     fuel: Llama
     torch: transformers.LlamaForCausalLM
@@ -100,7 +105,7 @@ def start(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     model = Llama(cfg, seed=11)
     path = tmp_path_factory.mktemp("parity") / f"{request.param}.safetensors"
     nn.safe_save(nn.get_state_dict(model), path, metadata={"format": "pt"})
-    return Start(cfg, model, hf_model(cfg, path), path)
+    return Start(request.param, cfg, model, hf_model(cfg, path), path)
 
 
 def rowwise_error(got: np.ndarray, want: np.ndarray) -> float:
@@ -112,7 +117,7 @@ def rowwise_error(got: np.ndarray, want: np.ndarray) -> float:
 
 
 def test_step0_loss_logits_and_every_gradient(start: Start) -> None:
-    x, y = batches(start.cfg.vocab_size)[0]
+    x, y = batches(start.name)[0]
     params = nn.get_state_dict(start.fuel)
     unique = nn.get_parameters(start.fuel)
     logits = start.fuel(x)
@@ -153,7 +158,7 @@ def test_twenty_adamw_steps(start: Start) -> None:
     opt = AdamW(nn.get_parameters(model), **ADAMW)  # type: ignore[arg-type]
     step = opt.compile(model.loss)
     t_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)  # type: ignore[arg-type]
-    data = batches(start.cfg.vocab_size)
+    data = batches(start.name)
     ours, theirs = [], []
     for i in range(STEPS):
         x, y = data[i % len(data)]
@@ -181,7 +186,7 @@ def test_bf16_master_weights_against_torch_autocast(tmp_path: Path) -> None:
     opt = AdamW(nn.get_parameters(model), master_weights=True, **ADAMW)  # type: ignore[arg-type]
     step = opt.compile(model.loss)
     t_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW)  # type: ignore[arg-type]
-    data = batches(cfg.vocab_size)
+    data = batches("stories260K")
     ours, theirs = [], []
     for i in range(STEPS):
         x, y = data[i % len(data)]
