@@ -90,11 +90,14 @@ def load_state_dict(obj: Any, state: Mapping[str, np.ndarray | Tensor], strict: 
     Shapes and dtypes must be equal (no implicit cast: convert the arrays first, e.g. `a.astype(ml_dtypes.
     bfloat16)`); a mismatch is a ShapeError/DTypeError naming the key, raised before anything is written.
     With `strict` (the default) an unknown key or a missing parameter is a ParamError naming them; without it
-    both are ignored, as torch's `strict=False` does. Nothing in `state` is modified."""
+    both are ignored, as torch's `strict=False` does. A tied weight (one tensor under several names) is loaded by
+    any of its names: transformers' files of tied models hold `model.embed_tokens.weight` and no `lm_head.weight`.
+    Nothing in `state` is modified."""
     own = get_state_dict(obj)
     if strict:
         unknown = [k for k in state if k not in own]
-        missing = [k for k in own if k not in state]
+        loaded = {id(own[k]) for k in state if k in own}
+        missing = [k for k in own if k not in state and id(own[k]) not in loaded]  # a tied weight: either name
         if unknown or missing:
             parts = []
             if unknown:
