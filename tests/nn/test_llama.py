@@ -4,6 +4,9 @@ embeddings, and clear errors. The numerics against transformers are in test_llam
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -123,3 +126,20 @@ def test_bad_tokens_name_what_was_expected() -> None:
     with pytest.raises(fl.ParamError, match="rope_type 'linear' is not supported"):
         LlamaConfig.from_hf({**transformers.LlamaConfig(**SMALL.to_hf()).to_dict(),
                              "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}})
+
+
+def test_a_transformers_checkpoint_loads_and_gives_its_logits(tmp_path: Path) -> None:
+    """save_pretrained's files (config.json, model.safetensors without the tied lm_head.weight) load into
+    fuel's Llama, whose logits are transformers' within 1e-5 of each row's max."""
+    cfg = LlamaConfig(**{**SMALL.__dict__, "tie_embeddings": True})
+    torch.manual_seed(0)
+    ref = hf_model(cfg)
+    ref.save_pretrained(tmp_path)
+    model = Llama(LlamaConfig.from_hf(json.loads((tmp_path / "config.json").read_text())), seed=1)
+    nn.load_state_dict(model, nn.safe_load(tmp_path / "model.safetensors"))
+    tokens = np.random.default_rng(3).integers(0, 40, (2, 9))
+    with torch.no_grad():
+        want = ref(torch.from_numpy(tokens)).logits.numpy()
+    got = model(tokens).numpy()
+    scale = np.abs(want).max(-1, keepdims=True)
+    assert np.all(np.abs(got - want) <= 1e-5 * scale)
