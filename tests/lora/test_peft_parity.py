@@ -23,6 +23,7 @@ import torch
 import fuel as fl
 from fuel.cli import main as fuel_main
 from fuel.lora import LoraAdapter, causal_loss, embed_batch, load_model
+from fuel.lora.adapter import PROJECTIONS
 from fuel.lora.instructions import INSTRUCTIONS
 from fuel.lora.model import Nf4Linear
 from fuel.lora.train import encode_examples
@@ -183,3 +184,40 @@ def test_causal_logits_needs_whole_sequences_within_the_capacity(smol_gguf: Any)
         model.causal_logits(fl.tensor(np.zeros((5, model.cfg.hidden), np.float32)), 2)
     with pytest.raises(ModelError, match="causal_logits: 65 rows are not 1 sequences"):
         model.causal_logits(fl.tensor(np.zeros((65, model.cfg.hidden), np.float32)))
+
+
+class _Mask(torch.nn.Module):
+    """peft's lora_dropout module replaced by a multiplication with fuel's drawn mask."""
+
+    def __init__(self, mask: np.ndarray) -> None:
+        super().__init__()
+        self.mask = torch.from_numpy(mask.copy())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.mask.reshape(x.shape)
+
+
+def test_dropout_drops_the_adapters_inputs_as_peft(smol_gguf: Any, smol_hf: Any, tmp_path: Path) -> None:
+    """In training, each target's adapter input is x · mask / (1 − p) (peft's lora_dropout on that module
+    alone; the frozen projection sees x); fuel's masks, put in place of peft's dropout, give peft's logits."""
+    model, tok = smol_gguf
+    adapter = random_adapter(model, seed=4, lora_dropout=0.5)
+    adapter.save(tmp_path)
+    ids = chat_ids(tok)
+    adapter.training = True
+    dropped = fuel_logits(model, adapter, ids)
+    adapter.training = False
+    torch.set_num_threads(1)
+    pm = peft.PeftModel.from_pretrained(smol_hf, str(tmp_path))
+    try:
+        for (layer, name), mask in adapter._masks.items():
+            assert set(np.unique(mask)) == {0.0, 2.0}
+            module: Any = pm.get_submodule(f"base_model.model.model.layers.{layer}.{PROJECTIONS[name]}")
+            module.lora_dropout["default"] = _Mask(mask)
+        with torch.inference_mode():
+            want = pm(torch.tensor(ids)).logits.flatten(0, 1).double().numpy()
+    finally:
+        pm.unload()
+    assert len(adapter._masks) == 7 * model.cfg.layers
+    assert row_error(fuel_logits(model, adapter, ids), want) > 10 * LOGITS_RTOL  # inference: no dropout
+    assert row_error(dropped, want) <= LOGITS_RTOL
