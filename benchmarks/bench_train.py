@@ -7,6 +7,9 @@ count. A step is forward, backward and the AdamW update; the first steps (fuel's
 compile) are reported apart and not timed. Results: each engine's median tokens/s over the rounds, the
 spread (min-max), and fuel's ratio to each torch engine; JSON and a PNG.
 
+The `qlora` shape fine-tunes LoRA adapters (r 8, alpha 16, q/k/v/o/gate/up/down) on the bundled SmolLM2:
+fuel over the GGUF's quantized blocks (QMatMul) against peft on transformers' float model of the same file.
+
     python -m benchmarks.bench_train [--out DIR] [--rounds 3] [--shapes stories15m smollm2]
 """
 
@@ -25,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 THREADS = 2  # every engine's, each set explicitly
-ENGINES = ("fuel", "torch_eager", "torch_compile")
+ENGINES = ("fuel", "torch_eager", "torch_compile", "peft")
+LLAMA_ENGINES = ENGINES[:3]
 # name: (LlamaConfig fields, batch, sequence length, timed steps)
 SHAPES: dict[str, tuple[dict[str, Any], int, int, int]] = {
     "stories260k": (dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, hidden_dim=172), 8, 256, 8),
@@ -34,7 +38,8 @@ SHAPES: dict[str, tuple[dict[str, Any], int, int, int]] = {
     "smollm2": (dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, hidden_dim=1536,
                      rope_theta=100000.0, tie_embeddings=True), 1, 128, 3),
 }
-DEFAULT_SHAPES = ("stories15m", "smollm2")
+QLORA = ("qlora", 1, 128, 3)  # batch, sequence length, timed steps on the bundled SmolLM2
+DEFAULT_SHAPES = ("stories15m", "smollm2", "qlora")
 WARMUP = 2  # untimed steps: fuel's capture and first replay, torch.compile's compile
 
 
@@ -101,10 +106,63 @@ def _torch(fields: dict[str, Any], batches: list[tuple[Any, Any]], compiled: boo
     return seconds
 
 
+def _fuel_lora(batches: list[tuple[Any, Any]]) -> list[float]:
+    import fuel as fl
+    from fuel.lora import LoraAdapter, LoraConfig, load_model
+    from fuel.lora.train import LoraTrainer
+
+    fl.set_num_threads(THREADS)
+    model, _ = load_model("smollm2", capacity=batches[0][0].shape[1])
+    adapter = LoraAdapter.create(model.cfg, LoraConfig(r=8, lora_alpha=16), seed=0)
+    adapter.attach(model)
+    trainer = LoraTrainer(model, adapter, batch=batches[0][0].shape[0], lr=1e-3)
+    seconds = []
+    for x, y in batches:
+        start = time.perf_counter()
+        trainer.step(x, y)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _peft(batches: list[tuple[Any, Any]]) -> list[float]:
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fuel.io.gguf import bundled_gguf
+
+    torch.set_num_threads(THREADS)
+    path = bundled_gguf("smollm2")
+    base = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                                      target_modules=targets)).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
+    seconds = []
+    for x, y in batches:
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(input_ids=tx).logits
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ty.reshape(-1)).backward()
+        opt.step()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def engines_of(shape: str) -> tuple[str, ...]:
+    return ("fuel", "peft") if shape == QLORA[0] else LLAMA_ENGINES
+
+
 def worker(engine: str, shape: str) -> dict[str, Any]:
-    fields, b, t, steps = SHAPES[shape]
-    batches = _batches(fields["vocab_size"], b, t, WARMUP + steps)
-    seconds = _fuel(fields, batches) if engine == "fuel" else _torch(fields, batches, engine == "torch_compile")
+    if shape == QLORA[0]:
+        _, b, t, steps = QLORA
+        batches = _batches(49152, b, t, WARMUP + steps)
+        seconds = _fuel_lora(batches) if engine == "fuel" else _peft(batches)
+    else:
+        fields, b, t, steps = SHAPES[shape]
+        batches = _batches(fields["vocab_size"], b, t, WARMUP + steps)
+        seconds = _fuel(fields, batches) if engine == "fuel" else _torch(fields, batches, engine == "torch_compile")
     timed = seconds[WARMUP:]
     return {"tok_s": b * t / statistics.median(timed), "first_step_s": seconds[0],
             "step_s": statistics.median(timed), "peak_rss_mib": _rss_mib()}
@@ -137,7 +195,7 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dic
                            "rounds": len(ok), "peak_rss_mib": max(r["peak_rss_mib"] for r in ok),
                            "first_step_s": statistics.median(r["first_step_s"] for r in ok)}
         fuel = row.get("fuel", {}).get("tok_s")
-        for peer in ENGINES[1:]:
+        for peer in engines_of(shape)[1:]:
             theirs = row.get(peer, {}).get("tok_s")
             row[f"fuel_vs_{peer}"] = fuel / theirs if fuel and theirs else None
         out[shape] = row
@@ -147,14 +205,15 @@ def summarise(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dic
 def print_table(summary: dict[str, dict[str, Any]]) -> None:
     print(f"{'shape':12} {'engine':14} {'tok/s (min-max)':>24} {'peak RSS MiB':>13} {'first step s':>13}")
     for shape, row in summary.items():
-        for engine in ENGINES:
+        for engine in engines_of(shape):
             r = row.get(engine, {})
             if "error" in r:
                 print(f"{shape:12} {engine:14} error: {r['error']}")
             elif r:
                 spread = f"{r['tok_s']:.0f} ({r['tok_s_min']:.0f}-{r['tok_s_max']:.0f})"
                 print(f"{shape:12} {engine:14} {spread:>24} {r['peak_rss_mib']:13.0f} {r['first_step_s']:13.1f}")
-        ratios = "  ".join(f"vs {p}: {row[f'fuel_vs_{p}']:.2f}x" for p in ENGINES[1:] if row.get(f"fuel_vs_{p}"))
+        ratios = "  ".join(f"vs {p}: {row[f'fuel_vs_{p}']:.2f}x" for p in engines_of(shape)[1:]
+                           if row.get(f"fuel_vs_{p}"))
         print(f"{'':12} fuel {ratios}")
 
 
@@ -185,14 +244,15 @@ def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main(out_dir: str, rounds: int = 3, shapes: tuple[str, ...] = DEFAULT_SHAPES,
          engines: tuple[str, ...] = ENGINES) -> int:
-    unknown = [s for s in shapes if s not in SHAPES]
+    unknown = [s for s in shapes if s not in SHAPES and s != QLORA[0]]
     if unknown:
-        print(f"bench --train: unknown shape {unknown[0]!r}; shapes: {', '.join(SHAPES)}")
+        print(f"bench --train: unknown shape {unknown[0]!r}; shapes: {', '.join([*SHAPES, QLORA[0]])}")
         return 2
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {e: [] for e in engines} for s in shapes}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        s: {e: [] for e in engines_of(s) if e in engines} for s in shapes}
     for r in range(rounds):
         for shape in shapes:
-            for engine in engines:
+            for engine in runs[shape]:
                 print(f"training {shape} with {engine} (round {r + 1} of {rounds}) ...", flush=True)
                 runs[shape][engine].append(run_child(engine, shape))
     summary = summarise(runs)
@@ -201,7 +261,9 @@ def main(out_dir: str, rounds: int = 3, shapes: tuple[str, ...] = DEFAULT_SHAPES
     out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
             "threads": THREADS, "rounds": rounds,
-            "shapes": {s: {"config": SHAPES[s][0], "batch": SHAPES[s][1], "seq": SHAPES[s][2]} for s in shapes}}
+            "shapes": {s: {"config": SHAPES[s][0], "batch": SHAPES[s][1], "seq": SHAPES[s][2]} if s in SHAPES
+                       else {"model": "bundled smollm2 GGUF", "lora_r": 8, "batch": QLORA[1], "seq": QLORA[2]}
+                       for s in shapes}}
     (out / "train.json").write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary}, indent=1))
     plot(summary, out / "train.png")
     print(f"wrote {out / 'train.json'} and {out / 'train.png'}")

@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--train", action="store_true",
                       help="instead of the kernel cases: training tokens/s and peak RSS (AdamW, f32) of fuel.nn.Llama "
                            "against transformers' LlamaForCausalLM in torch eager and torch.compile, at the "
-                           "stories15M (B4 x T256) and SmolLM2-135M (B1 x T128) shapes, 3 interleaved rounds (more "
-                           "options: python -m benchmarks.bench_train --help)")
+                           "stories15M (B4 x T256) and SmolLM2-135M (B1 x T128) shapes, and QLoRA on SmolLM2 "
+                           "against peft, 3 interleaved rounds (more options: python -m benchmarks.bench_train --help)")
     p.set_defaults(run=_bench)
     p = sub.add_parser("generate", help="stream text from a GGUF LLM (SmolLM2-135M-Instruct by default, or Gemma-3)")
     _add_generate_arguments(p)
