@@ -37,3 +37,10 @@ def test_argparse_refuses_a_bad_number(capsys: pytest.CaptureFixture[str]) -> No
         fuel_main(["train", "--lora", "--steps", "0"])
     assert e.value.code == 2
     assert "fuel train --lora: error: argument --steps: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_generate_with_a_missing_adapter_fails_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert fuel_main(["generate", "--lora", str(tmp_path), "--max-tokens", "1", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"fuel: error: lora: {tmp_path} has no {CONFIG_NAME} (an adapter directory holds {CONFIG_NAME} " \
+                  f"and {WEIGHTS_NAME})\n"

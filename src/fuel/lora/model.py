@@ -100,11 +100,12 @@ def load_model(name_or_path: str = "smollm2", capacity: int = 256, quant: str = 
 
 def load_llm(name_or_path: str, context: int, adapter_dir: str | os.PathLike[str], err: TextIO | None = None) -> LLM:
     """A generator (`fuel.models.generate.LLM`) over a model of its own with the adapter in `adapter_dir`
-    attached (`fuel generate --lora DIR`)."""
+    attached (`fuel generate --lora DIR`). The adapter is read and checked against the file's header before
+    the weights load."""
     from fuel.lora.adapter import LoraAdapter
 
+    adapter = LoraAdapter.load(adapter_dir, describe(model_path(name_or_path))[2])
     model, tok = load_model(name_or_path, context)
-    adapter = LoraAdapter.load(adapter_dir, model.cfg)
     adapter.attach(model)
     if err is not None:
         err.write(f"LoRA adapter {adapter_dir}: r {adapter.config.r}, alpha {adapter.config.lora_alpha:g}, "
