@@ -16,9 +16,12 @@ owns (`parameters()`, in `state_dict()` order), so an optimizer writes them in p
 the new values. They are initialised as PEFT's default: A Kaiming-uniform with bound `1/√in` (torch's
 `kaiming_uniform_(a=√5)`), B zero, so a new adapter leaves the model's output unchanged.
 
-**Frozen weights.** The base model's weights get no gradient: QMatMul's packed blocks are integer data
-(`fl.grad` refuses a u32 or u8 tensor with a DTypeError), and only the adapters' tensors are ever passed
-to `fl.grad` or an optimizer. Gradients reach the adapters through the quantized ops' activation VJPs.
+**Frozen weights.** The base model's weights get no gradient. QMatMul's blocks (u32) and NF4's codes (u8)
+are integer data: `fl.grad` refuses them with a DTypeError ("grad: cannot differentiate with respect to a
+u32 tensor"). NF4's absmax is a float, read-only constant; Nf4Matmul's VJP could give it a gradient, but
+only the adapters' tensors (`parameters()`) are passed to `fl.grad` or the optimizer, and gradients are
+built lazily, so none is ever computed. Gradients reach the adapters through the quantized ops'
+activation VJPs (the transposed QMatMul / Nf4Matmul of the same bytes).
 
 **PEFT's names.** `base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight` and
 `base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_{A,B}.weight`; the config is
