@@ -7,6 +7,11 @@ count. A step is forward, backward and the AdamW update; the first steps (fuel's
 compile) are reported apart and not timed. Results: each engine's median tokens/s over the rounds, the
 spread (min-max), and fuel's ratio to each torch engine; JSON and a PNG.
 
+Before the rounds, a model `fuel train` would export (the nanoGPT shape, trained a few steps) is written as
+an F32 GGUF and loaded by llama.cpp (the benchmark environment's llama-cpp-python, `make bench-env`), and the
+report says whether llama.cpp's logits agree with fuel's on the same tokens (per row, relative to the row's
+largest logit; llama.cpp with an f32 KV cache).
+
 The `qlora` shape fine-tunes LoRA adapters (r 8, alpha 16, q/k/v/o/gate/up/down) on the bundled SmolLM2:
 fuel over the GGUF's quantized blocks (QMatMul) against peft on transformers' float model of the same file.
 
@@ -33,7 +38,7 @@ LLAMA_ENGINES = ENGINES[:3]
 # name: (LlamaConfig fields, batch, sequence length, timed steps)
 SHAPES: dict[str, tuple[dict[str, Any], int, int, int]] = {
     "stories260k": (dict(dim=64, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, hidden_dim=172), 8, 256, 8),
-    "nanogpt": (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=256, hidden_dim=352), 12, 64, 10),
+    "nanogpt": (dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=258, hidden_dim=352), 12, 64, 10),
     "stories15m": (dict(dim=288, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=32000, hidden_dim=768), 4, 256, 5),
     "smollm2": (dict(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, vocab_size=49152, hidden_dim=1536,
                      rope_theta=100000.0, tie_embeddings=True), 1, 128, 3),
@@ -168,6 +173,41 @@ def worker(engine: str, shape: str) -> dict[str, Any]:
             "step_s": statistics.median(timed), "peak_rss_mib": _rss_mib()}
 
 
+def export_check(tmp: Path, steps: int = 3, tol: float = 1e-5) -> dict[str, Any]:
+    """Train the nanoGPT shape `steps` steps, export it to an F32 GGUF, and compare llama.cpp's logits of
+    one sequence with fuel's, per row."""
+    import numpy as np
+
+    from fuel.nn.llama import Llama, LlamaConfig
+    from fuel.nn.state import get_parameters, get_state_dict
+    from fuel.optim import AdamW
+    from fuel.train.export import export_gguf
+
+    fields, b, t, _ = SHAPES["nanogpt"]
+    cfg = LlamaConfig(max_seq_len=t, **fields)
+    model = Llama(cfg)
+    step = AdamW(get_parameters(model), lr=1e-3).compile(model.loss)
+    for x, y in _batches(cfg.vocab_size, b, t, steps):
+        step(x, y)
+    ids = _batches(256, 1, t, 1)[0][0]  # bytes
+    ours = np.asarray(model(ids).numpy(), np.float64)[0]
+    path = tmp / "export-f32.gguf"
+    state = {k: np.asarray(v.numpy()) for k, v in get_state_dict(model).items()}
+    hp = {**fields, "context_length": t, "rope_theta": cfg.rope_theta, "norm_eps": cfg.norm_eps}
+    export_gguf(state, hp, "byte", path, "f32")
+    try:
+        import llama_cpp
+    except ImportError as e:
+        return {"error": f"llama-cpp-python is not installed ({e}); build it with `make bench-env`"}
+    # an f32 KV cache (llama.cpp keeps f16 by default, which alone moves its logits by ~1e-4 of a row)
+    llm = llama_cpp.Llama(str(path), n_ctx=t, n_threads=THREADS, logits_all=True, verbose=False,
+                          type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    llm.eval([int(i) for i in ids[0]])
+    theirs = np.asarray(llm.scores[:t], np.float64)
+    err = np.abs(ours - theirs).max(axis=1) / np.abs(ours).max(axis=1)
+    return {"rows": t, "max_row_rel_err": float(err.max()), "tolerance": tol, "agree": bool(err.max() <= tol)}
+
+
 def run_child(engine: str, shape: str) -> dict[str, Any]:
     """`worker` in a fresh interpreter; a failure gives its error's last line."""
     cmd = [sys.executable, "-m", "benchmarks.bench_train", "--worker", engine, shape]
@@ -248,6 +288,11 @@ def main(out_dir: str, rounds: int = 3, shapes: tuple[str, ...] = DEFAULT_SHAPES
     if unknown:
         print(f"bench --train: unknown shape {unknown[0]!r}; shapes: {', '.join([*SHAPES, QLORA[0]])}")
         return 2
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        export = export_check(Path(tmp))
+    print(f"llama.cpp on fuel train's F32 GGUF export: {export}", flush=True)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         s: {e: [] for e in engines_of(s) if e in engines} for s in shapes}
     for r in range(rounds):
@@ -264,7 +309,8 @@ def main(out_dir: str, rounds: int = 3, shapes: tuple[str, ...] = DEFAULT_SHAPES
             "shapes": {s: {"config": SHAPES[s][0], "batch": SHAPES[s][1], "seq": SHAPES[s][2]} if s in SHAPES
                        else {"model": "bundled smollm2 GGUF", "lora_r": 8, "batch": QLORA[1], "seq": QLORA[2]}
                        for s in shapes}}
-    (out / "train.json").write_text(json.dumps({"meta": meta, "runs": runs, "summary": summary}, indent=1))
+    (out / "train.json").write_text(json.dumps({"meta": meta, "llama_cpp_export": export, "runs": runs,
+                                                "summary": summary}, indent=1))
     plot(summary, out / "train.png")
     print(f"wrote {out / 'train.json'} and {out / 'train.png'}")
     return 0
