@@ -3,7 +3,7 @@
 **The built-in corpus** (`pydoc-topics`) is the text of the Python Language Reference topics that every
 CPython installation ships as `pydoc_data/topics.py` (what `help("assert")` prints): real English prose with
 code, about 465,000 characters, present wherever Python is, so training needs no download. Its text changes
-with Python's minor version, so a target loss is stated for one (docs: the demo's Makefile target).
+with Python's minor version, so a target loss is stated for one (docs/performance/train.md).
 
 **Tokenizers.** `byte`: each UTF-8 byte is a token (ids 0-255), `<|endoftext|>` is 256, for character
 models; 257 is the product of the one merge a GGUF byte-level vocabulary must hold (of two 0xFF bytes, which
