@@ -44,7 +44,7 @@ SHAPES: dict[str, tuple[dict[str, Any], int, int, int]] = {
                      rope_theta=100000.0, tie_embeddings=True), 1, 128, 3),
 }
 QLORA = ("qlora", 1, 128, 3)  # batch, sequence length, timed steps on the bundled SmolLM2
-DEFAULT_SHAPES = ("stories15m", "smollm2", "qlora")
+DEFAULT_SHAPES = ("nanogpt", "stories15m", "smollm2", "qlora")
 WARMUP = 2  # untimed steps: fuel's capture and first replay, torch.compile's compile
 
 
