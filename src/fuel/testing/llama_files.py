@@ -18,23 +18,11 @@ from typing import Any
 import gguf
 import numpy as np
 
+from fuel.train.export import byte_symbols
+
 TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
-
-
-def byte_tokens() -> list[str]:
-    """The 256 byte-level BPE symbols, byte b's at index b: printable Latin-1 bytes stand for themselves, the
-    others (controls, space, the gaps) take the code points from 256 up, in byte order."""
-    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out, extra = [], 0
-    for b in range(256):
-        if b in printable:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return out
 
 
 def tiny_llama_gguf(path: Path, *, arch: str = "llama", context: int = 64, tokenizer: bool = True,
@@ -44,7 +32,7 @@ def tiny_llama_gguf(path: Path, *, arch: str = "llama", context: int = 64, token
     bytes of any type); `drop`: metadata keys (e.g. "llama.block_count") or tensor names to leave out;
     `strings`: hyper-parameters written as these strings instead of their numbers (a malformed file)."""
     drop, strings = set(drop), dict(strings or {})
-    tokens = [*byte_tokens(), "he", *SPECIALS] if tokenizer else []
+    tokens = [*byte_symbols(), "he", *SPECIALS] if tokenizer else []
     vocab = len(tokens) if tokenizer else 50
     w = gguf.GGUFWriter(str(path), arch)
     kv: list[tuple[str, Any]] = [
