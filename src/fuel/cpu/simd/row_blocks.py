@@ -58,7 +58,7 @@ def _rounded(size: int, count: int) -> int:
 # a gemm, else a one-row piece is a transposed gemv, the call NumPy's matmul makes for a vector @ matrix.
 PIECES_ARGS = jobs.record(a=ADDRESS, b=ADDRESS, c=ADDRESS, bias=ADDRESS, gemm=ADDRESS, gemv=ADDRESS, batches=INT,
                           a_batch=INT, b_batch=INT, c_batch=INT, m=INT, n=INT, k=INT, lda=INT, ldb=INT, ldc=INT,
-                          trans_b=INT, piece_rows=INT, piece_cols=INT)
+                          trans=INT, piece_rows=INT, piece_cols=INT)
 
 
 @njit(inline="always", cache=True)
@@ -73,18 +73,18 @@ def _pieces(part: int, parts: int, argv: int, dt: Any, size: int) -> None:
         i, u = t // per_item, t % per_item
         r0, c0 = u // across * pr, u % across * pc
         rows, cols = min(pr, m - r0), min(pc, n - c0)
-        at_a = v.a + i * v.a_batch + size * r0 * v.lda
-        at_b = v.b + i * v.b_batch + size * c0 * (v.ldb if v.trans_b else 1)
+        at_a = v.a + i * v.a_batch + size * r0 * (1 if v.trans & 2 else v.lda)
+        at_b = v.b + i * v.b_batch + size * c0 * (v.ldb if v.trans & 1 else 1)
         at_c = v.c + i * v.c_batch + size * (r0 * ldc + c0)
         if rows == 1 and v.gemv:
             if size == 8:
-                dgemv_t(v.gemv, v.trans_b, v.k, cols, at_b, v.ldb, at_a, 1, at_c, 1)
+                dgemv_t(v.gemv, v.trans & 1, v.k, cols, at_b, v.ldb, at_a, 1, at_c, 1)
             else:
-                sgemv_t(v.gemv, v.trans_b, v.k, cols, at_b, v.ldb, at_a, 1, at_c, 1)
+                sgemv_t(v.gemv, v.trans & 1, v.k, cols, at_b, v.ldb, at_a, 1, at_c, 1)
         elif size == 8:
-            dgemm(v.gemm, v.trans_b, 0, rows, cols, v.k, at_a, v.lda, at_b, v.ldb, at_c, ldc)
+            dgemm(v.gemm, v.trans, 0, rows, cols, v.k, at_a, v.lda, at_b, v.ldb, at_c, ldc)
         else:
-            sgemm(v.gemm, v.trans_b, 0, rows, cols, v.k, at_a, v.lda, at_b, v.ldb, at_c, ldc)
+            sgemm(v.gemm, v.trans, 0, rows, cols, v.k, at_a, v.lda, at_b, v.ldb, at_c, ldc)
         if v.bias:  # added to the piece while it is in cache: the same sums as NumPy's add after the product
             bias = carray(pointer(v.bias + size * c0, dt), (cols,))
             for r in range(rows):
@@ -109,18 +109,23 @@ _ROUTINES = {np.dtype(np.float32): (_pieces_f32, "sgemm", "sgemv"),
 
 
 def _layout(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[int, int, int, int] | None:
-    """(lda, ldb, trans_b, ldc) in elements where BLAS can read a [m, k] (row-major), b [k, n] (row-major, or
-    column-major as a transposed [n, k]) and write out [m, n] (row-major) in place, as NumPy's matmul would
-    call it; None otherwise."""
+    """(lda, ldb, trans, ldc) in elements where BLAS can read a [m, k] (row-major, or column-major as a
+    transposed [k, m]: trans bit 1, a weight gradient's `xᵀ @ g`), b [k, n] (row-major, or column-major as a
+    transposed [n, k]: trans bit 0) and write out [m, n] (row-major) in place, as NumPy's matmul would call
+    it; None otherwise."""
     e = out.itemsize
-    if a.strides[1] != e or a.strides[0] % e or a.strides[0] < e * a.shape[1]:
-        return None
     if out.strides[1] != e or out.strides[0] % e or out.strides[0] < e * out.shape[1]:
         return None
+    if a.strides[1] == e and a.strides[0] % e == 0 and a.strides[0] >= e * a.shape[1]:
+        lda, trans_a = a.strides[0] // e, 0
+    elif a.strides[0] == e and a.strides[1] % e == 0 and a.strides[1] >= e * a.shape[0] and a.shape[0] > 1:
+        lda, trans_a = a.strides[1] // e, 2
+    else:
+        return None
     if b.strides[1] == e and b.strides[0] % e == 0 and b.strides[0] >= e * b.shape[1]:
-        return a.strides[0] // e, b.strides[0] // e, 0, out.strides[0] // e
+        return lda, b.strides[0] // e, trans_a, out.strides[0] // e
     if b.strides[0] == e and b.strides[1] % e == 0 and b.strides[1] >= e * b.shape[0]:
-        return a.strides[0] // e, b.strides[1] // e, 1, out.strides[0] // e
+        return lda, b.strides[1] // e, trans_a | 1, out.strides[0] // e
     return None
 
 
@@ -170,11 +175,13 @@ def pieces_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, bias: np.ndarray |
     if not gemm or not (every_piece_gemm or (gemv and k >= 2 and min(pc, last_cols) >= 2
                                              and not np.may_share_memory(a, b))):
         return None
-    lda, ldb, trans_b, ldc = layout
+    lda, ldb, trans, ldc = layout
+    if trans & 2 and gemv:  # a one-row piece of a transposed A is a strided vector: NumPy's calls serve it
+        return None
     vec = None if bias is None else np.ascontiguousarray(bias)
     argv = jobs.argv_of(PIECES_ARGS)
     argv[0] = (a2.ctypes.data, b2.ctypes.data, o2.ctypes.data, 0 if vec is None else vec.ctypes.data, gemm, gemv,
-               batches, *strides, m, n, k, lda, ldb, ldc, trans_b, pr, pc)
+               batches, *strides, m, n, k, lda, ldb, ldc, trans, pr, pc)
     count = batches * -(-m // pr) * -(-n // pc)
     seconds = 2 * batches * m * n * k / FLOPS_PER_SECOND
     return jobs.job(task, argv, seconds, count, keep=() if vec is None else (vec,))
