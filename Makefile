@@ -18,9 +18,11 @@ demo: $(STAMP)
 
 # `fuel compile` first: Numba compiles one kernel at a time per process, so the kernels compile on every core
 # at once before the (serial) suite loads them from the cache.
+# The suite runs on every core (pytest-xdist), one test file per worker at a time: much of it is Python-bound
+# (graph building, oracles, servers waiting on clients), so two workers on two cores finish a quarter sooner.
 test: $(STAMP)
 	$(BIN)/fuel compile
-	$(BIN)/python -m pytest --durations=25
+	$(BIN)/python -m pytest -n auto --dist loadfile --durations=25
 
 # `fuel train`'s demo: nanoGPT's CPU Shakespeare config (4 layers, 4 heads, dim 128, block 64, batch 12, 2000
 # steps) as a Llama, byte-level, on the text Python ships as pydoc_data/topics.py; then a generation from its
