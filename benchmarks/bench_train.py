@@ -258,25 +258,36 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
 
 
 def plot(summary: dict[str, dict[str, Any]], path: Path) -> None:
+    """Left: each engine's tokens/s relative to the shape's reference peer (torch eager; peft for QLoRA), its
+    tokens/s written on the bar, so shapes of very different speeds share one axis. Right: peak RSS."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shapes = list(summary)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / len(ENGINES)
     for j, engine in enumerate(ENGINES):
         xs = [i + j * width for i in range(len(shapes))]
         toks = [summary[s].get(engine, {}).get("tok_s", 0.0) for s in shapes]
+        refs = [summary[s].get(engines_of(s)[1], {}).get("tok_s") or 0.0 for s in shapes]
+        rel = [t / r if r else 0.0 for t, r in zip(toks, refs, strict=True)]
         rss = [summary[s].get(engine, {}).get("peak_rss_mib", 0.0) for s in shapes]
-        axes[0].bar(xs, toks, width, label=engine)
+        bars = axes[0].bar(xs, rel, width, label=engine)
+        for bar, t in zip(bars, toks, strict=True):
+            if t:
+                axes[0].annotate(f"{t:,.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                                 ha="center", va="bottom", fontsize=7)
         axes[1].bar(xs, rss, width, label=engine)
-    for ax, title in zip(axes, ("training tokens/s (median of rounds)", "peak RSS (MiB)"), strict=True):
-        ax.set_xticks([i + width for i in range(len(shapes))], shapes)
-        ax.set_title(title)
-        ax.legend()
-    fig.suptitle(f"fuel bench --train: AdamW f32, {THREADS} threads")
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set_ylim(0, max(1.6, axes[0].get_ylim()[1] * 1.3))  # room for the legend above the bars
+    titles = ("tokens/s relative to torch eager (QLoRA: peft); tokens/s on the bars", "peak RSS (MiB)")
+    for ax, title, corner in zip(axes, titles, ("upper right", "upper left"), strict=True):
+        ax.set_xticks([i + 1.5 * width for i in range(len(shapes))], shapes)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, ncol=2, loc=corner)
+    fig.suptitle(f"fuel bench --train: AdamW f32, {THREADS} threads, median of the rounds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
