@@ -154,19 +154,26 @@ class Optimizer:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of the step count (`"step"`), each parameter's state (`"state.{i}.{name}"`) and master
         weights (`"master.{i}"`). The schedule is not saved: it is recomputed from the step count."""
-        out: dict[str, np.ndarray] = {"step": np.array(self.step_count, np.int64)}
+        out = {k: a.copy() for k, a in self._live_state().items()}
+        out["step"] = np.array(self.step_count, np.int64)
+        return out
+
+    def _live_state(self) -> dict[str, np.ndarray]:
+        """`state_dict()`'s arrays themselves (no step count): what `load_state_dict` writes into."""
+        out: dict[str, np.ndarray] = {}
         for i, s in enumerate(self.state):
             for k, a in s.items():
-                out[f"state.{i}.{k}"] = a.copy()
-            if self.masters[i] is not None:
-                out[f"master.{i}"] = self.masters[i].copy()  # type: ignore[union-attr]
+                out[f"state.{i}.{k}"] = a
+            master = self.masters[i]
+            if master is not None:
+                out[f"master.{i}"] = master
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy a `state_dict()` into this optimizer's arrays (in place, so captured steps see it) and
         rewrite the scalars for its step count. Keys, shapes and dtypes must match exactly."""
         op = f"{type(self).__name__}.load_state_dict"
-        mine = self.state_dict()
+        mine = {"step": np.array(self.step_count, np.int64), **self._live_state()}
         missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
         if missing:
             raise ParamError(f"{op}: missing key {missing[0]!r}")
@@ -183,12 +190,9 @@ class Optimizer:
         step = int(arrays["step"])
         if step < 0:
             raise ParamError(f"{op}: 'step' must be >= 0, got {step}")
-        for i, s in enumerate(self.state):
-            for k, a in s.items():
-                np.copyto(a, arrays[f"state.{i}.{k}"])
-            master = self.masters[i]
-            if master is not None:
-                np.copyto(master, arrays[f"master.{i}"])
+        for k, a in mine.items():
+            if k != "step":
+                np.copyto(a, arrays[k])
         self.step_count = step
         self._write_scalars(step)
 
