@@ -254,18 +254,18 @@ class LoraAdapter:
 
     def save(self, directory: str | os.PathLike[str]) -> Path:
         """Write `adapter_model.safetensors` and `adapter_config.json` (PEFT's format) into `directory`."""
-        from safetensors.numpy import save_file
+        from fuel.nn.state import safe_save
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        save_file(self.state_dict(), str(d / WEIGHTS_NAME), metadata={"format": "pt"})
+        safe_save(self.state_dict(), d / WEIGHTS_NAME, metadata={"format": "pt"})
         (d / CONFIG_NAME).write_text(json.dumps(self.config.to_peft(), indent=2) + "\n", encoding="utf-8")
         return d
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], cfg: LlamaConfig) -> LoraAdapter:
         """An adapter saved by `save` or by PEFT (`save_pretrained`) for a model of `cfg`."""
-        from safetensors.numpy import load_file
+        from fuel.nn.state import safe_load
 
         d = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):
@@ -281,7 +281,7 @@ class LoraAdapter:
         config = LoraConfig.from_peft(raw, str(d / CONFIG_NAME))
         adapter = cls.create(cfg, config)
         try:
-            state = load_file(str(d / WEIGHTS_NAME))
+            state = safe_load(d / WEIGHTS_NAME)
         except Exception as e:  # safetensors raises its own error types for a corrupt header
             raise AdapterError(f"lora: {d / WEIGHTS_NAME} is not a safetensors file: {e}") from None
         adapter.load_state_dict(state, str(d / WEIGHTS_NAME))

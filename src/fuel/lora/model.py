@@ -70,18 +70,10 @@ def requantize_nf4(model: LlamaModel, block_size: int = 64) -> None:
     must not have run yet)."""
     for lw in model.layers:
         for group in ("qkv", "gate_up"):
-            parts = {name: lin for lin0, spans in lw[group].groups for name, lin in _split(lin0, spans).items()}
+            parts = lw[group].parts()
             lw[group] = _Projections({name: Nf4Linear.of(lin, block_size) for name, lin in parts.items()})  # type: ignore[misc]
         for name in ("o", "down"):
             lw[name] = Nf4Linear.of(lw[name], block_size)
-
-
-def _split(lin: _Linear, spans: list[tuple[str, int, int]]) -> dict[str, _Linear]:
-    """The projections a stacked QMatMul weight joins, each alone."""
-    if len(spans) == 1:
-        return {spans[0][0]: lin}
-    assert lin.rows is not None
-    return {name: _Linear(lin.rows[a:b], lin.quant, lin.k, b - a) for name, a, b in spans}
 
 
 def load_model(name_or_path: str = "smollm2", capacity: int = 256, quant: str = "gguf",

@@ -186,6 +186,18 @@ class _Projections:
         stacked = np.concatenate([lin.rows for _, lin in group if lin.rows is not None])
         return _Linear(stacked, first.quant, first.k, start), spans
 
+    def parts(self) -> dict[str, _Linear]:
+        """Each projection alone by name: a stacked weight's rows of that projection (a view, no copy)."""
+        out: dict[str, _Linear] = {}
+        for lin, spans in self.groups:
+            for name, a, b in spans:
+                if len(spans) == 1:
+                    out[name] = lin
+                else:
+                    assert lin.rows is not None  # only quantized weights are stacked
+                    out[name] = _Linear(lin.rows[a:b], lin.quant, lin.k, b - a)
+        return out
+
     def __call__(self, x: Tensor, joined: tuple[str, str] | None = None) -> dict[str, Tensor]:
         """Each projection's output by name; with `joined` = (first, second), also `first+second`, their
         columns as one slice where one QMatMul gave both, adjacent."""
