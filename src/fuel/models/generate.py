@@ -1,4 +1,5 @@
-"""Text generation on a Llama-family GGUF model: `LLM.generate` yields the text as the tokens come.
+"""Text generation on a GGUF file or a Hugging Face model directory, of any architecture `fuel models` lists:
+`LLM.generate` yields the text as the tokens come.
 
     llm = load("smollm2")                                  # weights (kept per process) and tokenizer
     g = llm.generate("What is 2 + 2?", max_tokens=64, chat=True, stop=["\\n\\n"])
@@ -49,7 +50,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fuel.errors import ParamError
-from fuel.io.gguf import GGUFError, GGUFFile, open_gguf
+from fuel.io.gguf import GGUFError, open_gguf
 from fuel.models.generate_args import StopText, encode_prompt, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import LlamaModel, ModelError
@@ -58,6 +59,7 @@ from fuel.models.sampling import Sampler, is_int
 from fuel.models.tokenizer import GGUFTokenizer
 
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
+QUANTIZE_CHOICES = ("q8_0",)  # what a Hugging Face directory's projection weights can be quantised to on load
 KEEP_LOADED = 4  # models `load` keeps per process (by file and context), least recently used dropped first
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -75,10 +77,16 @@ class Stats:
 
 
 def model_path(name: str) -> Path:
-    """A bundled model's GGUF file by short name (see `MODELS`), or a path to a .gguf file."""
+    """A bundled model's GGUF file by short name (see `MODELS`), a path to a .gguf file, or a Hugging Face
+    model directory (one holding `config.json`)."""
     from fuel.io.gguf import bundled_gguf
 
     path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"generate: {path} is a directory without a config.json; give a Hugging Face model "
+                             "directory (config.json, *.safetensors, tokenizer.json) or a .gguf file")
+        return path
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise ModelError(f"generate: no GGUF file at {path}")
@@ -86,8 +94,8 @@ def model_path(name: str) -> Path:
     try:
         return bundled_gguf(name)
     except GGUFError as e:  # a missing package is a MissingDependency, which says how to install it
-        raise ModelError(f"generate: unknown model {name!r}; give one of {', '.join(MODELS)} "
-                         "or the path of a .gguf file") from e
+        raise ModelError(f"generate: unknown model {name!r}; give one of {', '.join(MODELS)}, the path of a "
+                         ".gguf file or a Hugging Face model directory") from e
 
 
 # ---- generating ---------------------------------------------------------------------------------------
@@ -250,25 +258,50 @@ class LLM:
 # ---- loading ------------------------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_headers: OrderedDict[tuple[Any, ...], tuple[GGUFFile, GGUFTokenizer, LlamaConfig]] = OrderedDict()
-_models: OrderedDict[tuple[Any, ...], LlamaModel] = OrderedDict()
+_headers: OrderedDict[tuple[Any, ...], tuple[Any, GGUFTokenizer, Any]] = OrderedDict()
+_models: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 
 
-def _key(path: Path) -> tuple[Any, ...]:
-    st = path.stat()
-    return (str(path.resolve()), st.st_mtime_ns, st.st_size)
+def _key(path: Path, quantize: str | None = None) -> tuple[Any, ...]:
+    st = (path / "config.json" if path.is_dir() else path).stat()
+    return (str(path.resolve()), st.st_mtime_ns, st.st_size, quantize)
 
 
-def describe(path: Path) -> tuple[GGUFFile, GGUFTokenizer, LlamaConfig]:
-    """A GGUF file's header, tokenizer and hyper-parameters (no weights read): enough to check a request
-    before loading. Kept per process, like `load`'s models."""
-    key = _key(path)
+# The model class of each architecture that is not a Llama-family decoder: (module, model class, config class).
+# Every other supported architecture runs on `LlamaModel` (fuel.models.architectures lists them).
+MODEL_CLASSES: dict[str, tuple[str, str, str]] = {"mamba": ("fuel.models.mamba_lm", "MambaModel", "MambaConfig")}
+
+
+def _model_class(arch: str, which: int) -> Any:
+    if arch not in MODEL_CLASSES:
+        return (LlamaModel, LlamaConfig)[which - 1]
+    import importlib
+
+    module, *names = MODEL_CLASSES[arch]
+    return getattr(importlib.import_module(module), names[which - 1])
+
+
+def describe(path: Path, quantize: str | None = None) -> tuple[Any, GGUFTokenizer, Any]:
+    """A model's source (a GGUFFile, or a Hugging Face directory seen as one: `fuel.io.hf`), tokenizer and
+    hyper-parameters (no weights read): enough to check a request before loading. Kept per process, like
+    `load`'s models. `quantize` ("q8_0") quantises a directory's projection weights when they are read."""
+    key = _key(path, quantize)
     with _lock:
         if key in _headers:
             _headers.move_to_end(key)
             return _headers[key]
-    f = open_gguf(path)
-    found = (f, GGUFTokenizer.from_metadata(f.metadata), LlamaConfig.from_gguf(f))
+    if path.is_dir():
+        from fuel.io.hf import open_source
+
+        src: Any = open_source(path, quantize=quantize)
+        tokenizer = GGUFTokenizer.from_hf_dir(path)
+    else:
+        if quantize is not None:
+            raise ModelError(f"generate: --quantize {quantize} applies to a Hugging Face directory; {path.name} "
+                             "is a GGUF file, whose weights keep the types they were written in")
+        src = open_gguf(path)
+        tokenizer = GGUFTokenizer.from_metadata(src.metadata)
+    found = (src, tokenizer, _model_class(src.architecture, 2).from_gguf(src))
     with _lock:
         _headers[key] = found
         while len(_headers) > KEEP_LOADED:
@@ -276,14 +309,15 @@ def describe(path: Path) -> tuple[GGUFFile, GGUFTokenizer, LlamaConfig]:
     return found
 
 
-def load(name: str = "smollm2", context: int = 2048, err: TextIO | None = None) -> LLM:
-    """A bundled model by short name (`smollm2`, `gemma3`) or a .gguf path, with KV caches of `context`
-    tokens; `err` (e.g. sys.stderr) receives loading progress. The weights are loaded once per process
-    and (file, context) (the `KEEP_LOADED` most recently used are kept): a model is safe to share, each
+def load(name: str = "smollm2", context: int = 2048, err: TextIO | None = None, quantize: str | None = None) -> LLM:
+    """A bundled model by short name (`smollm2`, `gemma3`), a .gguf path or a Hugging Face model directory,
+    with KV caches of `context` tokens; `err` (e.g. sys.stderr) receives loading progress; `quantize` ("q8_0")
+    quantises a directory's projection weights on load. The weights are loaded once per process and (file,
+    context, quantize) (the `KEEP_LOADED` most recently used are kept): a model is safe to share, each
     generation having its own sequence. Each call gives a new LLM (its own `stats`)."""
     path = model_path(name)
-    f, tokenizer, _ = describe(path)
-    key = (*_key(path), context)
+    src, tokenizer, _ = describe(path, quantize)
+    key = (*_key(path, quantize), context)
     with _lock:
         model = _models.get(key)
         if model is not None:
@@ -291,7 +325,7 @@ def load(name: str = "smollm2", context: int = 2048, err: TextIO | None = None) 
     if model is None:
         if err is not None:
             err.write(f"Loading {MODELS.get(name, path.name)} from {path}\n")
-        model = LlamaModel(f, context, progress=None if err is None else _progress(err))
+        model = _model_class(src.architecture, 1)(src, context, progress=None if err is None else _progress(err))
         with _lock:
             model = _models.setdefault(key, model)
             while len(_models) > KEEP_LOADED:
@@ -309,4 +343,4 @@ def _progress(stream: TextIO) -> Any:
     return report
 
 
-__all__ = ["LLM", "MODELS", "Generation", "Stats", "describe", "load", "model_path", "stops_of"]
+__all__ = ["LLM", "MODELS", "Generation", "QUANTIZE_CHOICES", "Stats", "describe", "load", "model_path", "stops_of"]

@@ -1,4 +1,5 @@
-"""`fuel generate` (and `fuel demo`): stream text from a GGUF model (SmolLM2-135M-Instruct by default).
+"""`fuel generate` (and `fuel demo`): stream text from a GGUF file or a Hugging Face model directory
+(SmolLM2-135M-Instruct by default).
 
 The order of the work is the order of what can go wrong, so that a bad request fails before any slow
 step: argparse checks each option's type and domain; then the file's header and tokenizer are read (no
@@ -26,7 +27,7 @@ from typing import TextIO
 
 from fuel.arg_types import number
 from fuel.errors import FuelError, ParamError
-from fuel.models.generate import LLM, MODELS, Generation, Stats, describe, load, model_path
+from fuel.models.generate import LLM, MODELS, QUANTIZE_CHOICES, Generation, Stats, describe, load, model_path
 from fuel.models.generate_args import encode_prompt, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import ModelError
@@ -40,7 +41,11 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default=None,
                    help="the prompt (default: a short question in chat mode; with --chat and no prompt, "
                         "read turns from stdin)")
-    p.add_argument("--model", default="smollm2", help=f"{' or '.join(MODELS)} (bundled), or a .gguf path")
+    p.add_argument("--model", default="smollm2",
+                   help=f"{' or '.join(MODELS)} (bundled), a .gguf path, or a Hugging Face model directory "
+                        "(config.json, *.safetensors, tokenizer.json); `fuel models` lists the architectures")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
+                   help="quantise a Hugging Face directory's projection weights on load (default: keep its dtype)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=number(int, 0, what="an integer >= 0"), default=128,
                    help="the most tokens to generate (default 128)")
@@ -87,7 +92,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> i
                       args.frequency_penalty, args.repetition_penalty)
     stops = stops_of(args.stop and tuple(args.stop))
     path = model_path(args.model)
-    _, tokenizer, cfg = describe(path)
+    _, tokenizer, cfg = describe(path, getattr(args, "quantize", None))
     if args.context > cfg.context_length:
         raise ModelError(f"generate: --context {args.context} is more than the model's context of "
                          f"{cfg.context_length} tokens")
@@ -117,7 +122,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> i
 def _load(args: argparse.Namespace, err: TextIO) -> LLM:
     """The process's shared model, or with --lora a model of its own carrying the adapter."""
     if getattr(args, "lora", None) is None:
-        return load(args.model, args.context, err)
+        return load(args.model, args.context, err, getattr(args, "quantize", None))
     from fuel.lora.model import load_llm
 
     return load_llm(args.model, args.context, args.lora, err)

@@ -22,8 +22,9 @@ _count = number(int, 0, what="an integer >= 0")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2, gemma3 or the path of a .gguf file "
-                                                      "(default smollm2); clients send this name as `model`")
+    p.add_argument("--model", default="smollm2", help="smollm2, gemma3, the path of a .gguf file or of a Hugging "
+                                                      "Face model directory (default smollm2); clients send this "
+                                                      "name as `model`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--slots", type=_positive, default=4, help="sequences decoded together in each step (default 4)")
@@ -38,8 +39,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def served_name(model: str) -> str:
+    """The name clients send: a bundled model's, a .gguf file's stem, or a model directory's name."""
     path = Path(model)
-    return path.stem if path.suffix == ".gguf" else model
+    return path.stem if path.suffix == ".gguf" else path.resolve().name if path.is_dir() else model
 
 
 def missing_extra() -> list[str]:
@@ -55,10 +57,15 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from fuel.models.generate import load
+    from fuel.models.llama import LlamaModel, ModelError
     from fuel.serve.app import create_app
     from fuel.serve.engine import Engine
 
     llm = load(args.model, context=args.context, err=sys.stderr)
+    if not isinstance(llm.model, LlamaModel):  # continuous batching runs on a paged KV cache
+        arch = getattr(llm.model.cfg, "arch", type(llm.model).__name__)
+        raise ModelError(f"serve: {arch} models are not served (the batched step runs attention "
+                         "over a paged KV cache, and a state-space model has none); run it with `fuel generate`")
     embedder = None
     if args.embedding_model == "minilm":
         from fuel.models import bert
