@@ -40,7 +40,7 @@ VOCAB = 4096
 QTYPES = ("F32", "Q8_0", "Q4_K")
 # one wrong detail each: the file as a decoder that got the detail wrong would read the right one
 FLIPS = ("qk_unpermuted", "no_rope_freqs", "no_window", "no_bias", "qk_norm_ones", "gate_up_swapped",
-         "norm_no_plus_one", "no_longrope")
+         "norm_no_plus_one", "no_longrope", "tied_head")
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ ARCH_FILES: dict[str, ArchFile] = {a.name: a for a in (
     ArchFile("phi3_longrope", "phi3", "phi3", heads=8, kv_heads=8, head_dim=32, fused=True, tied=False,
              context=128, hf_config={"rope_parameters": LONGROPE}),
     ArchFile("gemma2", "gemma2", "gemma2", heads=8, kv_heads=4, head_dim=32, gemma=True,
-             hf_config={"sliding_window": 16, "attn_logit_softcapping": 4.0, "final_logit_softcapping": 6.0,
+             hf_config={"sliding_window": 16, "attn_logit_softcapping": 4.0, "final_logit_softcapping": 15.0,
                         "query_pre_attn_scalar": 48, "head_dim": 32}),
 )}
 
@@ -204,6 +204,8 @@ def _to_gguf(a: ArchFile, w: dict[str, np.ndarray], flip: str | None) -> dict[st
             out[name] = np.zeros_like(x)
         if flip == "qk_norm_ones" and name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
             out[name] = np.ones_like(x)
+        if flip == "tied_head" and name == "output.weight":
+            del out[name]
         if flip == "gate_up_swapped" and name.endswith("ffn_up.weight") and a.fused:
             out[name] = np.concatenate([x[a.ff:], x[:a.ff]])
     rope = a.rope
