@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import pytest
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, pre_tokenizers
 
 from fuel.errors import FuelError
@@ -233,3 +235,93 @@ def test_template_errors_are_tokenizer_errors() -> None:
     """Gemma's template (SmolLM2's checks nothing) raises on turns that do not alternate."""
     with pytest.raises(TokenizerError, match="roles must alternate"):
         ours_for("gemma3").chat_prompt([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+# --- Byte-level pre-tokenizers of the new architectures' files (Qwen2/2.5/3: "qwen2"; Llama-3: "llama-bpe") ----
+# SmolLM2's vocabulary and merges written into a GGUF with another `tokenizer.ggml.pre`: a realistic vocabulary split
+# by another regex. Two independent oracles read the same file: transformers' GGUF tokenizer loader and llama.cpp
+# (llama-cpp-python, vocab_only), whose llm_tokenizer_bpe the regexes come from.
+
+PRE_CASES = {"qwen2": ("qwen2", "qwen2"), "llama-bpe": ("llama", "llama-bpe")}
+PRE_TEXTS = [*TEXTS, "12345678 1,234,567 x2024y", "I'M HE'S 'tis o'clock", "a\r\n\r\n  b\n \n", "  \t\n x  ",
+             "ﬁ ẞ ǅ 𝟘𝟙 ١٢٣ ½¼", "what's it? don't!", "foo...bar,,,baz!!!", "\u3000全角\u3000スペース"]
+
+
+def _write_tokenizer_gguf(path: Any, arch: str, pre: str) -> None:
+    import gguf
+
+    md = open_gguf(bundled_gguf("smollm2")).metadata
+    w = gguf.GGUFWriter(str(path), arch)
+    # the hyperparameters llama.cpp reads before a vocab_only load; no tensors
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(list(md["tokenizer.ggml.tokens"]))
+    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]])
+    w.add_token_merges(list(md["tokenizer.ggml.merges"]))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)  # no add_bos_token: each pre-tokenizer's default applies
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+class PrePair:
+    def __init__(self, ours: GGUFTokenizer, hf: Any, cpp: Any) -> None:
+        self.ours, self.hf, self.cpp = ours, hf, cpp
+
+    def cpp_ids(self, text: str) -> list[int]:
+        return list(self.cpp.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+
+@pytest.fixture(scope="module", params=sorted(PRE_CASES))
+def pre_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> PrePair:
+    import llama_cpp
+
+    arch, pre = PRE_CASES[request.param]
+    path = tmp_path_factory.mktemp(request.param) / "tok.gguf"
+    _write_tokenizer_gguf(path, arch, pre)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return PrePair(GGUFTokenizer.from_gguf(path), hf, cpp)
+
+
+def test_pre_tokenizer_matches_transformers_and_llama_cpp(pre_pair: PrePair) -> None:
+    for text in PRE_TEXTS:
+        ours = pre_pair.ours.encode(text, add_bos=False)
+        assert ours == pre_pair.hf.encode(text, add_special_tokens=False), text
+        assert ours == pre_pair.cpp_ids(text), text
+        assert pre_pair.ours.decode(ours) == text, text
+
+
+PRE_ALPHABET = list("aZé中1234567890 '\n\r\t.,!?-_sStTdDmMlLvVeErR😀\u00a0\u3000")
+
+
+@settings(max_examples=150)
+@given(st.text(alphabet=st.sampled_from(PRE_ALPHABET), max_size=40))
+def test_pre_tokenizer_random_text(pre_pair: PrePair, text: str) -> None:
+    ours = pre_pair.ours.encode(text, add_bos=False)
+    assert ours == pre_pair.hf.encode(text, add_special_tokens=False)
+    assert ours == pre_pair.cpp_ids(text)
+
+
+def test_pre_tokenizer_bos_default_follows_llama_cpp(pre_pair: PrePair) -> None:
+    """A Llama-3 file without add_bos_token gets BOS (llama.cpp's default for llama-bpe); a Qwen2 file does not."""
+    import llama_cpp
+
+    want = bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(pre_pair.cpp.model)))
+    assert pre_pair.ours.add_bos == want
+    assert pre_pair.ours.encode("Hi")[:1] == pre_pair.cpp.tokenize(b"Hi", add_bos=True, special=True)[:1]
+
+
+def test_unknown_pre_tokenizer_names_it_and_the_known_ones() -> None:
+    meta = dict(open_gguf(bundled_gguf("smollm2")).metadata)
+    with pytest.raises(TokenizerError, match=r"'tekken9' is not supported.*known: \[.*'llama-bpe'.*'qwen2'"):
+        GGUFTokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "tekken9"})

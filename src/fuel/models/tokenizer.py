@@ -39,19 +39,15 @@ valid start; for valid text the pieces concatenate to exactly `decode(ids)`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from fuel.errors import FuelError
+from fuel.models.chat_template import GEMMA3_CHAT_TEMPLATE, ChatTemplate, TemplateError
 
 __all__ = ["GEMMA3_CHAT_TEMPLATE", "GGUFTokenizer", "StreamDecoder", "TokenizerError", "lone_surrogate"]
 
@@ -77,55 +73,23 @@ _NORMAL, _CONTROL, _USER_DEFINED, _SPACE_RUN = 1, 3, 4, -1
 # token, besides `eos`, since chat templates close each turn with one (llama.cpp keeps a similar end-of-generation set).
 _END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
 
-# The GPT-2 split, which ByteLevel(use_regex=True) applies itself; other `pre` types give their own regex.
+# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`, as llama.cpp's llm_tokenizer_bpe splits (src/llama-vocab.cpp)
+# and as each model's tokenizer.json writes the regex. "gpt2": ByteLevel's own GPT-2 regex; "digits": every digit
+# apart first, then the GPT-2 regex (SmolLM2, StarCoder); otherwise a Split regex then ByteLevel without one.
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT2_PRE = ("gpt-2", "gpt2")
-_DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact")  # llama.cpp: "\p{N}" split, then the GPT-2 regex
-_LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe")
-
-# Gemma 3's chat template (google/gemma-3-*-it tokenizer_config.json), for Gemma files that carry none.
-GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"""
+# Qwen2's is Llama-3's with single digits (\p{N}, not \p{N}{1,3})
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_SPLITS: dict[str, str] = {
+    "gpt-2": "gpt2", "gpt2": "gpt2",
+    "smollm": "digits", "starcoder": "digits", "refact": "digits",
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# llama.cpp looks a whole pre-token up in the vocabulary before merging for these (Llama-3's tokenizer.json says
+# "ignore_merges": true), and adds BOS when the file does not say.
+_WHOLE_WORD_PRE = ("llama3", "llama-v3", "llama-bpe")
 
 
 def _require(metadata: Mapping[str, Any], key: str) -> Any:
@@ -144,16 +108,17 @@ def _optional_id(metadata: Mapping[str, Any], key: str, n_vocab: int) -> int | N
 
 
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    if pre in _GPT2_PRE:
+    split = _PRE_SPLITS.get(pre)
+    if split is None:
+        raise TokenizerError(f"tokenizer.ggml.pre = {pre!r} is not supported for byte-level BPE; "
+                             f"known: {sorted(_PRE_SPLITS)}")
+    if split == "gpt2":
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_THEN_GPT2_PRE:
+    if split == "digits":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    if pre in _LLAMA3_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    known = sorted(_GPT2_PRE + _DIGITS_THEN_GPT2_PRE + _LLAMA3_PRE)
-    raise TokenizerError(f"tokenizer.ggml.pre = {pre!r} is not supported for byte-level BPE; known: {known}")
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> Tokenizer:
@@ -164,11 +129,13 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str]) -> Tokeniz
             raise TokenizerError(f"tokenizer.ggml.merges: {line!r} is not two tokens separated by one space")
         merges.append((pair[0], pair[1]))
     vocab = {tok: i for i, tok in enumerate(tokens)}
+    pre = str(metadata.get("tokenizer.ggml.pre", "gpt-2"))
+    pre_tokenizer = _byte_level_pre_tokenizer(pre)
     try:
-        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _WHOLE_WORD_PRE))
     except Exception as exc:  # tokenizers raises a bare Exception for a merge of unknown tokens
         raise TokenizerError(f"tokenizer.ggml.merges: {exc}") from None
-    tk.pre_tokenizer = _byte_level_pre_tokenizer(str(metadata.get("tokenizer.ggml.pre", "gpt-2")))
+    tk.pre_tokenizer = pre_tokenizer
     tk.decoder = decoders.ByteLevel()
     return tk
 
@@ -202,26 +169,12 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: 
     return tk
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja's own tojson escapes HTML characters; templates expect plain JSON (transformers overrides it too)
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _raise_exception(message: str) -> NoReturn:
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 class GGUFTokenizer:
     """Encode, decode and render chat prompts for a GGUF model. Build with `from_metadata` or `from_gguf`."""
 
     def __init__(self, tokenizer: Tokenizer, tokens: list[str], *, bos_id: int | None, eos_id: int,
                  eos_ids: frozenset[int], add_bos: bool, chat_template: str | None,
-                 chat_template_from_file: bool) -> None:
+                 chat_template_from_file: bool, special_tokens: Mapping[str, str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.tokens = tokens
         self.bos_id = bos_id
@@ -230,10 +183,14 @@ class GGUFTokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.chat_template_from_file = chat_template_from_file
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
-        self._template = env.from_string(chat_template) if chat_template is not None else None
+        # what a template sees as bos_token, eos_token, unk_token, pad_token (only the ones the vocabulary has)
+        named = {"bos_token": None if bos_id is None else tokens[bos_id], "eos_token": tokens[eos_id]}
+        self.special_tokens: dict[str, str] = {k: v for k, v in {**named, **(special_tokens or {})}.items()
+                                               if v is not None}
+        try:
+            self._template = ChatTemplate(chat_template) if chat_template is not None else None
+        except TemplateError as exc:
+            raise TokenizerError(f"chat template does not parse: {exc}") from None
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], chat_template: str | None = None) -> GGUFTokenizer:
@@ -254,7 +211,7 @@ class GGUFTokenizer:
             raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
         if kind == "gpt2":
             tk = _build_byte_level(metadata, tokens)
-            default_bos = False
+            default_bos = str(metadata.get("tokenizer.ggml.pre", "gpt-2")) in _WHOLE_WORD_PRE
         elif kind == "llama":
             # Gemma's files store its runs of spaces with real spaces; the normalizer turns spaces into ▁ before
             # BPE, so those tokens are only reachable spelled with ▁.
@@ -286,9 +243,12 @@ class GGUFTokenizer:
             chat_template = metadata.get("tokenizer.chat_template")
         if chat_template is None and "<start_of_turn>" in ids and "<end_of_turn>" in ids:
             chat_template = GEMMA3_CHAT_TEMPLATE
+        named = {name: _optional_id(metadata, f"tokenizer.ggml.{key}", n)
+                 for name, key in (("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
         return cls(tk, tokens, bos_id=bos_id, eos_id=eos_id, eos_ids=eos_ids, add_bos=add_bos,
                    chat_template=None if chat_template is None else str(chat_template),
-                   chat_template_from_file=from_file)
+                   chat_template_from_file=from_file,
+                   special_tokens={k: tokens[i] for k, i in named.items() if i is not None})
 
     @property
     def vocab_size(self) -> int:
@@ -331,14 +291,16 @@ class GGUFTokenizer:
         """The text of `ids`; `skip_special` leaves out control tokens such as `<bos>` or `<|im_end|>`."""
         return self.tokenizer.decode(self._check_ids(ids), skip_special_tokens=skip_special)
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template rendered for `messages` (dicts with "role" and "content"), as transformers does."""
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> str:
+        """The chat template rendered for `messages` (dicts with "role" and "content"), as transformers'
+        `apply_chat_template(..., tokenize=False)` renders it; `template_kwargs` (tools, documents,
+        enable_thinking, ...) reach the template as variables."""
         if self._template is None:
             raise TokenizerError("this GGUF file has no tokenizer.chat_template; pass chat_template= to build one")
         try:
-            return self._template.render(
-                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token)
+            return self._template.render(messages, add_generation_prompt=add_generation_prompt,
+                                         special_tokens=self.special_tokens, **template_kwargs)
         except TemplateError as exc:
             raise TokenizerError(f"chat template: {exc}") from exc
 
