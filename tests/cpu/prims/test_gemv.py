@@ -43,6 +43,19 @@ def test_strided_rows_broadcast_weights_and_nonfinite_values(rng: np.random.Gene
     _check(a, b, batched[0], fl.f32)
 
 
+@pytest.mark.parametrize("rows", [2, 3, 4])
+def test_transposed_rows_are_read_while_the_job_runs(rows: int, rng: np.random.Generator) -> None:
+    """A column-major a (a [K, M] array's transpose, as a model's conv output permuted back to rows) is
+    copied contiguous for the kernel, which reads that copy by address: the copy must outlive the job."""
+    for _ in range(3):
+        a = rng.standard_normal((512, rows)).astype(np.float32).T
+        b = rng.standard_normal((512, 48)).astype(np.float32)
+        gemv_out = np.empty((rows, 48), np.float32)
+        gemv(a, b, gemv_out)
+        _check(a, b, gemv_out, fl.f32)
+        _check(a, b, (fl.tensor(a) @ fl.tensor(b)).numpy(), fl.f32)
+
+
 def test_decode_path_is_taken_and_bit_stable_across_thread_counts(
         rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
     a = rng.standard_normal((1, 576)).astype(np.float32)

@@ -147,6 +147,7 @@ def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     C-contiguous. The weight is cut into K_SPLIT fixed row ranges: each is one sequential stream, summed
     alone (on the spinning pool past a few microseconds of weight), and the partial sums are added in
     order, so the bytes never depend on who computed which range."""
-    partials, partial = _partials_job(np.ascontiguousarray(a), b, out, "gemv", summed_by_job=False)
+    a = np.ascontiguousarray(a)  # the job reads it by address: a copy made here must live until it has run
+    partials, partial = _partials_job(a, b, out, "gemv", summed_by_job=False)
     jobs.run(partials)
     _sum_partials(partial, out)
