@@ -325,3 +325,120 @@ def test_unknown_pre_tokenizer_names_it_and_the_known_ones() -> None:
     meta = dict(open_gguf(bundled_gguf("smollm2")).metadata)
     with pytest.raises(TokenizerError, match=r"'tekken9' is not supported.*known: \[.*'llama-bpe'.*'qwen2'"):
         GGUFTokenizer.from_metadata({**meta, "tokenizer.ggml.pre": "tekken9"})
+
+
+# --- GGUFTokenizer.from_hf_dir: tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config) ---
+# Directories written as published models write them, read by transformers' AutoTokenizer as the oracle. "smollm2":
+# SmolLM2's tokenizer and its real special tokens, template in chat_template.jinja (how transformers saves it).
+# "llama3": a Llama-3-style directory: BOS from the post-processor only, no add_bos_token, a list of named templates,
+# eos ids from generation_config.json.
+
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                   "<|eom_id|>", "<|eot_id|>"]
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
+def _write_hf_dir(root: Any, kind: str) -> None:
+    import json
+
+    from tokenizers import processors
+
+    smol = ours_for("smollm2")
+    tk = Tokenizer.from_str(smol.tokenizer.to_str())
+    files: dict[str, Any]
+    if kind == "smollm2":
+        (root / "chat_template.jinja").write_text(str(smol.chat_template), encoding="utf-8")
+        files = {"tokenizer_config.json": {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                           "unk_token": {"content": "<|endoftext|>", "special": True,
+                                                         "__type": "AddedToken"},
+                                           "pad_token": "<|im_end|>", "add_bos_token": False}}
+    else:
+        tk.add_special_tokens(LLAMA3_SPECIALS)
+        bos = tk.token_to_id("<|begin_of_text|>")
+        tk.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                                          special_tokens=[("<|begin_of_text|>", bos)])
+        files = {"tokenizer_config.json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+                                           "chat_template": [{"name": "tool_use", "template": "TOOLS"},
+                                                             {"name": "default", "template": LLAMA3_TEMPLATE}]},
+                 "generation_config.json": {"eos_token_id": [tk.token_to_id(t) for t in
+                                                             ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")]}}
+    tk.save(str(root / "tokenizer.json"))
+    for name, data in files.items():
+        (root / name).write_text(json.dumps(data), encoding="utf-8")
+
+
+@pytest.fixture(scope="module", params=["smollm2", "llama3"])
+def hf_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Any, Any]:
+    root = tmp_path_factory.mktemp(f"hf-{request.param}")
+    _write_hf_dir(root, request.param)
+    oracle = transformers.AutoTokenizer.from_pretrained(str(root))
+    return request.param, root, GGUFTokenizer.from_hf_dir(root), oracle
+
+
+def test_hf_dir_matches_transformers(hf_pair: tuple[str, Any, Any, Any]) -> None:
+    kind, root, ours, oracle = hf_pair
+    assert isinstance(ours, GGUFTokenizer)
+    assert (ours.bos_id, ours.eos_id) == (oracle.bos_token_id, oracle.eos_token_id)
+    assert ours.add_bos == (kind == "llama3")
+    for text in TEXTS:
+        assert ours.encode(text) == oracle.encode(text), text  # BOS exactly where transformers adds it
+        ids = ours.encode(text, add_bos=False)
+        assert ours.decode(ids) == oracle.decode(ids), text
+        assert ours.decode(ids, skip_special=True) == oracle.decode(ids, skip_special_tokens=True), text
+    for messages in CHATS:
+        for gen in (True, False):
+            want = oracle.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert ours.chat_prompt(messages, add_generation_prompt=gen) == want
+    if kind == "llama3":  # generation stops at every id generation_config.json lists
+        want_eos = transformers.GenerationConfig.from_pretrained(str(root)).eos_token_id
+        # and at the end-of-turn markers the vocabulary has: SmolLM2's <|endoftext|> (0) and <|im_end|> (2)
+        assert ours.eos_ids == frozenset(want_eos) | {0, 2} and len(want_eos) == 3
+        assert ours.encode_chat(CHATS[0]).count(ours.bos_id) == 1  # the template writes BOS; it is not added twice
+
+
+def test_hf_dir_behaves_as_the_gguf_file(tmp_path: Any) -> None:
+    """The same model's tokenizer from its GGUF file and from its directory: the same ids, stops and prompt."""
+    _write_hf_dir(tmp_path, "smollm2")
+    hf, gguf_tok = GGUFTokenizer.from_hf_dir(tmp_path), ours_for("smollm2")
+    assert (hf.bos_id, hf.eos_id, hf.eos_ids, hf.add_bos, hf.vocab_size) == \
+        (gguf_tok.bos_id, gguf_tok.eos_id, gguf_tok.eos_ids, gguf_tok.add_bos, gguf_tok.vocab_size)
+    assert hf.chat_template == gguf_tok.chat_template and hf.chat_template_from_file
+    for text in TEXTS:
+        assert hf.encode(text) == gguf_tok.encode(text), text
+    for messages in CHATS:
+        assert hf.encode_chat(messages) == gguf_tok.encode_chat(messages)
+
+
+def test_hf_dir_errors_name_the_file_and_key(tmp_path: Any) -> None:
+    import json
+
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: not found"):
+        GGUFTokenizer.from_hf_dir(tmp_path)
+    _write_hf_dir(tmp_path, "smollm2")
+    cfg = tmp_path / "tokenizer_config.json"
+    good = json.loads(cfg.read_text())
+    cases = [({**good, "bos_token": "<nosuch>"}, r"tokenizer_config\.json: 'bos_token' = '<nosuch>' is not a token"),
+             ({**good, "add_bos_token": "yes"}, r"tokenizer_config\.json: 'add_bos_token' should be true or false"),
+             ({**good, "eos_token": None}, r"tokenizer_config\.json: no 'eos_token'"),
+             ({**good, "eos_token": 5}, r"tokenizer_config\.json: 'eos_token' should be a token string"),
+             ({**good, "chat_template": 3}, r"tokenizer_config\.json: 'chat_template' should be a string")]
+    (tmp_path / "chat_template.jinja").unlink()
+    for data, message in cases:
+        cfg.write_text(json.dumps(data))
+        with pytest.raises(TokenizerError, match=message):
+            GGUFTokenizer.from_hf_dir(tmp_path)
+    cfg.write_text(json.dumps({**good, "chat_template": [{"name": "rag", "template": "x"}]}))
+    with pytest.raises(TokenizerError, match=r"'chat_template' is a list of templates \['rag'\] with none named"):
+        GGUFTokenizer.from_hf_dir(tmp_path)
+    cfg.write_text("{not json")
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: cannot be read as JSON"):
+        GGUFTokenizer.from_hf_dir(tmp_path)
+    cfg.write_text(json.dumps(good))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 10**9]}))
+    with pytest.raises(TokenizerError, match=r"generation_config\.json: 'eos_token_id' = \[2, 1000000000\]"):
+        GGUFTokenizer.from_hf_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json: the tokenizers library cannot read it"):
+        GGUFTokenizer.from_hf_dir(tmp_path)

@@ -170,7 +170,8 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: 
 
 
 class GGUFTokenizer:
-    """Encode, decode and render chat prompts for a GGUF model. Build with `from_metadata` or `from_gguf`."""
+    """Encode, decode and render chat prompts for a model. Build with `from_gguf` or `from_metadata` (a GGUF
+    file) or `from_hf_dir` (a Hugging Face directory); all give the same behaviour."""
 
     def __init__(self, tokenizer: Tokenizer, tokens: list[str], *, bos_id: int | None, eos_id: int,
                  eos_ids: frozenset[int], add_bos: bool, chat_template: str | None,
@@ -198,6 +199,15 @@ class GGUFTokenizer:
         from fuel.io.gguf import open_gguf
 
         return cls.from_metadata(open_gguf(path).metadata, chat_template)
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> GGUFTokenizer:
+        """The tokenizer of a Hugging Face model directory: tokenizer.json, tokenizer_config.json (special
+        tokens, add_bos_token, chat_template), chat_template.jinja and generation_config.json's eos ids where
+        present (see fuel.models.tokenizer_hf)."""
+        from fuel.models.tokenizer_hf import tokenizer_from_hf_dir
+
+        return tokenizer_from_hf_dir(path)
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], chat_template: str | None = None) -> GGUFTokenizer:
