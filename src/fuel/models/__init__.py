@@ -12,7 +12,9 @@ import types
 import typing
 
 if typing.TYPE_CHECKING:
+    from fuel.models import architectures as architectures
     from fuel.models import bert as bert
+    from fuel.models import decoder_layer as decoder_layer
     from fuel.models import generate as generate
     from fuel.models import generate_args as generate_args
     from fuel.models import generate_cli as generate_cli
@@ -23,8 +25,8 @@ if typing.TYPE_CHECKING:
     from fuel.models import sampling as sampling
     from fuel.models import tokenizer as tokenizer
 
-MODULES = ("bert", "generate", "generate_args", "generate_cli", "kv_sequence", "llama", "llama_weights",
-           "mamba", "sampling", "tokenizer")
+MODULES = ("architectures", "bert", "decoder_layer", "generate", "generate_args", "generate_cli", "kv_sequence",
+           "llama", "llama_weights", "mamba", "sampling", "tokenizer")
 
 
 def __getattr__(name: str) -> types.ModuleType:

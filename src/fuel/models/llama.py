@@ -1,4 +1,5 @@
-"""Llama-family decoders (SmolLM2 / Llama, Gemma 3) from a GGUF file, built from `fuel.ops`.
+"""Llama-family decoders (Llama / Llama 3 / Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) from a GGUF file or
+any source in its form, built from `fuel.ops`.
 
     model = LlamaModel.load(bundled_gguf("smollm2"), capacity=2048)
     logits = model.prefill(prompt_ids)        # fills the KV cache, returns the last token's logits
@@ -15,11 +16,14 @@ own sequence, `model.default`; generations (`fuel.models.generate`) borrow seque
 `acquire(ids)` lends the idle one whose cached tokens share the longest prefix with `ids` (a chat's next
 turn runs only its new tokens) or a new one, up to `max_sequences` lent at once.
 
-**The graph.** Every layer is RmsNormLastDim (times the norm weight), QMatMul for each quantized
-projection, Rope with the model's tables, an in-graph `cache_write` of the step's K/V rows into a
-fixed-capacity cache `[1, Hkv, capacity, D]` at `fl.dyn("pos")`, FlashAttn over that cache with
-`k_len = fl.dyn("k_len")` (causal, aligned bottom-right), and a gated FFN (SwiGLU; GeGLU for Gemma).
-The output projection is the tied token embedding (a QMatMul on its bytes) unless the file has its own.
+**The graph.** One decoder-layer recipe with per-architecture options (`fuel.models.decoder_layer`, read
+from the architecture's `ArchSpec` in `fuel.models.architectures`): RmsNormLastDim (times the norm weight),
+QMatMul for each quantized projection (Q/K/V, and gate/up, stacked into one where they share a block type),
+Rope with the model's tables, an in-graph `cache_write` of the step's K/V rows into a fixed-capacity cache
+`[1, Hkv, capacity, D]` at `fl.dyn("pos")`, FlashAttn over that cache with `k_len = fl.dyn("k_len")`
+(causal, aligned bottom-right; the layer's window and the logit softcap where the architecture has them),
+and a gated FFN (SwiGLU; GeGLU for Gemma). The output projection is the tied token embedding (a QMatMul on
+its bytes) unless the file has its own.
 
 **Capture and replay.** Decode is one `fl.jit` capture of a one-token step, replayed for every token
 with new pos/k_len. Prefill runs the prompt in chunks of a few bucketed lengths (8 … 256 rows, each
@@ -43,15 +47,14 @@ logits. The serving batch model (`fuel.serve.batch_model`) runs the o projection
 **Rope layout.** llama.cpp's converter permutes the rows of Q and K inside each head for its pair-rotating
 rope; the loader moves them back (`fuel.models.llama_weights`).
 
-**Gemma 3** adds: embeddings scaled by √hidden, RMS norms on q and k per head, norms after attention
-and after the FFN, GeGLU with the tanh GELU, and sliding-window attention (window 512, which is
-`window_size_left = 511`) on five of every six layers with rope base 10 000; the global layers use the
-file's base. Its norm weights are stored with the +1 already added by the converter.
+**Rope tables.** One table pair per rope base: "global", and "local" for Gemma 3's window layers (base
+10 000). The global tables carry the file's per-frequency factors (Llama 3's `rope_freqs.weight`, Phi-3's
+LongRoPE factors chosen by the capacity, with their attn_factor) and a linear scaling's factor
+(`llama_weights.rope_factors`).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -63,31 +66,24 @@ import fuel as fl
 from fuel.errors import ParamError
 from fuel.graph.tensor import Tensor
 from fuel.io.gguf import GGUFFile, open_gguf
+from fuel.models.decoder_layer import DecoderGraph, ProjectionHook, layer_weights
 from fuel.models.kv_sequence import CACHE_ONLY, Caches, KVSequence
 from fuel.models.llama_weights import (
     ARCHITECTURES,
     LlamaConfig,
     ModelError,
     _Linear,
-    _Projections,
     check_ids,
+    rope_factors,
     rope_tables,
 )
 from fuel.quant import dequantize_rows_into, weight_rows
-
-# (layer, projection name, input rows x, the projection's output y) -> the output to use instead (y plus a term)
-ProjectionHook = Callable[[int, str, Tensor, Tensor], Tensor]
 
 __all__ = ["ARCHITECTURES", "KVSequence", "LlamaConfig", "LlamaModel", "ModelError", "ProjectionHook", "load",
            "rope_tables"]
 
 
-def _gelu_tanh(x: Tensor) -> Tensor:
-    """GELU, tanh form (Gemma's `gelu_pytorch_tanh`)."""
-    return x * 0.5 * ((x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)).tanh() + x * 0.5
-
-
-class LlamaModel:
+class LlamaModel(DecoderGraph):
     """A loaded model: its weights, the graph of a step, and the pool of sequences that run it (module doc)."""
 
     def __init__(self, f: GGUFFile, capacity: int, progress: Callable[[str, int, int], None] | None = None, *,
@@ -105,7 +101,7 @@ class LlamaModel:
         self.layers: list[dict[str, Any]] = []
         for i in range(cfg.layers):
             report("weights", i, cfg.layers)
-            self.layers.append(self._layer(i))
+            self.layers.append(layer_weights(f, cfg, i))
         report("weights", cfg.layers, cfg.layers)
         self.out_norm = f["output_norm.weight"].array()
         embd = f["token_embd.weight"]
@@ -115,8 +111,9 @@ class LlamaModel:
         self._embd_rows = None if embd.quant_type is None else weight_rows(embd.words, embd.quant_type, embd.n, embd.k)
         self._embd_table = embd.array() if embd.quant_type is None else None
         positions = np.arange(capacity)
-        self.rope = {"global": rope_tables(cfg.rope_base, cfg.head_dim, positions)}
-        if cfg.local_rope_base is not None:
+        factors, scale = rope_factors(f, cfg, self.capacity)
+        self.rope = {"global": rope_tables(cfg.rope_base, cfg.head_dim, positions, factors, scale)}
+        if cfg.local_rope_base is not None:  # window layers: their own base, unscaled
             self.rope["local"] = rope_tables(cfg.local_rope_base, cfg.head_dim, positions)
         # an adapter over the projections (LoRA, `fuel.lora`), read when a step's graph is built: `set_adapter`
         self.adapter: ProjectionHook | None = None
@@ -131,36 +128,7 @@ class LlamaModel:
              progress: Callable[[str, int, int], None] | None = None, *, max_sequences: int = 4) -> LlamaModel:
         return cls(open_gguf(path), capacity, progress, max_sequences=max_sequences)
 
-    def _layer(self, i: int) -> dict[str, Any]:
-        f, cfg = self.file, self.cfg
-        p = f"blk.{i}."
-        permuted = not cfg.gemma  # llama.cpp permutes Q/K rows for its pair-rotating rope
-        lw: dict[str, Any] = {
-            "index": i,
-            "attn_norm": f[p + "attn_norm.weight"].array(),
-            "qkv": _Projections({"q": _Linear.of(f[p + "attn_q.weight"], cfg.heads if permuted else None),
-                                 "k": _Linear.of(f[p + "attn_k.weight"], cfg.kv_heads if permuted else None),
-                                 "v": _Linear.of(f[p + "attn_v.weight"])}),
-            "o": _Linear.of(f[p + "attn_output.weight"]),
-            "ffn_norm": f[p + "ffn_norm.weight"].array(),
-            "gate_up": _Projections({"gate": _Linear.of(f[p + "ffn_gate.weight"]),
-                                     "up": _Linear.of(f[p + "ffn_up.weight"])}),
-            "down": _Linear.of(f[p + "ffn_down.weight"]),
-        }
-        if cfg.gemma:
-            for name in ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"):
-                lw[name] = f[p + name + ".weight"].array()
-        return lw
-
     # -- the graph -------------------------------------------------------------------------------
-
-    def _norm(self, x: Tensor, w: np.ndarray) -> Tensor:
-        return fl.ops.rms_norm_last_dim(x, self.cfg.eps) * fl.tensor(w)
-
-    def _heads(self, x: Tensor, heads: int, batch: int = 1) -> Tensor:
-        """`[B·S, heads·D]` → `[B, heads, S, D]` (rows of sequence b are b·S … b·S + S - 1)."""
-        s = x.shape[0] // batch
-        return x.reshape(batch, s, heads, self.cfg.head_dim).permute(0, 2, 1, 3)
 
     def set_adapter(self, hook: ProjectionHook | None) -> None:
         """Set (None: remove) the projections' adapter. A step already captured would replay as it was built,
@@ -172,11 +140,6 @@ class LlamaModel:
                              "change; set the adapter on a model that has not run (fuel.lora.load_model gives one)")
         self.adapter = hook
 
-    def project(self, lw: dict[str, Any], name: str, x: Tensor, y: Tensor) -> Tensor:
-        """Projection `name` ("q", "k", "v", "o", "gate", "up", "down") of layer lw: its output y of the
-        input rows x, with the adapter's term added when one is set."""
-        return y if self.adapter is None else self.adapter(lw["index"], name, x, y)
-
     def _write_kv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]],
                   caches: Caches) -> tuple[Tensor, Tensor, Tensor]:
         """Layer i's queries, and its K/V caches with this step's rows written at `pos`."""
@@ -185,41 +148,6 @@ class LlamaModel:
         kc = fl.cache_write(fl.tensor(caches[0][i]), k, pos)
         vc = fl.cache_write(fl.tensor(caches[1][i]), v, pos)
         return q, kc, vc
-
-    def qkv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, Tensor]], batch: int = 1
-            ) -> tuple[Tensor, Tensor, Tensor]:
-        """Layer i's queries, keys and values `[B, heads, S, D]` of the normed rows h `[B·S, hidden]` (B = batch
-        sequences of S rows), rope applied with the tables' rows (row s of the tables is position s's)."""
-        cfg = self.cfg
-        p = lw["qkv"](h, joined=None if self.adapter is not None else ("q", "k"))
-        if self.adapter is not None:
-            p = {n: self.project(lw, n, h, p[n]) for n in ("q", "k", "v")}
-        cos, sin = tables["local" if cfg.is_local(i) else "global"]
-        if "q+k" in p and not cfg.gemma:  # one rope over Q's and K's heads: one step less per layer
-            qk = fl.ops.rope(self._heads(p["q+k"], cfg.heads + cfg.kv_heads, batch), cos, sin)
-            q, k, v = qk[:, :cfg.heads], qk[:, cfg.heads:], self._heads(p["v"], cfg.kv_heads, batch)
-        else:
-            q, k, v = (self._heads(p[n], hs, batch)
-                       for n, hs in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)))
-            if cfg.gemma:
-                q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
-            q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
-        return q, k, v
-
-    def _attend(self, i: int, lw: dict[str, Any], q: Tensor, kc: Tensor, vc: Tensor, k_len: str) -> Tensor:
-        """Layer i's attention output projected, `[S, hidden]`, for the queries `[1, heads, S, D]`."""
-        cfg = self.cfg
-        local = cfg.is_local(i)
-        window = (cfg.sliding_window - 1 if local and cfg.sliding_window else None, None)
-        a = fl.ops.flash_attn(q, kc, vc, softmax_scale=cfg.attn_scale, causal=True, window_size=window,
-                              k_len=fl.dyn(k_len))
-        return self.output_projection(lw, a)
-
-    def output_projection(self, lw: dict[str, Any], a: Tensor) -> Tensor:
-        """The attention output `[B, heads, S, D]` as rows `[B·S, hidden]` through the o projection."""
-        b, heads, s, d = a.shape
-        rows = a.permute(0, 2, 1, 3).reshape(b * s, heads * d)
-        return self.project(lw, "o", rows, lw["o"](rows))
 
     def forward(self, x: Tensor, table_args: Sequence[Tensor], caches: Caches, rows: Any = None) -> Tensor:
         """The logits `[S, vocab]` of the rows x `[S, hidden]` (a decode step), writing their K/V rows into
@@ -240,26 +168,13 @@ class LlamaModel:
             if rows is not None and i == cfg.layers - 1:
                 # the last layer past its cache writes runs for the row whose logits are wanted only
                 q, x, k_len = q.index_select(2, rows), x.index_select(0, rows), "last_len"
-            x = self.after_attention(lw, x, self._attend(i, lw, q, kc, vc, k_len))
+            x = self.after_attention(lw, x, self.output_projection(lw, self.attention(i, q, kc, vc, k_len)))
         return self.logits(x)
-
-    def after_attention(self, lw: dict[str, Any], x: Tensor, a: Tensor) -> Tensor:
-        """The rest of a layer: the residual x `[S, hidden]` plus the projected attention a, then the gated
-        FFN and its residual (Gemma's post-norms on both)."""
-        cfg = self.cfg
-        x = x + (self._norm(a, lw["post_attention_norm"]) if cfg.gemma else a)
-        h = self._norm(x, lw["ffn_norm"])
-        p = lw["gate_up"](h)
-        gate, up = self.project(lw, "gate", h, p["gate"]), self.project(lw, "up", h, p["up"])
-        act = (_gelu_tanh(gate) if cfg.gemma else gate.silu()) * up
-        d = self.project(lw, "down", act, lw["down"](act))
-        return x + (self._norm(d, lw["post_ffw_norm"]) if cfg.gemma else d)
 
     def causal_logits(self, x: Tensor, batch: int = 1) -> Tensor:
         """The logits `[B·S, vocab]` of B whole sequences given as their embedding rows x `[B·S, hidden]` (the
         rows of sequence b are b·S … b·S + S - 1, positions 0 … S - 1): causal attention within each sequence,
         no KV cache, every row's logits (a training step's forward; S at most the model's capacity)."""
-        cfg = self.cfg
         rows = x.shape[0]
         if batch < 1 or rows % batch or not 1 <= rows // batch <= self.capacity:
             raise ModelError(f"model: causal_logits: {rows} rows are not {batch} sequences of 1 … {self.capacity} "
@@ -269,18 +184,8 @@ class LlamaModel:
         x = self.scaled_input(x)
         for i, lw in enumerate(self.layers):
             q, k, v = self.qkv(i, lw, self._norm(x, lw["attn_norm"]), tables, batch)
-            window = (cfg.sliding_window - 1 if cfg.is_local(i) and cfg.sliding_window else None, None)
-            a = fl.ops.flash_attn(q, k, v, softmax_scale=cfg.attn_scale, causal=True, window_size=window)
-            x = self.after_attention(lw, x, self.output_projection(lw, a))
+            x = self.after_attention(lw, x, self.output_projection(lw, self.attention(i, q, k, v)))
         return self.logits(x)
-
-    def logits(self, x: Tensor) -> Tensor:
-        """The logits `[S, vocab]` of the last layer's rows x."""
-        return self.head(self._norm(x, self.out_norm))
-
-    def scaled_input(self, x: Tensor) -> Tensor:
-        """The embedding rows as the first layer reads them (Gemma scales them by √hidden)."""
-        return x * float(np.float32(math.sqrt(self.cfg.hidden))) if self.cfg.gemma else x
 
     # -- sequences -------------------------------------------------------------------------------
 

@@ -21,11 +21,12 @@ import fuel as fl
 from fuel.errors import FuelError
 from fuel.graph.tensor import Tensor
 from fuel.io.gguf import GGUFFile, GGUFTensor
+from fuel.models.architectures import ARCHITECTURES as ARCH_SPECS
+from fuel.models.architectures import ArchSpec
 
-ARCHITECTURES = ("llama", "gemma3")
-# Gemma 3 hard-codes these in its reference implementation; the GGUF file does not carry them.
-GEMMA3_LOCAL_ROPE_BASE = 10_000.0
-GEMMA3_GLOBAL_EVERY = 6
+ARCHITECTURES = (*ARCH_SPECS, "mamba")  # every architecture the models package runs (mamba: fuel.models.mamba_lm)
+# llama.cpp's defaults for Gemma 2 files that do not carry the softcaps (its reference's values)
+GEMMA2_SOFTCAPS = (50.0, 30.0)
 
 
 class ModelError(FuelError, ValueError):
@@ -48,6 +49,9 @@ def check_ids(ids: Any, vocab: int, what: str) -> list[int]:
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """A decoder's hyper-parameters, read from its source's metadata by `from_gguf` (`spec`: what its
+    architecture's layers do, `fuel.models.architectures`)."""
+
     arch: str
     layers: int
     hidden: int
@@ -59,53 +63,147 @@ class LlamaConfig:
     rope_base: float
     vocab: int
     context_length: int
-    gemma: bool = False
+    spec: ArchSpec
     sliding_window: int | None = None
     local_rope_base: float | None = None
     attn_scale: float = 0.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope_linear: float = 1.0  # `rope.scaling.factor` of linear scaling: positions are divided by it
+    rope_orig_context: int | None = None  # `rope.scaling.original_context_length` (Phi-3 LongRoPE)
+    rope_attn_factor: float | None = None  # `rope.scaling.attn_factor` as the file gives it
+
+    @property
+    def gemma(self) -> bool:
+        """A Gemma architecture (norm weights stored with the +1, embeddings × √hidden)."""
+        return self.spec.embed_scale
 
     @classmethod
     def from_gguf(cls, f: GGUFFile) -> LlamaConfig:
-        """The hyper-parameters of a file; a missing or malformed one is a FuelError naming the key and the
-        file (`GGUFKeyError` for a missing key or tensor, `ModelError` for a value that is not a number)."""
+        """The hyper-parameters of a source; a missing or malformed one is a FuelError naming the key and the
+        file (`GGUFKeyError` for a missing key or tensor, `ModelError` for a value that is not a number or a
+        feature the architecture does not support)."""
         arch = f.architecture
-        if arch not in ARCHITECTURES:
-            raise ModelError(f"model: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        spec = ARCH_SPECS.get(arch)
+        if spec is None:
+            raise ModelError(f"model: architecture {arch!r} is not supported by the decoder; supported: "
+                             f"{', '.join(ARCH_SPECS)}")
 
-        def number(key: str, kind: type, default: Any = ...) -> Any:
+        def number(key: str, kind: type, default: Any = ..., zero: bool = False) -> Any:
             value = f.hparam(key, default)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or (
-                    kind is int and value != int(value)) or not math.isfinite(value) or value <= 0:
+                    kind is int and value != int(value)) or not math.isfinite(value) or value < 0 or (
+                    value == 0 and not zero):
                 raise ModelError(f"model: {f.path}: metadata {arch}.{key} must be a positive "
                                  f"{'integer' if kind is int else 'number'}, got {value!r}")
             return kind(value)
 
+        def refuse(key: str, value: Any, why: str) -> ModelError:
+            return ModelError(f"model: {f.path}: metadata {arch}.{key} = {value!r} is not supported by {arch}: {why}")
+
         heads, hidden = number("attention.head_count", int), number("embedding_length", int)
         head_dim = number("attention.key_length", int, hidden // heads)
-        gemma = arch == "gemma3"
-        window = number("attention.sliding_window", int) if gemma and f.hparam("attention.sliding_window",
-                                                                                None) is not None else None
+        if (value_dim := number("attention.value_length", int, head_dim)) != head_dim:
+            raise refuse("attention.value_length", value_dim, f"values must have the keys' head_dim {head_dim}")
+        if (rope_dim := number("rope.dimension_count", int, head_dim)) != head_dim:
+            raise refuse("rope.dimension_count", rope_dim, f"rope must rotate the whole head_dim {head_dim}")
+        layers = number("block_count", int)
+        window = None
+        if spec.window_layers != "none":
+            window = number("attention.sliding_window", int, 0, zero=True) or None  # 0: none (Phi-4's files)
+        scaling = f.hparam("rope.scaling.type", "none")
+        if scaling not in spec.rope_scaling:
+            raise refuse("rope.scaling.type", scaling, f"supported: {', '.join(spec.rope_scaling)}")
+        linear = number("rope.scaling.factor", float, 1.0) if scaling == "linear" else 1.0
+        scale = f.hparam("attention.scale", None)
+        if scale is None:
+            # llama.cpp's rule for Gemma 2 files, which do not carry the scale: 27B (46 layers) scales by
+            # hidden / heads, the others by head_dim
+            scale = 1.0 / math.sqrt(hidden / heads if arch == "gemma2" and layers == 46 else head_dim)
+        else:
+            scale = number("attention.scale", float)
+        caps = (None, None)
+        if spec.softcaps:
+            caps = (number("attn_logit_softcapping", float, GEMMA2_SOFTCAPS[0]),
+                    number("final_logit_softcapping", float, GEMMA2_SOFTCAPS[1]))
+        has_orig = f.hparam("rope.scaling.original_context_length", None) is not None
+        attn_factor = f.hparam("rope.scaling.attn_factor", None)
         return cls(
-            arch=arch, layers=number("block_count", int), hidden=hidden, heads=heads,
+            arch=arch, layers=layers, hidden=hidden, heads=heads,
             kv_heads=number("attention.head_count_kv", int, heads), head_dim=head_dim,
             ffn=number("feed_forward_length", int), eps=number("attention.layer_norm_rms_epsilon", float),
             rope_base=number("rope.freq_base", float, 10_000.0), vocab=f["token_embd.weight"].shape[0],
-            context_length=number("context_length", int), gemma=gemma, sliding_window=window,
-            local_rope_base=GEMMA3_LOCAL_ROPE_BASE if gemma else None,
-            attn_scale=1.0 / math.sqrt(head_dim),
+            context_length=number("context_length", int), spec=spec, sliding_window=window,
+            local_rope_base=None if spec.local_rope_base is None else number(
+                "rope.freq_base_swa", float, spec.local_rope_base),
+            attn_scale=scale, attn_softcap=caps[0], final_softcap=caps[1], rope_linear=linear,
+            rope_orig_context=number("rope.scaling.original_context_length", int) if has_orig else None,
+            rope_attn_factor=None if attn_factor is None else number("rope.scaling.attn_factor", float),
         )
 
     def is_local(self, layer: int) -> bool:
-        """Whether `layer` uses sliding-window attention (Gemma 3: all but every sixth)."""
-        return self.sliding_window is not None and (layer + 1) % GEMMA3_GLOBAL_EVERY != 0
+        """Whether `layer` uses sliding-window attention (the spec's window layers, when the file sets one)."""
+        return self.sliding_window is not None and self.spec.is_local(layer)
+
+    def window_left(self, layer: int) -> int | None:
+        """The left window of `layer`'s attention (FlashAttn's `window_size_left`): a query sees itself and
+        the `sliding_window - 1` keys before it, as transformers' sliding masks do; None for global layers."""
+        return self.sliding_window - 1 if self.sliding_window is not None and self.spec.is_local(layer) else None
+
+    def rope_name(self, layer: int) -> str:
+        """Which rope tables `layer` reads: "local" (Gemma 3's window layers, their own base) or "global"."""
+        return "local" if self.local_rope_base is not None and self.is_local(layer) else "global"
 
 
-def rope_tables(base: float, head_dim: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin `[len(positions), head_dim]` float32 for rotate-half rope (angles in float64)."""
+def rope_tables(base: float, head_dim: int, positions: np.ndarray, factors: np.ndarray | None = None,
+                scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin `[len(positions), head_dim]` float32 for rotate-half rope (angles in float64). `factors`
+    `[head_dim/2]` divide each frequency (ggml's rope freq_factors: Llama 3's `rope_freqs.weight`, Phi-3's
+    LongRoPE factors, a linear scaling's factor); `scale` multiplies cos and sin (LongRoPE's attn_factor)."""
     inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, np.float64).reshape(-1)
     ang = np.outer(positions.astype(np.float64), inv_freq)
     ang = np.concatenate([ang, ang], axis=1)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return (np.cos(ang) * scale).astype(np.float32), (np.sin(ang) * scale).astype(np.float32)
+
+
+ROPE_FACTOR_TENSORS = {"freqs": ("rope_freqs.weight",),
+                       "longrope": ("rope_factors_long.weight", "rope_factors_short.weight")}
+
+
+def rope_factors(f: GGUFFile, cfg: LlamaConfig, capacity: int) -> tuple[np.ndarray | None, float]:
+    """The global rope tables' per-frequency divisors `[head_dim/2]` (None: none) and cos/sin scale for a
+    model of `capacity` positions: Llama 3's `rope_freqs.weight`; Phi-3's LongRoPE factors, the long ones
+    when the capacity exceeds `rope.scaling.original_context_length` (llama.cpp's choice), scaled by
+    `rope.scaling.attn_factor` or else by √(1 + ln(context/original)/ln(original)) (transformers' default);
+    times a linear scaling's factor. A factor tensor the architecture does not read is a ModelError."""
+    spec, arch = cfg.spec, cfg.arch
+    wanted = ROPE_FACTOR_TENSORS.get(spec.rope_factors, ())
+    for names in ROPE_FACTOR_TENSORS.values():
+        for name in names:
+            if name in f and name not in wanted:
+                raise ModelError(f"model: {f.path}: tensor {name!r} (rope factors) is not supported by {arch}")
+    factors, scale = None, 1.0
+    if spec.rope_factors == "freqs" and wanted[0] in f:
+        factors = f[wanted[0]].array()
+    elif spec.rope_factors == "longrope" and (wanted[0] in f or wanted[1] in f):
+        orig = cfg.rope_orig_context
+        if orig is None:
+            raise ModelError(f"model: {f.path}: LongRoPE factors need metadata {arch}.rope.scaling."
+                             "original_context_length, which is missing")
+        factors = f[wanted[0] if capacity > orig else wanted[1]].array()
+        ctx = cfg.context_length
+        scale = cfg.rope_attn_factor if cfg.rope_attn_factor is not None else (
+            math.sqrt(1 + math.log(ctx / orig) / math.log(orig)) if ctx > orig else 1.0)
+    elif spec.rope_factors == "longrope" and cfg.rope_attn_factor is not None:
+        scale = cfg.rope_attn_factor
+    if factors is not None and factors.size != cfg.head_dim // 2:
+        raise ModelError(f"model: {f.path}: rope factors have {factors.size} values, expected head_dim / 2 = "
+                         f"{cfg.head_dim // 2}")
+    if cfg.rope_linear != 1.0:
+        factors = (np.ones(cfg.head_dim // 2) if factors is None else factors.astype(np.float64)) * cfg.rope_linear
+    return factors, scale
 
 
 def _halves_order(rows: int, heads: int) -> np.ndarray:
@@ -186,6 +284,21 @@ class _Projections:
         stacked = np.concatenate([lin.rows for _, lin in group if lin.rows is not None])
         return _Linear(stacked, first.quant, first.k, start), spans
 
+    @classmethod
+    def fused(cls, lin: _Linear, sizes: dict[str, int]) -> _Projections:
+        """Projections stored as one weight (Phi-3's `attn_qkv`, its gate-then-up `ffn_up`): its output
+        columns, in order, are those of each name, `sizes[name]` wide; a ModelError if they do not add up."""
+        if sum(sizes.values()) != lin.n:
+            want = " + ".join(map(str, sizes.values()))
+            raise ModelError(f"model: a fused projection has {lin.n} rows, expected {want} ({', '.join(sizes)})")
+        out = cls({})
+        spans, start = [], 0
+        for name, n in sizes.items():
+            spans.append((name, start, start + n))
+            start += n
+        out.groups.append((lin, spans))
+        return out
+
     def parts(self) -> dict[str, _Linear]:
         """Each projection alone by name: a stacked weight's rows of that projection (a view, no copy)."""
         out: dict[str, _Linear] = {}
@@ -193,9 +306,11 @@ class _Projections:
             for name, a, b in spans:
                 if len(spans) == 1:
                     out[name] = lin
-                else:
-                    assert lin.rows is not None  # only quantized weights are stacked
+                elif lin.rows is not None:
                     out[name] = _Linear(lin.rows[a:b], lin.quant, lin.k, b - a)
+                else:
+                    assert lin.dense is not None  # a fused float weight: its columns of that projection
+                    out[name] = _Linear(None, lin.quant, lin.k, b - a, np.ascontiguousarray(lin.dense[:, a:b]))
         return out
 
     def __call__(self, x: Tensor, joined: tuple[str, str] | None = None) -> dict[str, Tensor]:
