@@ -20,8 +20,12 @@ are the same bytes whatever else shares its steps, and the engine never runs mor
 **Captures.** The step is one `fl.jit` function; each (rows, logit rows) shape is its own capture, traced on
 first use. The caches are `[num_blocks·block_size, kv_heads, D]` float32 arrays per layer, written in place.
 
-**Gemma 3** attends over a sliding window on five of six layers: there PagedAttn gets the model's left
-window (`sliding_window - 1`, as `LlamaModel` gives FlashAttn), so its sequences hold the model's capacity.
+**Architectures.** The step does the model's math for every architecture it runs (`fuel.models.architectures`):
+biases and per-head q/k norms come through `model.qkv`, post-norms and the activation through
+`after_attention`, the final softcap through `model.logits`; PagedAttn gets the model's query scale, its
+attention-logit softcap and each layer's left window (`cfg.window_left`, as `LlamaModel` gives FlashAttn:
+Mistral's and Phi-3's every layer, Gemma 2's even layers, Gemma 3's five of six), so sequences hold the
+model's capacity.
 """
 
 from __future__ import annotations
@@ -86,10 +90,9 @@ class BatchedLlama:
             vc = fl.index_copy(fl.tensor(self.v_cache[i]), slots, v.permute(0, 2, 1, 3).reshape(m, cfg.kv_heads, hd))
             if logit_rows is None and i == cfg.layers - 1:
                 return kc[:1, :1, :1] + vc[:1, :1, :1]
-            window = cfg.sliding_window - 1 if cfg.is_local(i) and cfg.sliding_window else None
             a = fl.ops.paged_attn(q.permute(2, 1, 0, 3), kc.reshape(*cache_shape), vc.reshape(*cache_shape),
-                                  block_table, context_lens, softmax_scale=cfg.attn_scale,
-                                  window_size=window)  # [M, heads, 1, D]
+                                  block_table, context_lens, softmax_scale=cfg.attn_scale, softcap=cfg.attn_softcap,
+                                  window_size=cfg.window_left(i))  # [M, heads, 1, D]
             x = model.after_attention(lw, x, lw["o"](a.reshape(m, cfg.heads * hd)))
         assert logit_rows is not None
         return model.logits(x.index_select(0, logit_rows))
