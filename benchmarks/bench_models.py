@@ -4,6 +4,11 @@
   prompt, decode tokens/s over 128 greedy tokens, and the peak RSS. All three engines get the same
   token ids. Fuel and transformers run the same GGUF file (transformers dequantises it to float32);
   llama.cpp (llama-cpp-python, built by `make bench-env`) runs it quantized, as Fuel does.
+- Qwen2 and Phi-3 at about 0.5B parameters (benchmarks/synthetic_models.py): random weights of the real
+  shapes in llama.cpp's Q4_K_M block types, written once into a cache folder (~/.cache/fuel-bench, or
+  `cache`), against llama.cpp only, the same way as above. transformers is left out of these two: it
+  dequantises the whole file to float32 through gguf-py's NumPy decoders before it runs, and a float32
+  eager peer is already measured on the packaged models; the targets here are llama.cpp's.
 - all-MiniLM-L6-v2: sentences/s at batch 32 and batch 1, Fuel against sentence-transformers.
 
 Each (engine, model) runs in its own child process, one after another, `Sizes.rounds` times round-robin
@@ -15,9 +20,9 @@ logits of the prompt's last token only (Fuel's and llama.cpp's do; transformers 
 `logits_to_keep=1`). Fuel's rows also give the executor's own cost per decoded token: the step's wall
 time minus the kernel times `fl.trace()` records, over the replayed steps.
 
-Targets printed beside the numbers (issue "real models"): SmolLM2 and Gemma-3 decode ≥ 0.6× llama.cpp;
-prefill ≥ 2× llama.cpp and ≥ transformers; peak RSS ≤ 2× llama.cpp; MiniLM ≥ 1.2× sentence-transformers.
-Run it through `fuel bench --models` or `python -m benchmarks.bench_models`; JSON and PNG go to --out.
+The targets printed beside the numbers are benchmarks/models_report.py's. Run it through
+`fuel bench --models` or `python -m benchmarks.bench_models [--models ...] [--cache DIR]`; JSON and PNG go
+to --out.
 """
 
 from __future__ import annotations
@@ -37,9 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import synthetic_models
+from benchmarks.models_report import LLMS, SYNTHETIC, plot, print_table, summarise
+
 THREADS = 2  # every engine's, each set explicitly
-LLMS = ("smollm2", "gemma3")
 LLM_ENGINES = ("fuel", "transformers", "llama_cpp")
+SYNTHETIC_ENGINES = ("fuel", "llama_cpp")
+MODELS = (*LLMS, *SYNTHETIC, "minilm")
 EMBED_ENGINES = ("fuel", "sentence_transformers")
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable metal type made "
         "books cheap enough for ordinary readers. Within fifty years presses ran in hundreds of towns, and "
@@ -67,12 +76,25 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def prompt_ids(model: str, n: int) -> list[int]:
+def engines_of(model: str) -> tuple[str, ...]:
+    return EMBED_ENGINES if model == "minilm" else SYNTHETIC_ENGINES if model in SYNTHETIC else LLM_ENGINES
+
+
+def model_path(model: str, cache: Path | None = None) -> Path:
+    """The GGUF file of an LLM: a packaged one, or a synthetic one in `cache` (written on first use)."""
+    if model in SYNTHETIC:
+        return synthetic_models.ensure(synthetic_models.SPECS[model], cache)
+    from fuel.io.gguf import bundled_gguf
+
+    return Path(bundled_gguf(model))
+
+
+def prompt_ids(model: str, n: int, cache: Path | None = None) -> list[int]:
     """n token ids of TEXT (repeated as needed) after the model's BOS, from the file's own tokenizer."""
-    from fuel.io.gguf import bundled_gguf, open_gguf
+    from fuel.io.gguf import open_gguf
     from fuel.models.tokenizer import GGUFTokenizer
 
-    tok = GGUFTokenizer.from_metadata(open_gguf(bundled_gguf(model)).metadata)
+    tok = GGUFTokenizer.from_metadata(open_gguf(model_path(model, cache)).metadata)
     body = tok.encode(TEXT * (1 + n // 40), add_bos=False)
     head = [] if tok.bos_id is None else [tok.bos_id]
     return (head + body)[:n]
@@ -81,13 +103,12 @@ def prompt_ids(model: str, n: int) -> list[int]:
 # ---- one engine, one model: run in a child process ----------------------------------------------------
 
 
-def _fuel_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
+def _fuel_llm(path: Path, ids: list[int], n_decode: int) -> dict[str, Any]:
     import fuel as fl
-    from fuel.io.gguf import bundled_gguf
     from fuel.models.llama import LlamaModel
 
     fl.set_num_threads(THREADS)
-    m = LlamaModel.load(bundled_gguf(model), capacity=len(ids) + n_decode + 8)
+    m = LlamaModel.load(path, capacity=len(ids) + n_decode + 8)
     m.prefill(ids)  # capture the steps this prompt uses (and load Numba's kernels), and the decode step
     m.decode(0)
     m.reset()
@@ -120,14 +141,11 @@ def _fuel_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
             "threads": fl.get_num_threads()}
 
 
-def _transformers_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
+def _transformers_llm(path: Path, ids: list[int], n_decode: int) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fuel.io.gguf import bundled_gguf
-
     torch.set_num_threads(THREADS)
-    path = bundled_gguf(model)
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     x = torch.tensor([ids])
     with torch.inference_mode():
@@ -145,12 +163,10 @@ def _transformers_llm(model: str, ids: list[int], n_decode: int) -> dict[str, An
             "threads": torch.get_num_threads()}
 
 
-def _llama_cpp_llm(model: str, ids: list[int], n_decode: int) -> dict[str, Any]:
+def _llama_cpp_llm(path: Path, ids: list[int], n_decode: int) -> dict[str, Any]:
     from llama_cpp import Llama
 
-    from fuel.io.gguf import bundled_gguf
-
-    llm = Llama(model_path=str(bundled_gguf(model)), n_ctx=len(ids) + n_decode + 8, n_batch=512,
+    llm = Llama(model_path=str(path), n_ctx=len(ids) + n_decode + 8, n_batch=512,
                 n_threads=THREADS, n_threads_batch=THREADS, verbose=False)
     llm.eval(ids)  # warm-up
     llm.reset()
@@ -205,22 +221,23 @@ def _embed(engine: str, n: int, repeat: int) -> dict[str, Any]:
     return result
 
 
-def worker(engine: str, model: str, sizes: Sizes) -> dict[str, Any]:
+def worker(engine: str, model: str, sizes: Sizes, cache: Path | None = None) -> dict[str, Any]:
     if model == "minilm":
         result = _embed(engine, sizes.sentences, sizes.embed_repeat)
     else:
-        ids = prompt_ids(model, sizes.prompt)
+        ids = prompt_ids(model, sizes.prompt, cache)
         run = {"fuel": _fuel_llm, "transformers": _transformers_llm, "llama_cpp": _llama_cpp_llm}[engine]
-        result = run(model, ids, sizes.decode)
+        result = run(model_path(model, cache), ids, sizes.decode)
         result["prefill_tok_s"] = len(ids) / result["prefill_s"]
         result["decode_tok_s"] = sizes.decode / result["decode_s"] if result["decode_s"] else None
     result["peak_rss_mib"] = _rss_mib()
     return result
 
 
-def run_child(engine: str, model: str, sizes: Sizes) -> dict[str, Any]:
+def run_child(engine: str, model: str, sizes: Sizes, cache: Path | None = None) -> dict[str, Any]:
     """`worker` in a fresh interpreter; an engine that is not installed or fails gives its error."""
-    cmd = [sys.executable, "-m", "benchmarks.bench_models", "--worker", engine, model, json.dumps(asdict(sizes))]
+    cmd = [sys.executable, "-m", "benchmarks.bench_models", "--worker", engine, model, json.dumps(asdict(sizes)),
+           "" if cache is None else str(cache)]
     # Each engine runs with its own defaults and gets its thread count through its API: a passive OpenMP
     # wait (which `fuel bench` sets for the benchmarks that share one process with torch) cut llama.cpp's
     # decode from 98 to 34 tokens/s, its threads sleeping at every barrier.
@@ -251,115 +268,35 @@ def best_of(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# ---- the report ---------------------------------------------------------------------------------------
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if not a or not b else a / b
-
-
-def summarise(results: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    """Fuel's ratios to the others and whether each target holds (None where a peer is missing)."""
-    out: dict[str, Any] = {}
-    for model in LLMS:
-        r = results.get(model)
-        if not r:
-            continue
-        f, lc, hf = r.get("fuel", {}), r.get("llama_cpp", {}), r.get("transformers", {})
-        dec = _ratio(f.get("decode_tok_s"), lc.get("decode_tok_s"))
-        pre_lc = _ratio(f.get("prefill_tok_s"), lc.get("prefill_tok_s"))
-        pre_hf = _ratio(f.get("prefill_tok_s"), hf.get("prefill_tok_s"))
-        rss = _ratio(f.get("peak_rss_mib"), lc.get("peak_rss_mib"))
-        out[model] = {
-            "decode_over_llama_cpp": dec, "prefill_over_llama_cpp": pre_lc, "prefill_over_transformers": pre_hf,
-            "rss_over_llama_cpp": rss, "greedy_tokens_equal_transformers": f.get("tokens") == hf.get("tokens")
-            if "tokens" in hf else None, "threads": {engine: e.get("threads") for engine, e in r.items()},
-            "targets": {"decode>=0.6x llama.cpp": None if dec is None else dec >= 0.6,
-                        "prefill>=2x llama.cpp": None if pre_lc is None else pre_lc >= 2.0,
-                        "prefill>=1x transformers": None if pre_hf is None else pre_hf >= 1.0,
-                        "rss<=2x llama.cpp": None if rss is None else rss <= 2.0}}
-    e = results.get("minilm")
-    if e:
-        ratio = _ratio(e.get("fuel", {}).get("sentences_per_s_batch32"),
-                       e.get("sentence_transformers", {}).get("sentences_per_s_batch32"))
-        out["minilm"] = {"batch32_over_sentence_transformers": ratio,
-                         "threads": {engine: x.get("threads") for engine, x in e.items()},
-                         "targets": {"batch32>=1.2x sentence-transformers": None if ratio is None else ratio >= 1.2}}
-    return out
-
-
-def _fmt(v: Any, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
-
-
-def print_table(results: dict[str, dict[str, dict[str, Any]]], summary: dict[str, Any]) -> None:
-    print(f"{'model':9s} {'engine':22s} {'prefill tok/s':>14s} {'decode tok/s':>13s} {'peak RSS MiB':>13s}")
-    for model in LLMS:
-        for engine, r in results.get(model, {}).items():
-            if "error" in r:
-                print(f"{model:9s} {engine:22s} unavailable: {r['error']}")
-                continue
-            print(f"{model:9s} {engine:22s} {_fmt(r.get('prefill_tok_s')):>14s} {_fmt(r.get('decode_tok_s')):>13s} "
-                  f"{_fmt(r.get('peak_rss_mib'), '.0f'):>13s}")
-        f = results.get(model, {}).get("fuel", {})
-        if "overhead_ms_per_token" in f:
-            print(f"{'':9s} fuel executor overhead, traced (every step in Python): "
-                  f"{f['overhead_ms_per_token']:.2f} ms per token ({f['overhead_us_per_step']:.2f} us per step, "
-                  f"{f['steps_per_token']} steps); untraced, {f.get('native_steps_per_token', 0)} of them run "
-                  "natively, without it")
-    for engine, r in results.get("minilm", {}).items():
-        if "error" in r:
-            print(f"{'minilm':9s} {engine:22s} unavailable: {r['error']}")
-        else:
-            print(f"{'minilm':9s} {engine:22s} batch 32: {_fmt(r['sentences_per_s_batch32'])} sentences/s, "
-                  f"batch 1: {_fmt(r['sentences_per_s_batch1'])}; peak RSS {_fmt(r['peak_rss_mib'], '.0f')} MiB")
-    for model, s in summary.items():
-        marks = ", ".join(f"{k}: {'-' if v is None else 'met' if v else 'MISSED'}" for k, v in s["targets"].items())
-        print(f"{model}: {marks}")
-
-
-def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = [("prefill_tok_s", "prefill tokens/s", LLMS), ("decode_tok_s", "decode tokens/s", LLMS),
-              ("sentences_per_s_batch32", "MiniLM sentences/s (batch 32)", ("minilm",))]
-    for ax, (key, title, models) in zip(axes, panels, strict=True):
-        labels, values = [], []
-        for model in models:
-            for engine, r in results.get(model, {}).items():
-                if r.get(key):
-                    labels.append(f"{model}\n{engine}")
-                    values.append(r[key])
-        ax.bar(range(len(values)), values, color=["C0" if "fuel" in lb else "C7" for lb in labels])
-        ax.set_xticks(range(len(values)), labels, fontsize=7)
-        ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def main(out_dir: str, sizes: Sizes | None = None, models: tuple[str, ...] = (*LLMS, "minilm"),
-         engines: tuple[str, ...] | None = None) -> int:
+def main(out_dir: str, sizes: Sizes | None = None, models: tuple[str, ...] = MODELS,
+         engines: tuple[str, ...] | None = None, cache: Path | None = None) -> int:
+    """Run every (engine, model) `sizes.rounds` times, the engines of a model round-robin; write the JSON and
+    PNG into out_dir. A synthetic model's file is written here, once, before any engine runs it."""
     sizes = sizes or Sizes()
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        raise SystemExit(f"bench_models: unknown model {unknown[0]!r}; expected one of {', '.join(MODELS)}")
+    for model in models:
+        if model in SYNTHETIC:
+            model_path(model, cache)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for model in models:
         for r in range(sizes.rounds):
-            for engine in (EMBED_ENGINES if model == "minilm" else LLM_ENGINES):
+            for engine in engines_of(model):
                 if engines is not None and engine not in engines:
                     continue
                 print(f"running {engine} on {model} (round {r + 1} of {sizes.rounds}) ...", flush=True)
                 got = results.setdefault(model, {})
-                got[engine] = best_of(got.get(engine), run_child(engine, model, sizes))
+                got[engine] = best_of(got.get(engine), run_child(engine, model, sizes, cache))
     summary = summarise(results)
     print_table(results, summary)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "threads": THREADS, "sizes": asdict(sizes)}
+            "threads": THREADS, "sizes": asdict(sizes),
+            "synthetic": {m: {**asdict(synthetic_models.SPECS[m]), "file": model_path(m, cache).name,
+                              "parameters": synthetic_models.parameter_count(synthetic_models.SPECS[m])}
+                          for m in models if m in SYNTHETIC}}
     (out / "models.json").write_text(json.dumps({"meta": meta, "results": results, "summary": summary}, indent=1))
     plot(results, out / "models.png")
     print(f"wrote {out / 'models.json'} and {out / 'models.png'}")
@@ -368,11 +305,13 @@ def main(out_dir: str, sizes: Sizes | None = None, models: tuple[str, ...] = (*L
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _, _, eng, mdl, size_json = sys.argv
-        print(json.dumps(worker(eng, mdl, Sizes(**json.loads(size_json)))))
+        _, _, eng, mdl, size_json, cache_dir = sys.argv
+        print(json.dumps(worker(eng, mdl, Sizes(**json.loads(size_json)), Path(cache_dir) if cache_dir else None)))
         raise SystemExit(0)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench-results")
-    ap.add_argument("--models", nargs="*", default=[*LLMS, "minilm"])
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    ap.add_argument("--cache", type=Path, default=None,
+                    help=f"the synthetic models' folder (default {synthetic_models.DEFAULT_FOLDER})")
     a = ap.parse_args()
-    raise SystemExit(main(a.out, models=tuple(a.models)))
+    raise SystemExit(main(a.out, models=tuple(a.models), cache=a.cache))
