@@ -5,7 +5,18 @@ given back as overrides (the model's `hf_config`: Llama-3's rope scaling, which 
 assumed 50, 30 and 1/√256; a sliding window). transformers' `mistral` GGUF path fails, so a Mistral file is
 loaded as llama and its weights copied into a `MistralForCausalLM` with the window set.
 
-The Fuel side is `fuel_greedy` / `fuel_logits` over `LlamaModel`'s `prefill` / `decode` / `reset` only.
+The Fuel side is `fuel_greedy` / `fuel_last_logits` over `LlamaModel`'s `prefill` / `decode` / `reset` only.
+
+The bound of a quantized file (`check_quantized`). transformers dequantises every block with gguf-py and runs
+float32; Fuel's QMatMul decodes the same blocks to the same float32 values (bit-exact with gguf-py:
+tests/cpu/quant) and accumulates in float32. So the two differ by f32 rounding alone, as for an F32 file, but
+of weights with a wider spread (random K-quant blocks have heavy tails), which is why the bound is not
+scaled by the logits themselves. A logit is the contraction z_j = Σ_i h_i·W_ji of the final normed hidden
+state h with a head row: rounding in it is at most k·2⁻²⁴·Σ_i|h_i||W_ji| (1.5e-5 of that sum at k = 256),
+and rounding anywhere upstream reaches it as Σ_i δh_i·W_ji, bounded by the same sum times δh's relative
+size. So the row's scale is S = max_j Σ_i |h_i||W_ji|, from transformers' h and its dequantised head, and the
+bound is 1e-4·S per element: 2 layers of a few f32 contractions each, with room (measured: at most 4e-7 of
+S). Gemma-2's final softcap c·tanh(z/c) has slope at most 1, so the bound holds through it.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ from fuel.models.tokenizer import GGUFTokenizer
 from fuel.testing.arch_files import ARCH_FILES, write_arch_gguf
 
 STEPS = 32
+QUANT_REL = 1e-4
 CAPACITY = 128
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three uses of a paperclip.")
 
@@ -128,3 +140,24 @@ class ArchCache:
             tok = GGUFTokenizer.from_gguf(self.file("qwen2"))
             self._prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
         return self._prompts
+
+
+def row_scale(model: Any, ids: list[int]) -> float:
+    """S = max_j Σ_i |h_i||W_ji| at the last position (module doc), in float64."""
+    torch.set_num_threads(1)
+    with torch.inference_mode():
+        h = model.model(torch.tensor([ids])).last_hidden_state[0, -1].double().abs()
+        w = model.lm_head.weight.double().abs()
+    return float((w @ h).max())
+
+
+def check_quantized(arch: ArchCache, name: str, qtype: str, prompt: int) -> None:
+    """Last-position logits within QUANT_REL·S (module doc) and 32 equal greedy tokens on prompt `prompt`."""
+    ids = arch.prompts()[prompt]
+    hf = arch.hf(name, qtype)
+    want, want_first = hf_greedy(hf, ids)
+    got, got_first = fuel_greedy(arch.fuel(name, qtype), ids)
+    bound = QUANT_REL * row_scale(hf, ids)
+    worst = float(np.abs(got_first - want_first).max())
+    assert worst <= bound, f"|fuel - transformers| reaches {worst:.3g}, bound {bound:.3g} (1e-4 of the row's S)"
+    assert got == want

@@ -10,9 +10,9 @@ weights stored with the +1 its modules add, Llama-3 rope scaling written as the 
 Tensors come from one table, `TENSORS`, filtered by each model's features.
 
 Block types: "F32"; "Q8_0" (gguf-py quantises every 2-D weight whose rows are whole blocks); "Q4_K"
-(random valid blocks, as the QMatMul tests build them, since gguf-py has no K-quant writer; rows need
-k a multiple of 256, so a weight with other rows is written in Q8_0, as llama.cpp falls back). Norms, biases
-and rope factors stay F32.
+(random valid blocks, as the QMatMul tests build them, since gguf-py has no K-quant writer; the token table
+and head in Q6_K, as in llama.cpp's Q4_K_M; rows need k a multiple of 256, so a weight with other rows is
+written in Q8_0, as llama.cpp falls back). Norms, biases and rope factors stay F32.
 
 The tokenizer is SmolLM2's: its bundled GGUF vocabulary cut to the first `VOCAB` tokens and the merges that
 build them (its ids follow merge order, so the cut is a valid BPE tokenizer), and its chat template.
@@ -217,15 +217,22 @@ def _to_gguf(a: ArchFile, w: dict[str, np.ndarray], flip: str | None) -> dict[st
     return out
 
 
+# the token table and the head: Q6_K in a Q4_K file, as llama.cpp's Q4_K_M writes the head. A random Q4_K
+# block is mostly a constant per 32 values (its sub-block offsets), which as a head makes the same few tokens
+# win whatever the prompt (Gemma-2's capped logits tie at the cap); Q6_K's centred codes behave as a weight.
+_TABLES = ("token_embd.weight", "output.weight")
+
+
 def _write_tensor(wr: gguf.GGUFWriter, name: str, x: np.ndarray, qtype: str, rng: np.random.Generator) -> None:
     if x.ndim != 2 or qtype == "F32" or name.startswith("rope_"):
         wr.add_tensor(name, x)
         return
     n, k = x.shape
-    if qtype == "Q4_K" and k % QuantType.Q4K.block_elements == 0:
-        # random blocks scaled to the float weight's spread (QuantType.Q4K values: about 15.7·scale std)
-        raw = random_weight(rng, QuantType.Q4K, n, k, scale=float(x.std()) / 15.7)
-        wr.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    if qtype == "Q4_K" and k % 256 == 0:
+        # random blocks scaled to the float weight's spread (values of scale 1: Q4_K about 16 std, Q6_K 70)
+        qt = QuantType.Q6K if name in _TABLES else QuantType.Q4K
+        raw = random_weight(rng, qt, n, k, scale=float(x.std()) / (70.0 if qt is QuantType.Q6K else 16.0))
+        wr.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qt.ggml_name])
     elif k % 32 == 0:
         wr.add_tensor(name, gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0),
                       raw_dtype=gguf.GGMLQuantizationType.Q8_0)

@@ -1,0 +1,25 @@
+"""Each decoder architecture's tiny Q4_K file (fuel.testing.arch_files: random Q4_K blocks, the token table and
+head in Q6_K) through Fuel against transformers reading the same file: last-position logits within the
+per-row bound of f32 rounding with the dequantised weights (derived in tests/models/arch_oracle.py) and 32
+greedy tokens on three prompts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from fuel.testing.arch_files import ARCH_FILES
+from tests.models.arch_oracle import ArchCache, check_quantized
+
+
+@pytest.fixture(scope="session")
+def arch(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ArchCache]:
+    yield ArchCache(tmp_path_factory.mktemp("arch_q4_k"))
+
+
+@pytest.mark.parametrize("prompt", range(3))
+@pytest.mark.parametrize("name", ARCH_FILES)
+def test_q4_k_logits_and_greedy_tokens_match_transformers(arch: ArchCache, name: str, prompt: int) -> None:
+    check_quantized(arch, name, "Q4_K", prompt)
