@@ -202,3 +202,17 @@ def test_unknown_architecture_lists_the_supported(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="'falcon' is not supported by the decoder; supported: llama, qwen2, qwen3, "
                                          "phi3, gemma2, gemma3"):
         LlamaModel.load(tmp_path / "falcon.gguf", 16)
+
+
+def test_gemma3_linear_rope_scaling_on_global_layers_only(tmp_path: Path) -> None:
+    """Gemma 3's `rope.scaling.type` linear (its 4B+ files): the global layers' angles are pos · inv_freq / factor
+    (transformers' linear rope), the window layers keep their own base unscaled."""
+    f = tiny_gguf(tmp_path / "g.gguf", "gemma3", kv={"rope.scaling.type": "linear", "rope.scaling.factor": 8.0,
+                                                     "rope.freq_base": 1e6, "attention.sliding_window": 4})
+    model = LlamaModel(open_gguf(f), 16)
+    pos = np.arange(16, dtype=np.float64)[:, None]
+    for table, base, factor in (("global", 1e6, 8.0), ("local", 1e4, 1.0)):
+        inv = base ** (-np.arange(0, HEAD_DIM, 2) / HEAD_DIM) / factor
+        np.testing.assert_allclose(_angles(*model.rope[table]), np.angle(np.exp(1j * pos * inv)), atol=2e-6,
+                                   err_msg=table)
+    assert [model.cfg.rope_name(i) for i in range(2)] == ["local", "local"]

@@ -16,13 +16,13 @@ permutation for llama files, Gemma norm weights stored with the +1 added), so on
 `window_layers` says which layers attend over `<arch>.attention.sliding_window` keys when the file sets one
 (0 or absent: none): "all" (Mistral is llama with a window), "even" (layers 0, 2, 4, ...: Gemma 2), "gemma3"
 (all but every sixth), or "none" (the key is not read, as llama.cpp does not read it for these architectures).
-`softcaps` reads
-`<arch>.attn_logit_softcapping` and `<arch>.final_logit_softcapping`. `rope_scaling` lists the values of
-`<arch>.rope.scaling.type` the architecture supports ("linear" divides the positions by
-`rope.scaling.factor`; for Gemma 3 on its global layers only); any other value is refused by name.
-`rope_factors` names the per-frequency factor tensors the architecture reads: "freqs" (`rope_freqs.weight`,
-Llama 3), "longrope" (`rope_factors_long/short.weight` and `rope.scaling.attn_factor`, Phi-3). A test may
-`dataclasses.replace` an entry to flip one detail.
+`softcaps` reads `<arch>.attn_logit_softcapping` and `<arch>.final_logit_softcapping`
+(llama.cpp's defaults 50 and 30 when absent). `rope_scaling` lists the values of `<arch>.rope.scaling.type`
+the architecture supports ("linear" divides the positions by `rope.scaling.factor`; for Gemma 3 on its
+global layers only); any other value is refused by name. `rope_factors` names the per-frequency factor
+tensors the architecture reads: "freqs" (`rope_freqs.weight`, Llama 3), "longrope"
+(`rope_factors_long/short.weight` and `rope.scaling.attn_factor`, Phi-3). A test may `dataclasses.replace`
+an entry to flip one detail.
 """
 
 from __future__ import annotations
