@@ -268,6 +268,12 @@ def best_of(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _synthetic_meta(model: str, cache: Path | None) -> dict[str, Any]:
+    spec = synthetic_models.SPECS[model]
+    return {**asdict(spec), "file": model_path(model, cache).name, "parameters": synthetic_models.parameter_count(spec),
+            "block_types": synthetic_models.type_counts(spec)}
+
+
 def main(out_dir: str, sizes: Sizes | None = None, models: tuple[str, ...] = MODELS,
          engines: tuple[str, ...] | None = None, cache: Path | None = None) -> int:
     """Run every (engine, model) `sizes.rounds` times, the engines of a model round-robin; write the JSON and
@@ -294,9 +300,7 @@ def main(out_dir: str, sizes: Sizes | None = None, models: tuple[str, ...] = MOD
     out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.processor() or platform.machine(), "python": platform.python_version(),
             "threads": THREADS, "sizes": asdict(sizes),
-            "synthetic": {m: {**asdict(synthetic_models.SPECS[m]), "file": model_path(m, cache).name,
-                              "parameters": synthetic_models.parameter_count(synthetic_models.SPECS[m])}
-                          for m in models if m in SYNTHETIC}}
+            "synthetic": {m: _synthetic_meta(m, cache) for m in models if m in SYNTHETIC}}
     (out / "models.json").write_text(json.dumps({"meta": meta, "results": results, "summary": summary}, indent=1))
     plot(results, out / "models.png")
     print(f"wrote {out / 'models.json'} and {out / 'models.png'}")
@@ -313,5 +317,6 @@ if __name__ == "__main__":
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
     ap.add_argument("--cache", type=Path, default=None,
                     help=f"the synthetic models' folder (default {synthetic_models.DEFAULT_FOLDER})")
+    ap.add_argument("--rounds", type=int, default=Sizes.rounds, help="runs of every engine, interleaved")
     a = ap.parse_args()
-    raise SystemExit(main(a.out, models=tuple(a.models), cache=a.cache))
+    raise SystemExit(main(a.out, Sizes(rounds=a.rounds), models=tuple(a.models), cache=a.cache))

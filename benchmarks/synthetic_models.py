@@ -125,6 +125,16 @@ def parameter_count(spec: Spec) -> int:
     return sum(int(np.prod(s)) for s in tensor_shapes(spec).values())
 
 
+def type_counts(spec: Spec) -> dict[str, int]:
+    """How many tensors the file holds of each block type ("F32" for norms and biases)."""
+    counts: dict[str, int] = {}
+    for name, shape in tensor_shapes(spec).items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+        kind = "F32" if len(shape) == 1 else block_type(name, shape[1], layer, spec).ggml_name
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
 def random_blocks(rng: np.random.Generator, qt: QuantType, n: int, k: int) -> np.ndarray:
     """uint8 [n, row bytes]: random quant bytes with finite f16 scales of random sign (valid blocks)."""
     nblocks = n * (k // qt.block_elements)

@@ -183,6 +183,7 @@ def test_the_real_specs_follow_llama_cpps_q4_k_m_recipe() -> None:
         assert p.pop(f"blk.{i}.ffn_down.weight") == ("Q6_K" if i in _more_bits(14) else "Q4_K")
         assert p.pop(f"blk.{i}.attn_qkv.weight") == "Q5_K"
     assert set(p.values()) == {"Q4_K"} and len(p) == 14 * 2
+    assert sm.type_counts(sm.QWEN2) == {"Q8_0": 13, "Q5_0": 132, "Q4_K": 12, "Q6_K": 12, "F32": 24 * 5 + 1}
     assert 0.45e9 < sm.parameter_count(sm.QWEN2) < 0.55e9 and 0.45e9 < sm.parameter_count(sm.PHI3) < 0.55e9
 
 
@@ -285,6 +286,7 @@ def test_the_synthetic_models_run_against_llama_cpp_only(tmp_path: Path, tiny_sp
         assert "prefill_over_transformers" not in s and set(data["results"][model]) == {"fuel", "llama_cpp"}
         meta = data["meta"]["synthetic"][model]
         assert meta["parameters"] == sm.parameter_count(spec) and meta["file"] == sm.file_path(spec, cache).name
+        assert sum(meta["block_types"].values()) == len(sm.tensor_shapes(spec))
     assert (tmp_path / "out" / "models.png").stat().st_size > 1000
     with pytest.raises(SystemExit, match="unknown model 'qwen9'"):
         bm.main(str(tmp_path / "out"), sizes, models=("qwen9",))
