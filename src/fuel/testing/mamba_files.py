@@ -20,7 +20,7 @@ float weights' size; Q8_0 is quantised by gguf-py.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import numpy as np
 
 from fuel.quant import QuantType
 from fuel.testing.arch_files import _smollm2_tokenizer
-from fuel.testing.reference.qmatmul import random_weight
+from fuel.testing.reference.qmatmul import K_SCALE_FIELDS, random_weight
 
 QUANTIZED = ("ssm_in.weight", "ssm_out.weight", "token_embd.weight", "output.weight")
 
@@ -48,7 +48,7 @@ def mamba_weights(rng: np.random.Generator, *, layers: int, hidden: int, state: 
     def normal(*shape: int, std: float = 1.0) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
 
-    out: dict[str, np.ndarray] = {"token_embd.weight": normal(vocab, hidden)}
+    out: dict[str, np.ndarray] = {"token_embd.weight": normal(vocab, hidden, std=0.1)}
     for i in range(layers):
         p = f"blk.{i}."
         a_log = np.log(np.tile(np.arange(1, state + 1, dtype=np.float32), (inner, 1)))
@@ -83,17 +83,32 @@ def _quantized(rng: np.random.Generator, a: np.ndarray, qtype: str) -> tuple[np.
         return gguf.quants.quantize(a, gt), gt
     except NotImplementedError:
         pass
-    probe = gguf.quants.dequantize(random_weight(rng, qt, n, k), gt)
-    scale = float(a.std() / probe.std())
-    return random_weight(rng, qt, n, k, scale), gt
+    blocks = random_weight(rng, qt, n, k)
+    # every block's f16 scales one size with a random sign: random sizes would give some rows of a tied
+    # embedding several times the norm of others, whose tokens would then win every greedy step
+    per_row = k // qt.block_elements
+    for off in K_SCALE_FIELDS[qt]:
+        sign = np.where(rng.random((n, per_row)) < 0.5, -1.0, 1.0)
+        field = (0.05 * sign).astype(np.float16).view(np.uint8)
+        view = blocks.reshape(n, per_row, qt.block_bytes)
+        view[:, :, off:off + 2] = field.reshape(n, per_row, 2)
+    values = gguf.quants.dequantize(blocks, gt)
+    scale = a.std() / values.std()
+    for off in K_SCALE_FIELDS[qt]:
+        view = blocks.reshape(n, per_row, qt.block_bytes)
+        f16 = view[:, :, off:off + 2].copy().view(np.float16)
+        view[:, :, off:off + 2] = (f16.astype(np.float32) * scale).astype(np.float16).view(np.uint8)
+    return blocks, gt
 
 
 def tiny_mamba_gguf(path: Path, *, qtype: str = "F32", layers: int = 2, hidden: int = 256, state: int = 16,
                     rank: int = 16, conv: int = 4, tied: bool = True, arch: str = "mamba",
-                    drop: Iterable[str] = (), dt_b_c_rms: bool = False, seed: int = 0) -> Path:
-    """Write the tiny model (module doc) at `path`; `drop` leaves out metadata keys (full names) or tensors
-    (a broken file); `arch` writes another architecture name over the same content (a refused file)."""
-    drop = set(drop)
+                    drop: Iterable[str] = (), hparams: Mapping[str, Any] | None = None,
+                    extra: Mapping[str, np.ndarray] | None = None, dt_b_c_rms: bool = False, seed: int = 0) -> Path:
+    """Write the tiny model (module doc) at `path`. Broken or refused files: `drop` leaves out metadata keys
+    (full names) or tensors, `hparams` writes other values for keys (names after the architecture, e.g.
+    "ssm.state_size"), `extra` adds tensors, `arch` writes another architecture name over the same content."""
+    drop, over = set(drop), dict(hparams or {})
     tok = _smollm2_tokenizer()
     vocab = len(tok["tokens"])
     rng = np.random.default_rng(seed)
@@ -111,7 +126,7 @@ def tiny_mamba_gguf(path: Path, *, qtype: str = "F32", layers: int = 2, hidden: 
         ("ssm.dt_b_c_rms", w.add_ssm_dt_b_c_rms, dt_b_c_rms)]
     for key, add, value in kv:
         if f"{arch}.{key}" not in drop:
-            add(value)
+            add(over.get(key, value))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tok["tokens"])
@@ -123,7 +138,7 @@ def tiny_mamba_gguf(path: Path, *, qtype: str = "F32", layers: int = 2, hidden: 
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(tok["template"])
-    for name, a in weights.items():
+    for name, a in (weights | dict(extra or {})).items():
         if name in drop:
             continue
         if qtype != "F32" and name.endswith(QUANTIZED):
