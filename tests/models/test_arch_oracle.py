@@ -17,8 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from fuel.testing.arch_files import ARCH_FILES, hf_weights
+from fuel.models.tokenizer import GGUFTokenizer
+from fuel.testing.arch_files import ARCH_FILES, VOCAB, hf_weights
 from tests.models.arch_oracle import (
+    PROMPTS,
     ArchCache,
     fuel_greedy,
     fuel_last_logits,
@@ -72,6 +74,24 @@ def test_transformers_reads_the_weights_the_writer_meant(arch: ArchCache, name: 
         assert hname in state, f"{name}: transformers has no {hname} for {gname}"
         np.testing.assert_allclose(state[hname], w, rtol=0, atol=1e-6 if a.gemma else 0, err_msg=gname)
     assert ("output.weight" in want) != bool(arch.hf(name).config.tie_word_embeddings)
+
+
+def test_the_files_tokenizer_is_the_one_transformers_reads(arch: ArchCache) -> None:
+    """SmolLM2's vocabulary cut to 4096 tokens and the merges that build them is a working BPE tokenizer:
+    Fuel's tokenizer of the file encodes as transformers' tokenizer of the same file, chat prompts included."""
+    from transformers import AutoTokenizer
+
+    path = arch.file("qwen2")
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = GGUFTokenizer.from_gguf(path)
+    assert tok.vocab_size == VOCAB == len(hf)
+    for text in ("What is the capital of France?", "naïve café, 1234 — ok\n\n  spaces", "<|im_start|>hi<|im_end|>"):
+        ids = tok.encode(text)
+        assert ids == hf.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+    for p, ids in zip(PROMPTS, arch.prompts(), strict=True):
+        chat: Any = hf.apply_chat_template([{"role": "user", "content": p}], tokenize=True, add_generation_prompt=True)
+        assert ids == list(chat["input_ids"])
 
 
 @pytest.mark.parametrize("prompt", range(3))
