@@ -442,3 +442,94 @@ def test_hf_dir_errors_name_the_file_and_key(tmp_path: Any) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(TokenizerError, match=r"tokenizer\.json: the tokenizers library cannot read it"):
         GGUFTokenizer.from_hf_dir(tmp_path)
+
+
+# --- SentencePiece `llama` files without Gemma's quirks: Mistral (arch llama) and Phi-3 -----------------------------
+# A SentencePiece BPE vocabulary trained in-test with `tokenizers` and laid out as Mistral's and Phi-3's files are:
+# <unk> (type 2), <s>, </s>, the 256 <0xNN> byte tokens (type 6), then the pieces scored by merge order, no
+# add_space_prefix key (llama.cpp's default: true). llama.cpp is the oracle for both architectures; transformers'
+# GGUF loader too for phi3 (for arch llama it builds a Metaspace pre-tokenizer, which drops the extra ▁ SentencePiece
+# and llama.cpp give to text that starts with a space or follows a special token).
+
+SPM_CORPUS = [t for t in TEXTS if "<" not in t and "\x00" not in t] + [
+    "The history of natural language processing generally started in the 1950s, although work can be found from "
+    "earlier periods. In 1950, Alan Turing published an article titled Computing Machinery and Intelligence.",
+    "Tokenization is the process of splitting text into tokens; subword tokenizers such as byte pair encoding "
+    "merge the most frequent pairs of symbols, one merge at a time, until the vocabulary is full.",
+    "def tokenize(text):\n    return [piece for piece in text.split() if piece]\n\nprint(tokenize('a b  c'))\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14159; dates 2024-05-01; prices $12.99 and €7,50.",
+] * 4
+
+
+def _write_spm_gguf(path: Any, arch: str) -> None:
+    import gguf
+    from tokenizers import SentencePieceBPETokenizer
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(SPM_CORPUS, vocab_size=1200, min_frequency=2, show_progress=False, limit_alphabet=300)
+    vocab = sp.get_vocab()
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types, scores = [2, 3, 3] + [6] * 256, [0.0] * len(tokens)
+    for rank, piece in enumerate(sorted(vocab, key=vocab.__getitem__)):
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+            scores.append(-float(rank))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(128)
+    w.add_head_count(4)
+    w.add_head_count_kv(4)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(16)
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module", params=["llama", "phi3"])
+def spm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PrePair]:
+    import llama_cpp
+
+    path = tmp_path_factory.mktemp(f"spm-{request.param}") / "tok.gguf"
+    _write_spm_gguf(path, request.param)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    return request.param, PrePair(GGUFTokenizer.from_gguf(path), hf, cpp)
+
+
+SPM_TEXTS = [*TEXTS, " hi", "  hi", "x<s>y", "a </s> b", "<unk>x", "zzzqqq ÿ ☃ 🤖", "\n\nA"]
+
+
+def test_sentencepiece_llama_and_phi3_match_llama_cpp(spm_pair: tuple[str, PrePair]) -> None:
+    arch, p = spm_pair
+    assert p.ours.add_bos and p.ours.bos_id == 1 and p.ours.eos_id == 2
+    for text in SPM_TEXTS:
+        ours = p.ours.encode(text, add_bos=False)
+        assert ours == p.cpp_ids(text), text
+        if arch == "phi3":
+            assert ours == p.hf.encode(text, add_special_tokens=False), text
+            assert p.ours.decode(ours) == p.hf.decode(ours), text
+        assert p.ours.encode(text) == list(p.cpp.tokenize(text.encode("utf-8"), add_bos=True, special=True)), text
+
+
+SPM_PIECES = ["the", "The", " ", "  ", "\n", "\t", "token", "izer", "19", "7", ".", ",", "'", "<s>", "</s>", "<unk>",
+              "<", ">", "😀", "ÿ", "zq", "▁"]
+
+
+@settings(max_examples=100)
+@given(st.lists(st.sampled_from(SPM_PIECES), max_size=12).map("".join))
+def test_sentencepiece_random_text(spm_pair: tuple[str, PrePair], text: str) -> None:
+    _, p = spm_pair
+    assert p.ours.encode(text, add_bos=False) == p.cpp_ids(text)

@@ -67,7 +67,7 @@ def lone_surrogate(text: str) -> int | None:
 
 
 # llama.cpp's token types (enum llama_token_type), and our own mark for a whitespace run respelled with ▁.
-_NORMAL, _CONTROL, _USER_DEFINED, _SPACE_RUN = 1, 3, 4, -1
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _SPACE_RUN = 1, 2, 3, 4, -1
 
 # Markers that end a turn or a document; generation stops at whichever of them the vocabulary has as a control
 # token, besides `eos`, since chat templates close each turn with one (llama.cpp keeps a similar end-of-generation set).
@@ -232,8 +232,10 @@ class GGUFTokenizer:
             default_bos = True  # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
         else:
             raise TokenizerError(f"tokenizer.ggml.model = {kind!r} is not supported; expected 'gpt2' or 'llama'")
+        # Control tokens, and the unknown token (<unk> in Llama/Mistral/Phi-3 files), are special: matched whole in
+        # text and left out by decode(skip_special=True), as llama.cpp treats both.
         control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True)
-                   if ty == _CONTROL]
+                   if ty in (_CONTROL, _UNKNOWN)]
         # The other user-defined tokens (runs of \n or \t, HTML tags) are matched whole, as llama.cpp does.
         user = [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types, strict=True)
                 if ty == _USER_DEFINED]
