@@ -247,7 +247,7 @@ PRE_TEXTS = [*TEXTS, "12345678 1,234,567 x2024y", "I'M HE'S 'tis o'clock", "a\r\
              "ﬁ ẞ ǅ 𝟘𝟙 ١٢٣ ½¼", "what's it? don't!", "foo...bar,,,baz!!!", "\u3000全角\u3000スペース"]
 
 
-def _write_tokenizer_gguf(path: Any, arch: str, pre: str) -> None:
+def _write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...] = ()) -> None:
     import gguf
 
     md = open_gguf(bundled_gguf("smollm2")).metadata
@@ -262,8 +262,8 @@ def _write_tokenizer_gguf(path: Any, arch: str, pre: str) -> None:
     w.add_layer_norm_rms_eps(1e-6)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
-    w.add_token_list(list(md["tokenizer.ggml.tokens"]))
-    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]])
+    w.add_token_list([*md["tokenizer.ggml.tokens"], *extra])
+    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]] + [1] * len(extra))
     w.add_token_merges(list(md["tokenizer.ggml.merges"]))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)  # no add_bos_token: each pre-tokenizer's default applies
@@ -319,6 +319,23 @@ def test_pre_tokenizer_bos_default_follows_llama_cpp(pre_pair: PrePair) -> None:
     want = bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(pre_pair.cpp.model)))
     assert pre_pair.ours.add_bos == want
     assert pre_pair.ours.encode("Hi")[:1] == pre_pair.cpp.tokenize(b"Hi", add_bos=True, special=True)[:1]
+
+
+@pytest.mark.parametrize("case", sorted(PRE_CASES))
+def test_llama3_looks_whole_words_up_before_merging(case: str, tmp_path: Any) -> None:
+    """A vocabulary word no merge builds: llama.cpp's llama-bpe takes it whole (Llama-3's "ignore_merges"), its
+    qwen2 builds it from merges. Transformers' GGUF loader does not know ignore_merges, so llama.cpp is the oracle."""
+    import llama_cpp
+
+    arch, pre = PRE_CASES[case]
+    path = tmp_path / "tok.gguf"
+    _write_tokenizer_gguf(path, arch, pre, extra=("Ġquuxzz",))
+    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    ours = GGUFTokenizer.from_gguf(path)
+    text = "a quuxzz b quuxzzy"
+    want = list(cpp.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+    assert ours.encode(text, add_bos=False) == want
+    assert (ours.token_to_id("Ġquuxzz") in want) == (pre == "llama-bpe")
 
 
 def test_unknown_pre_tokenizer_names_it_and_the_known_ones() -> None:
