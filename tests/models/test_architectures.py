@@ -216,3 +216,12 @@ def test_gemma3_linear_rope_scaling_on_global_layers_only(tmp_path: Path) -> Non
         np.testing.assert_allclose(_angles(*model.rope[table]), np.angle(np.exp(1j * pos * inv)), atol=2e-6,
                                    err_msg=table)
     assert [model.cfg.rope_name(i) for i in range(2)] == ["local", "local"]
+
+
+def test_a_config_built_by_hand_takes_its_architectures_spec() -> None:
+    """`LlamaConfig(arch=...)` without a spec (as fuel.lora's tests build one) gets its architecture's."""
+    fields: dict[str, Any] = dict(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48, eps=1e-5,
+                                  rope_base=1e4, vocab=64, context_length=64)
+    assert LlamaConfig(arch="qwen3", **fields).spec is ARCHITECTURES["qwen3"]
+    with pytest.raises(ModelError, match="architecture 'falcon' is not one of llama, qwen2"):
+        LlamaConfig(arch="falcon", **fields)

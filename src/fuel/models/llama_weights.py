@@ -27,6 +27,7 @@ from fuel.models.architectures import ArchSpec
 ARCHITECTURES = (*ARCH_SPECS, "mamba")  # every architecture the models package runs (mamba: fuel.models.mamba_lm)
 # llama.cpp's defaults for Gemma 2 files that do not carry the softcaps (its reference's values)
 GEMMA2_SOFTCAPS = (50.0, 30.0)
+_ARCH_OF_NAME = ArchSpec("")  # LlamaConfig's default spec: replaced by its architecture's
 
 
 class ModelError(FuelError, ValueError):
@@ -63,7 +64,7 @@ class LlamaConfig:
     rope_base: float
     vocab: int
     context_length: int
-    spec: ArchSpec
+    spec: ArchSpec = _ARCH_OF_NAME  # the architecture's own spec (ARCHITECTURES[arch]) unless given
     sliding_window: int | None = None
     local_rope_base: float | None = None
     attn_scale: float = 0.0
@@ -72,6 +73,12 @@ class LlamaConfig:
     rope_linear: float = 1.0  # `rope.scaling.factor` of linear scaling: positions are divided by it
     rope_orig_context: int | None = None  # `rope.scaling.original_context_length` (Phi-3 LongRoPE)
     rope_attn_factor: float | None = None  # `rope.scaling.attn_factor` as the file gives it
+
+    def __post_init__(self) -> None:
+        if self.spec is _ARCH_OF_NAME:
+            if self.arch not in ARCH_SPECS:
+                raise ModelError(f"LlamaConfig: architecture {self.arch!r} is not one of {', '.join(ARCH_SPECS)}")
+            object.__setattr__(self, "spec", ARCH_SPECS[self.arch])
 
     @property
     def gemma(self) -> bool:
