@@ -8,7 +8,9 @@ so the dequantised weights are about ±0.02-0.05) through gguf-py's writer.
   vocab 151936, tied embeddings, q/k/v biases (0.49B parameters).
 - `PHI3` is Phi-3-mini scaled to ~0.5B: hidden 1536, 14 layers, 16 heads of 96 (Phi-3's head size, no
   GQA as in Phi-3-mini), ffn 4096 (Phi-3's ffn/hidden ratio 8/3), vocab 32064, untied output, fused
-  `attn_qkv` and `ffn_up` (gate then up) (0.49B parameters).
+  `attn_qkv` and `ffn_up` (gate then up), Phi-3-mini-4k's sliding window of 2047 on every layer, as its
+  converted files carry it (0.49B parameters). llama.cpp ignores a phi3 file's window ("Phi SWA is
+  currently disabled"); at the benchmark's 256 positions no window applies, so both engines do the same math.
 
 Block types follow llama.cpp's Q4_K_M recipe (`llama_tensor_get_type`): Q4_K by default; Q6_K for the
 output head (the token embedding when it is tied) and for `attn_v` / `ffn_down` in the layers its
@@ -70,6 +72,7 @@ class Spec:
     context: int
     rope_base: float
     eps: float
+    window: int = 0  # attention.sliding_window, written when set
     seed: int = 0
 
     @property
@@ -80,7 +83,7 @@ class Spec:
 QWEN2 = Spec("qwen2-0.5b", "qwen2", hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151936, tied=True,
              context=32768, rope_base=1_000_000.0, eps=1e-6)
 PHI3 = Spec("phi3-0.5b", "phi3", hidden=1536, layers=14, heads=16, kv_heads=16, ffn=4096, vocab=32064, tied=False,
-            context=4096, rope_base=10_000.0, eps=1e-5)
+            context=4096, rope_base=10_000.0, eps=1e-5, window=2047)
 SPECS = {"qwen2_0.5b": QWEN2, "phi3_0.5b": PHI3}
 
 
@@ -195,6 +198,8 @@ def write(spec: Spec, path: Path) -> Path:
     w.add_rope_dimension_count(spec.head_dim)
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.eps)
+    if spec.window:
+        w.add_sliding_window(spec.window)
     w.add_vocab_size(spec.vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     tok = tokenizer_metadata(spec.vocab)
@@ -229,9 +234,13 @@ def write(spec: Spec, path: Path) -> Path:
 
 
 def ensure(spec: Spec, folder: Path | None = None) -> Path:
-    """The model's file in `folder` (default ~/.cache/fuel-bench), written the first time only."""
+    """The model's file in `folder` (default ~/.cache/fuel-bench), written the first time only. Writing it
+    removes the files an older spec or recipe of the same name left there."""
     path = file_path(spec, folder)
     if not path.exists():
         print(f"writing {path} ({parameter_count(spec) / 1e9:.2f}B random parameters, once) ...", flush=True)
         write(spec, path)
+        for old in path.parent.glob(f"{spec.name}-q4_k_m-*.gguf"):
+            if old != path:
+                old.unlink()
     return path

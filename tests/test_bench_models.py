@@ -139,7 +139,7 @@ TINY_SPECS = {  # rows of 128 in Qwen2 (every K-quant falls back) and of 256 in 
     "qwen2_0.5b": sm.Spec("tiny-qwen2", "qwen2", hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, vocab=49408,
                           tied=True, context=64, rope_base=1e6, eps=1e-6),
     "phi3_0.5b": sm.Spec("tiny-phi3", "phi3", hidden=256, layers=2, heads=4, kv_heads=4, ffn=256, vocab=32064,
-                         tied=False, context=64, rope_base=1e4, eps=1e-5),
+                         tied=False, context=64, rope_base=1e4, eps=1e-5, window=2047),
 }
 
 
@@ -197,6 +197,8 @@ def test_a_synthetic_file_reads_back_with_valid_blocks(model: str, tiny_cache: P
 
     assert field("general.architecture") == spec.arch and field(f"{spec.arch}.block_count") == spec.layers
     assert field(f"{spec.arch}.attention.head_count_kv") == spec.kv_heads
+    window = reader.fields.get(f"{spec.arch}.attention.sliding_window")
+    assert (window.contents() if window else 0) == spec.window
     tokens, merges = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.merges")
     assert len(tokens) == spec.vocab == len(set(tokens)) and field("tokenizer.ggml.eos_token_id") == 2
     known = set(tokens)
@@ -251,9 +253,10 @@ def test_a_synthetic_file_is_written_once_under_its_content_key(tmp_path: Path,
     monkeypatch.setattr(sm, "write", write)
     first = sm.ensure(spec, tmp_path)
     assert sm.ensure(spec, tmp_path) == first and written == [first]
-    other = sm.ensure(dataclasses.replace(spec, seed=1), tmp_path)
-    assert other != first and written == [first, other]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])  # no temporary left
+    keep = sm.ensure(TINY_SPECS["phi3_0.5b"], tmp_path)
+    other = sm.ensure(dataclasses.replace(spec, seed=1), tmp_path)  # a new key replaces the old file of its name
+    assert other != first and written == [first, keep, other]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([keep.name, other.name])  # no temporary left
 
 
 def _canned_synthetic(engine: str) -> dict[str, Any]:
