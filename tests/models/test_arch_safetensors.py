@@ -1,0 +1,64 @@
+"""Each architecture from a Hugging Face directory (`fuel.io.hf.open_source`) on `LlamaModel`, against the
+transformers model that saved the directory: last-position logits within 1e-4 of the row's largest, and 32
+greedy tokens equal. The prompt is longer than the sliding window where the architecture has one, and the
+generation runs past it. One architecture is read from shards, one from bfloat16 weights (the oracle is the
+float32 model holding the same bfloat16 values).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fuel.io.hf import open_source
+from fuel.models.llama import LlamaModel
+from tests.models.hf_dirs import VOCAB, WINDOW, hf_model, save_dir
+from tests.models.oracles import hf_greedy
+
+STEPS = 32
+CAPACITY = 64   # below Phi-3's original context (64): the short LongRoPE factors, as transformers picks them
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, VOCAB, size=WINDOW + 5)]
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SEEDS = {"gemma2": 1}  # seeds whose greedy continuation is not one token repeated
+
+
+def _fuel_greedy(model: LlamaModel, ids: list[int], steps: int = STEPS) -> tuple[list[int], np.ndarray]:
+    logits = model.prefill(ids)
+    first = np.asarray(logits, np.float64)
+    toks: list[int] = []
+    for _ in range(steps):
+        toks.append(int(np.argmax(logits)))
+        if len(toks) < steps:
+            logits = model.decode(toks[-1])
+    return toks, first
+
+
+def _check(model: Any, path: Path, rtol: float = 1e-4) -> None:
+    src = open_source(path)
+    fuel = LlamaModel(src, CAPACITY)
+    want_toks, want = hf_greedy(model, PROMPT, STEPS)
+    got_toks, got = _fuel_greedy(fuel, PROMPT)
+    scale = np.abs(want).max()  # one row: the last position's logits
+    assert np.abs(got - want).max() <= rtol * scale, (np.abs(got - want).max(), scale)
+    assert got_toks == want_toks
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+def test_decoder_from_safetensors(arch: str, tmp_path: Path) -> None:
+    model = hf_model(arch, SEEDS.get(arch, 0))
+    shards = {"max_shard_size": "60KB"} if arch == "qwen3" else {}
+    path = save_dir(model, tmp_path / arch, **shards)
+    if shards:
+        assert len(list(path.glob("*.safetensors"))) > 1
+    _check(model, path)
+
+
+def test_bf16_directory(tmp_path: Path) -> None:
+    model = hf_model("llama", seed=1)
+    path = save_dir(model, tmp_path / "bf16", dtype=torch.bfloat16)
+    rounded = model.to(torch.bfloat16).to(torch.float32)   # float32 compute over the same bf16 values
+    _check(rounded, path, rtol=1e-3)
