@@ -28,8 +28,9 @@ wrong shape, a tensor the architecture does not have.
 conv) and its SSM state `[1, I, N]`, as transformers' `MambaCache` carries them. Prefill runs the prompt
 through CausalConv1d (left-padded by the conv state) and SelectiveScan, whose final state it writes
 back; the scan starts from zero, so a prompt continuing a sequence (pos > 0) adds the carried state's
-part, which is linear in it: h_t gains exp(A·Σ_{s≤t} d_s)·h₀ and y_t that times C_t. Decode is the same
-graph for one token, captured once per sequence with `fl.jit`: each replay reads the states and writes
+part, which is linear in it: h_t gains exp(A·Σ_{s≤t} d_s)·h₀ and y_t that times C_t. Decode is one token
+through the same layers, its SSM update the recurrence itself (h = exp(d·A)·h₀ + d·u·B, y = h·C, with
+d = softplus(delta)), captured once per sequence with `fl.jit`: each replay reads the states and writes
 the new ones in place with `fl.assign`, so a step allocates nothing but its logits. A state cannot be
 rewound to an earlier token: a sequence keeps all its tokens or none (`common_prefix`, `rewind`).
 """
@@ -285,12 +286,17 @@ class MambaModel:
         delta = lw.dt_proj(dbc[:, :r]) + fl.tensor(lw.dt_bias)
         b, c = dbc[:, r:r + n], dbc[:, r + n:]
         a = fl.tensor(lw.a)
-        y, last = fl.ops.selective_scan(u.reshape(1, seq, i), delta.reshape(1, seq, i), a, b.reshape(1, seq, n),
-                                        c.reshape(1, seq, n), delta_softplus=True)
-        y = y.reshape(seq, i)
-        if not fresh:  # the carried state's part: h_t += exp(A·Σ_{s<=t} d_s)·h0, y_t += C_t·that
+        if seq == 1 and not fresh:  # a decode step: the recurrence itself, h = exp(d·A)·h0 + d·u·B, y = h·C
             d = softplus(delta)
-            cum = d if seq == 1 else fl.tensor(np.tril(np.ones((seq, seq), np.float32))) @ d
+            last = (d.reshape(1, i, 1) * a.reshape(1, i, n)).exp() * ss + (d * u).reshape(1, i, 1) * b.reshape(1, 1, n)
+            y = (last * c.reshape(1, 1, n)).sum(2)
+        else:
+            y, last = fl.ops.selective_scan(u.reshape(1, seq, i), delta.reshape(1, seq, i), a, b.reshape(1, seq, n),
+                                            c.reshape(1, seq, n), delta_softplus=True)
+            y = y.reshape(seq, i)
+        if seq > 1 and not fresh:  # the carried state's part: h_t += exp(A·Σ_{s<=t} d_s)·h0, y_t += C_t·that
+            d = softplus(delta)
+            cum = fl.tensor(np.tril(np.ones((seq, seq), np.float32))) @ d
             carried = (cum.reshape(seq, i, 1) * a.reshape(1, i, n)).exp() * ss
             y = y + (carried * c.reshape(seq, 1, n)).sum(2)
             last = last + carried[seq - 1:]
