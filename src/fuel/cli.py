@@ -156,6 +156,12 @@ def _generate(args: argparse.Namespace) -> int:
     return run_generate(args)
 
 
+def _models(args: argparse.Namespace) -> int:
+    from fuel.models.catalog import run_models
+
+    return run_models(args)
+
+
 def _embed(args: argparse.Namespace) -> int:
     from fuel.models.bert import run_embed
 
@@ -249,12 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                            "stories15M (B4 x T256) and SmolLM2-135M (B1 x T128) shapes, and QLoRA on SmolLM2 "
                            "against peft, 3 interleaved rounds (more options: python -m benchmarks.bench_train --help)")
     p.set_defaults(run=_bench)
-    p = sub.add_parser("generate", help="stream text from a GGUF LLM (SmolLM2-135M-Instruct by default, or Gemma-3)")
+    p = sub.add_parser("generate", help="stream text from an LLM: a bundled one (SmolLM2-135M-Instruct by default), "
+                                        "a GGUF file or a Hugging Face directory (see fuel models)")
     _add_generate_arguments(p)
     p.set_defaults(run=_generate)
     p = sub.add_parser("demo", help="the main job: `fuel generate` on the embedded default model, same options")
     _add_generate_arguments(p)
     p.set_defaults(run=_generate)
+    p = sub.add_parser("models", help="the packaged models and the architectures fuel generate runs")
+    p.add_argument("--json", action="store_true", help="JSON instead of text")
+    p.set_defaults(run=_models)
     p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2")
     _add_embed_arguments(p)
     p.set_defaults(run=_embed)
