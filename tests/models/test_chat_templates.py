@@ -154,6 +154,8 @@ def test_tools_render_as_transformers(model: str) -> None:
     want = _render_oracle(oracle, messages, True, tools=TOOLS)
     assert want is not TokenizerError and "get_weather" in str(want)
     assert _render_ours(ours, messages, True, tools=TOOLS) == want
+    assert ours.encode_chat(messages, tools=TOOLS) == list(oracle.apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def test_template_variables_reach_the_template() -> None:

@@ -1,6 +1,6 @@
-"""Tokenizer and chat template of a GGUF model, built from the file's own metadata.
+"""Tokenizer and chat template of a model, built from its GGUF file's metadata or its Hugging Face directory.
 
-    tok = GGUFTokenizer.from_gguf(bundled_gguf("smollm2"))
+    tok = GGUFTokenizer.from_gguf(bundled_gguf("smollm2"))       # or GGUFTokenizer.from_hf_dir(model_dir)
     ids = tok.encode_chat([{"role": "user", "content": "Hi"}])   # rendered template, then ids
     dec = tok.stream()
     for i in generated: print(dec.push(i), end="")              # never splits a UTF-8 character
@@ -12,24 +12,30 @@ the merges or scores, each token's type and the special ids as metadata, under l
 network. Two families are read:
 
 - `gpt2`: byte-level BPE. The vocabulary and merges are used as stored (byte-level spelling, `Ġ` for space); the
-  pre-tokenizer comes from `tokenizer.ggml.pre`, since the merges were learned on text split that way. SmolLM2's
-  `smollm` splits every digit apart before the GPT-2 regex (its `tokenizer.json`, and llama.cpp, do the same).
-- `llama`: SentencePiece BPE (Gemma). Spaces become `▁`, unknown characters fall back to `<0xNN>` byte tokens, and
-  the file holds no merges, so they are derived from the vocabulary: each token's splits into two tokens, ranked by
-  the token's score (SentencePiece merges the best-scoring pair first). The file stores Gemma's whitespace-run
-  tokens with real spaces; they are respelled with `▁` and ranked first, as SentencePiece matches those
-  user-defined pieces whole.
+  pre-tokenizer comes from `tokenizer.ggml.pre`, since the merges were learned on text split that way, with
+  llama.cpp's regex for it (src/llama-vocab.cpp), which is the model's tokenizer.json regex: `gpt-2`; `smollm`
+  (SmolLM2: every digit apart, then GPT-2's); `qwen2` (Qwen2/2.5/3: Llama-3's with single digits); `llama-bpe`
+  (Llama-3: digits in threes; a pre-token found whole in the vocabulary is taken as is, before any merge, and BOS
+  is added by default). Any other value is refused by name, with the known ones.
+- `llama`: SentencePiece BPE (Mistral, Phi-3, Gemma). Spaces become `▁`, a `▁` is prepended unless the file sets
+  `add_space_prefix` false (Gemma does), unknown characters fall back to `<0xNN>` byte tokens, and the file holds
+  no merges, so they are derived from the vocabulary: each token's splits into two tokens, ranked by the token's
+  score (SentencePiece merges the best-scoring pair first). The file stores Gemma's whitespace-run tokens with real
+  spaces; they are respelled with `▁` and ranked first, as SentencePiece matches those user-defined pieces whole.
 
-Control tokens (type 3) are added as special tokens and user-defined ones (type 4) as added tokens, so markers
-such as `<|im_start|>` or `<start_of_turn>` in a rendered chat prompt encode to one id each.
+Control tokens (type 3) and the unknown token (type 2) are added as special tokens and user-defined ones (type 4)
+as added tokens, so markers such as `<|im_start|>` or `<start_of_turn>` in a rendered chat prompt encode to one id
+each. A Hugging Face directory needs none of this: its tokenizer.json is the engine (fuel.models.tokenizer_hf).
 
-**The oracle** (tests/models/test_tokenizer.py) is transformers' own GGUF tokenizer loader, an independent
-implementation over the same metadata: ids, decoded text and rendered chat prompts are compared with it. Where it
-is knowingly wrong (it does not know `smollm`'s digit split) the test says so and checks llama.cpp's answer.
+**The oracles** (tests/models/test_tokenizer.py) are transformers' own GGUF tokenizer loader, an independent
+implementation over the same metadata, and llama.cpp (llama-cpp-python, vocab_only) reading the same file: ids,
+decoded text and rendered chat prompts are compared with them. Where transformers is knowingly different (it does
+not know `smollm`'s digit split; for a Mistral file it drops the extra `▁` SentencePiece gives text that starts
+with a space) the test says so and checks llama.cpp's answer.
 
-**Chat templates** are rendered with jinja2 in a sandbox, configured as transformers does (trim_blocks,
-lstrip_blocks, `raise_exception`, a `tojson` that keeps non-ASCII). A file without a template whose vocabulary has
-Gemma's turn markers (the Gemma-3-270M base file here) gets Gemma 3's instruct template, `GEMMA3_CHAT_TEMPLATE`.
+**Chat templates** are rendered as transformers renders them (fuel.models.chat_template: a jinja2 sandbox with its
+globals, filters and variables). A file without a template whose vocabulary has Gemma's turn markers (the
+Gemma-3-270M base file here) gets Gemma 3's instruct template, `GEMMA3_CHAT_TEMPLATE`.
 
 **Streaming** decodes a short window of recent ids and emits only text that does not end in U+FFFD, so a character
 split across byte tokens is printed once whole. One caveat: for a byte run that is invalid UTF-8 (a model can emit
@@ -316,10 +322,11 @@ class GGUFTokenizer:
         except TemplateError as exc:
             raise TokenizerError(f"chat template: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    **template_kwargs: Any) -> list[int]:
         """Ids of the rendered chat prompt. Templates write their own BOS (Gemma's does), so BOS is added only
         when the file asks for one and the prompt does not already begin with it: never twice."""
-        text = self.chat_prompt(messages, add_generation_prompt)
+        text = self.chat_prompt(messages, add_generation_prompt, **template_kwargs)
         starts_with_bos = self.bos_token is not None and text.startswith(self.bos_token)
         return self.encode(text, add_bos=self.add_bos and not starts_with_bos)
 
