@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import Tokenizer
 
-if TYPE_CHECKING:
-    from fuel.models.tokenizer import GGUFTokenizer
+# fuel.models.tokenizer imports this module only inside GGUFTokenizer.from_hf_dir, so this import has no cycle
+from fuel.models.tokenizer import _END_OF_TURN, GGUFTokenizer, TokenizerError
 
 __all__ = ["tokenizer_from_hf_dir"]
 
@@ -36,8 +36,6 @@ _NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    from fuel.models.tokenizer import TokenizerError
-
     if not path.is_file():
         return {}
     try:
@@ -50,8 +48,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _token_text(value: Any, path: Path, key: str) -> str | None:
-    from fuel.models.tokenizer import TokenizerError
-
     if value is None:
         return None
     if isinstance(value, dict) and isinstance(value.get("content"), str):
@@ -62,8 +58,6 @@ def _token_text(value: Any, path: Path, key: str) -> str | None:
 
 
 def _chat_template(root: Path, config: dict[str, Any]) -> str | None:
-    from fuel.models.tokenizer import TokenizerError
-
     jinja = root / "chat_template.jinja"
     if jinja.is_file():
         try:
@@ -85,8 +79,6 @@ def _chat_template(root: Path, config: dict[str, Any]) -> str | None:
 
 
 def _eos_ids(value: Any, path: Path, n: int) -> list[int]:
-    from fuel.models.tokenizer import TokenizerError
-
     ids = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n for i in ids):
         raise TokenizerError(f"{path}: 'eos_token_id' = {value!r} is not ids inside the vocabulary of {n} tokens")
@@ -95,8 +87,6 @@ def _eos_ids(value: Any, path: Path, n: int) -> list[int]:
 
 def tokenizer_from_hf_dir(path: str | os.PathLike[str]) -> GGUFTokenizer:
     """The tokenizer of the Hugging Face model directory at `path` (see the module docstring)."""
-    from fuel.models.tokenizer import _END_OF_TURN, GGUFTokenizer, TokenizerError
-
     root = Path(path)
     file = root / "tokenizer.json"
     if not file.is_file():
