@@ -51,6 +51,7 @@ from typing import Any, TextIO
 
 from fuel.errors import ParamError
 from fuel.io.gguf import GGUFError, open_gguf
+from fuel.io.hf import QUANTIZE_CHOICES  # what a Hugging Face directory's projections can be quantised to on load
 from fuel.models.generate_args import StopText, encode_prompt, stops_of
 from fuel.models.kv_sequence import KVSequence
 from fuel.models.llama import LlamaModel, ModelError
@@ -59,7 +60,6 @@ from fuel.models.sampling import Sampler, is_int
 from fuel.models.tokenizer import GGUFTokenizer
 
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma-3-270M"}
-QUANTIZE_CHOICES = ("q8_0",)  # what a Hugging Face directory's projection weights can be quantised to on load
 KEEP_LOADED = 4  # models `load` keeps per process (by file and context), least recently used dropped first
 
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -343,4 +343,4 @@ def _progress(stream: TextIO) -> Any:
     return report
 
 
-__all__ = ["LLM", "MODELS", "Generation", "QUANTIZE_CHOICES", "Stats", "describe", "load", "model_path", "stops_of"]
+__all__ = ["LLM", "MODELS", "QUANTIZE_CHOICES", "Generation", "Stats", "describe", "load", "model_path", "stops_of"]
