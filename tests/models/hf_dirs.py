@@ -1,13 +1,14 @@
 """Tiny random transformers models of each architecture `fuel.io.hf` reads, saved as Hugging Face directories
 (`save_pretrained`): the oracle side of the safetensors tests.
 
-Every parameter is redrawn (projections N(0, 0.1²), Gemma's embeddings N(0, 0.03²) as they are scaled by
-√hidden, norm weights around their neutral value, Mamba's A_log and dt bias kept in their valid ranges), so
-that a detail read wrong (a norm's +1, a permutation, a rope factor) moves the logits far past the
-tolerance, and the logits spread widely enough that greedy decoding has no near-ties. Each config sets what
-changes the math: Llama-3 rope scaling with factors in all three bands, a Mistral window shorter than the
-test prompts, Qwen2's biases with tied embeddings, Qwen3's head_dim unlike hidden/heads, Phi-3's LongRoPE,
-Gemma-2's window and softcaps small enough to bite, query scales unlike 1/√head_dim.
+Every parameter is redrawn (projections N(0, 0.1²), Gemma's embeddings N(0, 0.03²) and Mamba's mixer
+weights N(0, 0.3²), else greedy decoding repeats the last token; norm weights around their neutral value,
+Mamba's A_log and dt bias kept in their valid ranges), so that a detail read wrong (a norm's +1, a
+permutation, a rope factor) moves the logits far past the tolerance, and the logits spread widely enough
+that greedy decoding has no near-ties. Each config sets what changes the math: Llama-3 rope scaling with
+factors in all three bands, a Mistral window shorter than the test prompts, Qwen2's biases with tied
+embeddings, Qwen3's head_dim unlike hidden/heads, Phi-3's LongRoPE, Gemma-2's window and softcaps small
+enough to bite, query scales unlike 1/√head_dim.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ def hf_model(arch: str, seed: int = 0) -> Any:
                 p.copy_(torch.randn_like(p) * 0.5 - 2.0)
             elif p.ndim == 1 and "norm" in name:
                 p.copy_(torch.randn_like(p) * 0.2 + (0.0 if gemma else 1.0))
-            elif gemma and "embed_tokens" in name:  # × √hidden on input: else each token's own row wins
+            elif gemma and "embed_tokens" in name:
+                # × √hidden on input: else each token's own row wins and greedy decoding repeats the last token
                 p.copy_(torch.randn_like(p) * 0.03)
+            elif "mixer." in name and not name.endswith("x_proj.weight"):
+                # Mamba's mixer output must outweigh the tied embedding in the residual
+                p.copy_(torch.randn_like(p) * 0.3)
             else:
                 p.copy_(torch.randn_like(p) * 0.1)
     return model.eval()

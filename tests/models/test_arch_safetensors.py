@@ -62,3 +62,22 @@ def test_bf16_directory(tmp_path: Path) -> None:
     path = save_dir(model, tmp_path / "bf16", dtype=torch.bfloat16)
     rounded = model.to(torch.bfloat16).to(torch.float32)   # float32 compute over the same bf16 values
     _check(rounded, path, rtol=1e-3)
+
+
+def test_mamba_from_safetensors(tmp_path: Path) -> None:
+    """Mamba-1 on `MambaModel`; the oracle reruns transformers' whole forward for each greedy token."""
+    from fuel.models.mamba_lm import MambaModel
+
+    model = hf_model("mamba")
+    fuel = MambaModel(open_source(save_dir(model, tmp_path / "mamba")), CAPACITY)
+    got_toks, got = _fuel_greedy(fuel, PROMPT)   # type: ignore[arg-type]
+    ids, want_toks = list(PROMPT), []
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0, -1].double().numpy()
+        logits = want
+        for _ in range(STEPS):
+            want_toks.append(int(np.argmax(logits)))
+            ids.append(want_toks[-1])
+            logits = model(torch.tensor([ids])).logits[0, -1].double().numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), (np.abs(got - want).max(), np.abs(want).max())
+    assert got_toks == want_toks
