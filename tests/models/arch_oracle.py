@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from fuel.models.llama import LlamaModel
 from fuel.models.tokenizer import GGUFTokenizer
@@ -42,16 +42,19 @@ def hf_arch_model(name: str, path: Path) -> Any:
     """transformers' float32 model of the file at `path` written for `ARCH_FILES[name]` (module doc)."""
     torch.set_num_threads(1)
     a = ARCH_FILES[name]
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    for key, value in a.hf_config.items():
-        if key == "rope_parameters":
-            value = {**config.rope_parameters, **value}
-            if "original_max_position_embeddings" in value:
-                config.original_max_position_embeddings = value["original_max_position_embeddings"]
-        if key != "sliding_window" or a.hf_type != "mistral":
-            setattr(config, key, value)
-    model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config,
-                                                 dtype=torch.float32, attn_implementation="eager")
+    # overrides as from_pretrained's config kwargs: the file is parsed once (its 8000 tokenizer strings cost
+    # most of a load)
+    overrides = {k: v for k, v in a.hf_config.items() if not (k == "sliding_window" and a.hf_type == "mistral")}
+    if a.rope:
+        overrides["rope_parameters"] = {"rope_theta": a.rope_base, **a.rope}
+        if a.rope.get("rope_type") == "longrope":  # Phi3Config keeps its own copy, default 4096
+            overrides["original_max_position_embeddings"] = a.rope["original_max_position_embeddings"]
+    model: Any = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                      attn_implementation="eager", **overrides)
+    config = model.config
+    for key, value in overrides.items():  # a kwarg transformers dropped would leave its GGUF default
+        got = getattr(config, key)
+        assert (got.items() >= value.items() if isinstance(value, dict) else got == value), (key, got, value)
     if a.hf_type == "mistral":
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
         mistral = MistralForCausalLM(MistralConfig(**{**fields, "sliding_window": a.window}))
