@@ -247,7 +247,8 @@ PRE_TEXTS = [*TEXTS, "12345678 1,234,567 x2024y", "I'M HE'S 'tis o'clock", "a\r\
              "ﬁ ẞ ǅ 𝟘𝟙 ١٢٣ ½¼", "what's it? don't!", "foo...bar,,,baz!!!", "\u3000全角\u3000スペース"]
 
 
-def _write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...] = ()) -> None:
+def _write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...] = (), extra_type: int = 1,
+                          eos: int = 2) -> None:
     import gguf
 
     md = open_gguf(bundled_gguf("smollm2")).metadata
@@ -263,10 +264,10 @@ def _write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list([*md["tokenizer.ggml.tokens"], *extra])
-    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]] + [1] * len(extra))
+    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]] + [extra_type] * len(extra))
     w.add_token_merges(list(md["tokenizer.ggml.merges"]))
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)  # no add_bos_token: each pre-tokenizer's default applies
+    w.add_eos_token_id(eos)  # no add_bos_token: each pre-tokenizer's default applies
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -336,6 +337,25 @@ def test_llama3_looks_whole_words_up_before_merging(case: str, tmp_path: Any) ->
     want = list(cpp.tokenize(text.encode("utf-8"), add_bos=False, special=True))
     assert ours.encode(text, add_bos=False) == want
     assert (ours.token_to_id("Ġquuxzz") in want) == (pre == "llama-bpe")
+
+
+def test_generation_stops_where_llama_cpp_does(tmp_path: Any) -> None:
+    """eos_ids is llama.cpp's end-of-generation set for a Llama-3-style file (eos <|eot_id|>): it also stops at
+    <|end_of_text|>, <|eom_id|> and the ChatML markers SmolLM2's vocabulary has."""
+    import llama_cpp
+
+    path = tmp_path / "tok.gguf"
+    n = len(open_gguf(bundled_gguf("smollm2")).metadata["tokenizer.ggml.tokens"])
+    _write_tokenizer_gguf(path, "llama", "llama-bpe", extra=tuple(LLAMA3_SPECIALS), extra_type=3,
+                          eos=n + LLAMA3_SPECIALS.index("<|eot_id|>"))
+    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(cpp.model)
+    ours = GGUFTokenizer.from_gguf(path)
+    # llama.cpp also stops at fill-in-the-middle separators (SmolLM2's <reponame>, <file_sep>); chat does not use them
+    fim = {f(vocab) for f in (llama_cpp.llama_vocab_fim_pad, llama_cpp.llama_vocab_fim_rep,
+                              llama_cpp.llama_vocab_fim_sep)}
+    assert ours.eos_ids == {i for i in range(ours.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, i)} - fim
+    assert ours.token_to_id("<|end_of_text|>") in ours.eos_ids
 
 
 def test_unknown_pre_tokenizer_names_it_and_the_known_ones() -> None:

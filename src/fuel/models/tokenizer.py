@@ -77,7 +77,8 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _SPACE_RUN = 1, 2, 3, 4, -1
 
 # Markers that end a turn or a document; generation stops at whichever of them the vocabulary has as a control
 # token, besides `eos`, since chat templates close each turn with one (llama.cpp keeps a similar end-of-generation set).
-_END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
+_END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>",
+                "<|end_of_text|>", "<EOT>", "<end_of_utterance>")
 
 # Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre`, as llama.cpp's llm_tokenizer_bpe splits (src/llama-vocab.cpp)
 # and as each model's tokenizer.json writes the regex. "gpt2": ByteLevel's own GPT-2 regex; "digits": every digit
