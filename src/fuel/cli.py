@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--models", action="store_true",
                       help="instead of the kernel cases: SmolLM2, Gemma-3 (prefill and decode tokens/s, peak RSS) and "
                            "MiniLM (sentences/s) against transformers, llama.cpp (`make bench-env`) and "
-                           "sentence-transformers (names, --dtype, --repeat and --no-compile do not apply)")
+                           "sentence-transformers, and synthetic ~0.5B Qwen2 and Phi-3 files (Q4_K_M recipe) "
+                           "against llama.cpp (names, --dtype, --repeat and --no-compile do not apply; more "
+                           "options: python -m benchmarks.bench_models --help)")
     mode.add_argument("--serve", action="store_true",
                       help="instead of the kernel cases: `fuel serve` against llama-server and llama-cpp-python's "
                            "server (`make bench-env`) on SmolLM2, concurrency 1, 4, 8: tokens/s, TTFT, inter-token "
