@@ -2,7 +2,7 @@
 transformers model that saved the directory: last-position logits within 1e-4 of the row's largest, and 32
 greedy tokens equal. The prompt is longer than the sliding window where the architecture has one, and the
 generation runs past it. One architecture is read from shards, one from bfloat16 weights (the oracle is the
-float32 model holding the same bfloat16 values).
+float32 model holding the same bfloat16 values), one quantised to Q8_0 on load.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -37,8 +38,8 @@ def _fuel_greedy(model: LlamaModel, ids: list[int], steps: int = STEPS) -> tuple
     return toks, first
 
 
-def _check(model: Any, path: Path, rtol: float = 1e-4) -> None:
-    src = open_source(path)
+def _check(model: Any, path: Path, rtol: float = 1e-4, quantize: str | None = None) -> None:
+    src = open_source(path, quantize=quantize)
     fuel = LlamaModel(src, CAPACITY)
     want_toks, want = hf_greedy(model, PROMPT, STEPS)
     got_toks, got = _fuel_greedy(fuel, PROMPT)
@@ -62,6 +63,20 @@ def test_bf16_directory(tmp_path: Path) -> None:
     path = save_dir(model, tmp_path / "bf16", dtype=torch.bfloat16)
     rounded = model.to(torch.bfloat16).to(torch.float32)   # float32 compute over the same bf16 values
     _check(rounded, path, rtol=1e-3)
+
+
+def test_q8_0_on_load(tmp_path: Path) -> None:
+    """Llama's projections quantised on load (its Q/K rows permuted, then moved back by the model): the oracle
+    holds gguf's own Q8_0 round trip of each projection (per-row blocks, so the permutation commutes)."""
+    model = hf_model("llama", seed=2)
+    path = save_dir(model, tmp_path / "q8")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and ("layers." in name or name == "lm_head.weight"):
+                w = gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), q8), q8)
+                p.copy_(torch.from_numpy(np.ascontiguousarray(w, np.float32)))
+    _check(model, path, quantize="q8_0")
 
 
 def test_mamba_from_safetensors(tmp_path: Path) -> None:
