@@ -244,11 +244,31 @@ def test_open_source_kinds(tmp_path: Path, dirs: dict[str, Path]) -> None:
     ("gemma3", {"final_logit_softcapping": 30.0}, r"gemma3 applies no softcap"),
     ("llama", {"hidden_act": "gelu"}, r"hidden_act = 'gelu' is not supported: llama runs silu"),
     ("llama", {"num_attention_heads": None}, r"has no 'num_attention_heads'"),
+    ("llama", {"head_dim": 15}, r"head_dim = 15 is not supported: rope rotates pairs"),
 ])
 def test_config_refusals(arch: str, change: dict[str, Any], match: str, dirs: dict[str, Path],
                          tmp_path: Path) -> None:
     cfg = {**json.loads((dirs[arch] / "config.json").read_text()), **change}
     with pytest.raises(FuelError, match=match):
+        open_source(_copy_dir(dirs[arch], tmp_path / "m", config=cfg))
+
+
+@pytest.mark.parametrize("arch, change, match", [
+    ("llama", {"num_attention_heads": 8}, r"'model.layers.0.self_attn.o_proj.weight' has shape \[64, 64\]; "
+                                          r"config.json gives \[64, 128\] \(hidden 64, q 128\)"),
+    ("llama", {"intermediate_size": 256}, r"'model.layers.0.mlp.down_proj.weight' has shape \[64, 128\]"),
+    ("qwen2", {"vocab_size": 1024}, r"'model.embed_tokens.weight' has shape \[512, 64\]; config.json gives "
+                                    r"\[1024, 64\]"),
+    ("phi3", {"num_key_value_heads": 4}, r"'model.layers.0.self_attn.qkv_proj.weight' has shape \[128, 64\]; "
+                                         r"config.json gives \[192, 64\] \(qkv 192, hidden 64\)"),
+    ("mamba", {"state_size": 16}, r"'backbone.layers.0.mixer.A_log' has shape \[128, 8\]"),
+    ("mamba", {"conv_kernel": 3}, r"'backbone.layers.0.mixer.conv1d.weight' has shape \[128, 1, 4\]; config.json "
+                                  r"gives \[128, 3\]"),
+])
+def test_shapes_against_the_config(arch: str, change: dict[str, Any], match: str, dirs: dict[str, Path],
+                                   tmp_path: Path) -> None:
+    cfg = {**json.loads((dirs[arch] / "config.json").read_text()), **change}
+    with pytest.raises(HFError, match=match):
         open_source(_copy_dir(dirs[arch], tmp_path / "m", config=cfg))
 
 

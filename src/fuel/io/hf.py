@@ -109,6 +109,20 @@ class HFTensor(GGUFTensor):
         return self._data.reshape(-1).view(np.uint8)
 
 
+def _sizes(md: dict[str, Any], a: str) -> dict[str, int]:
+    """The dimensions the tables' shapes name (`fuel.io.hf_names.SIZES`), from the metadata."""
+    if a == "mamba":
+        inner, rank, state = (int(md[f"mamba.ssm.{k}"]) for k in ("inner_size", "time_step_rank", "state_size"))
+        return {"hidden": int(md["mamba.embedding_length"]), "vocab": int(md["mamba.vocab_size"]), "inner": inner,
+                "2inner": 2 * inner, "conv": int(md["mamba.ssm.conv_kernel"]), "rank": rank, "state": state,
+                "xbc": rank + 2 * state}
+    hd = int(md[f"{a}.attention.key_length"])
+    q, kv = int(md[f"{a}.attention.head_count"]) * hd, int(md[f"{a}.attention.head_count_kv"]) * hd
+    ffn = int(md[f"{a}.feed_forward_length"])
+    return {"hidden": int(md[f"{a}.embedding_length"]), "vocab": int(md[f"{a}.vocab_size"]), "q": q, "kv": kv,
+            "ffn": ffn, "head_dim": hd, "2ffn": 2 * ffn, "qkv": q + 2 * kv}
+
+
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     """The converter's Q/K row order for ggml's pair-rotating rope: in each head, row 2j is the first half's
     row j and row 2j + 1 the second half's."""
@@ -144,6 +158,7 @@ class HFModelDir:
             self.metadata, made = decoder_metadata(cfg, table)
         self.metadata_types: dict[str, str] = {}
         self.layers = int(self.metadata[f"{table.arch}.block_count"])
+        self.sizes = _sizes(self.metadata, table.arch)
         self.tensors: dict[str, HFTensor] = {}
         self._index: dict[str, str] | None = None
         self._map(self._checkpoint())
@@ -203,6 +218,12 @@ class HFModelDir:
             if rule.tied and tied:
                 continue  # transformers ties the head to the embedding and ignores this tensor
             gname = rule.gguf.replace("{i}", str(layer))
+            want = tuple(self.sizes[d] for d in rule.shape)
+            got = arr.shape[::2] if rule.transform == "squeeze" and arr.ndim == 3 and arr.shape[1] == 1 else arr.shape
+            if got != want:
+                dims = ", ".join(f"{d} {self.sizes[d]}" for d in rule.shape)
+                raise HFError(f"hf: {file}: tensor {name!r} has shape {list(arr.shape)}; config.json gives "
+                              f"{list(want)} ({dims})")
             self.tensors[gname] = self._tensor(gname, rule, arr)
         for rule in table.rules:
             for layer in range(self.layers) if rule.layered else [None]:
@@ -214,15 +235,7 @@ class HFModelDir:
         """The GGUF tensor of checkpoint array `arr` under `rule`."""
         t, md, a = rule.transform, self.metadata, self.table.arch
         if t == "squeeze":
-            if arr.ndim != 3 or arr.shape[1] != 1:
-                raise HFError(f"hf: {self.path}: tensor for {gname!r} has shape {list(arr.shape)}, "
-                              "expected [d_inner, 1, d_conv]")
             arr = arr.reshape(arr.shape[0], arr.shape[2])
-        elif t in ("permute_q", "permute_k"):
-            heads = md[f"{a}.attention.head_count" if t == "permute_q" else f"{a}.attention.head_count_kv"]
-            if arr.ndim != 2 or arr.shape[0] % (2 * heads):
-                raise HFError(f"hf: {self.path}: tensor for {gname!r} has shape {list(arr.shape)}, expected "
-                              f"rows of {heads} heads of an even size")
         shape = arr.shape
         if t in ("plus_one", "neg_exp") or arr.ndim == 1:
             def make() -> np.ndarray:

@@ -114,6 +114,8 @@ def decoder_metadata(cfg: Config, table: Table) -> tuple[dict[str, Any], dict[st
     hidden, heads = cfg.need("hidden_size"), cfg.need("num_attention_heads")
     layers = cfg.need("num_hidden_layers")
     head_dim = cfg.get("head_dim") or hidden // heads
+    if head_dim % 2:
+        raise cfg.refuse("head_dim", head_dim, "rope rotates pairs of a head's dimensions: it must be even")
     act = cfg.get("hidden_activation", "hidden_act", default="silu")
     if act not in table.activations:
         raise cfg.refuse("hidden_act", act, f"{a} runs {', '.join(table.activations)}")

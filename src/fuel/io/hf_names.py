@@ -26,12 +26,14 @@ Transform = Literal["", "permute_q", "permute_k", "plus_one", "neg_exp", "squeez
 
 @dataclass(frozen=True)
 class Rule:
-    """HF name pattern -> GGUF name (`{i}`: the layer). `projection`: a layer's 2-D projection or the output
+    """HF name pattern -> GGUF name (`{i}`: the layer). `shape`: the checkpoint tensor's dimensions by name
+    (`SIZES`), checked against the config's. `projection`: a layer's 2-D projection or the output
     head, the weights `quantize="q8_0"` quantises. `tied`: absent when the embeddings are tied (and ignored
     then, as transformers ignores it)."""
 
     hf: str
     gguf: str
+    shape: tuple[str, ...]
     transform: Transform = ""
     projection: bool = False
     tied: bool = False
@@ -62,74 +64,86 @@ class Table:
         object.__setattr__(self, "matchers", tuple((r.regex, r) for r in self.rules))
 
 
-def _p(name: str, gguf: str, transform: Transform = "") -> Rule:
+# The dimensions a shape names, from the presented metadata (`fuel.io.hf` computes them): a decoder's hidden
+# size, vocabulary, query rows (heads × head_dim), key/value rows, FFN size, head_dim; Mamba's inner size,
+# conv kernel, dt rank and state size. "2ffn", "qkv", "2inner", "xbc" are the fused ones.
+SIZES = ("hidden", "vocab", "q", "kv", "ffn", "head_dim", "2ffn", "qkv", "inner", "2inner", "conv", "rank",
+         "state", "xbc")
+
+
+def _p(name: str, gguf: str, shape: tuple[str, ...], transform: Transform = "") -> Rule:
     """A layer's 2-D projection."""
-    return Rule(f"model.layers.{{i}}.{name}", f"blk.{{i}}.{gguf}", transform, projection=True)
+    return Rule(f"model.layers.{{i}}.{name}", f"blk.{{i}}.{gguf}", shape, transform, projection=True)
 
 
-def _n(name: str, gguf: str, transform: Transform = "") -> Rule:
+def _n(name: str, gguf: str, size: str = "hidden", transform: Transform = "") -> Rule:
     """A layer's vector (norm weight, bias)."""
-    return Rule(f"model.layers.{{i}}.{name}", f"blk.{{i}}.{gguf}", transform)
+    return Rule(f"model.layers.{{i}}.{name}", f"blk.{{i}}.{gguf}", (size,), transform)
 
 
 def _top(norm: Transform = "") -> tuple[Rule, ...]:
-    return (Rule("model.embed_tokens.weight", "token_embd.weight"),
-            Rule("model.norm.weight", "output_norm.weight", norm),
-            Rule("lm_head.weight", "output.weight", projection=True, tied=True))
+    return (Rule("model.embed_tokens.weight", "token_embd.weight", ("vocab", "hidden")),
+            Rule("model.norm.weight", "output_norm.weight", ("hidden",), norm),
+            Rule("lm_head.weight", "output.weight", ("vocab", "hidden"), projection=True, tied=True))
 
 
-_ATTN = (_p("self_attn.q_proj.weight", "attn_q.weight"), _p("self_attn.k_proj.weight", "attn_k.weight"),
-         _p("self_attn.v_proj.weight", "attn_v.weight"), _p("self_attn.o_proj.weight", "attn_output.weight"))
-_MLP = (_p("mlp.gate_proj.weight", "ffn_gate.weight"), _p("mlp.up_proj.weight", "ffn_up.weight"),
-        _p("mlp.down_proj.weight", "ffn_down.weight"))
+_ATTN = (_p("self_attn.q_proj.weight", "attn_q.weight", ("q", "hidden")),
+         _p("self_attn.k_proj.weight", "attn_k.weight", ("kv", "hidden")),
+         _p("self_attn.v_proj.weight", "attn_v.weight", ("kv", "hidden")),
+         _p("self_attn.o_proj.weight", "attn_output.weight", ("hidden", "q")))
+_MLP = (_p("mlp.gate_proj.weight", "ffn_gate.weight", ("ffn", "hidden")),
+        _p("mlp.up_proj.weight", "ffn_up.weight", ("ffn", "hidden")),
+        _p("mlp.down_proj.weight", "ffn_down.weight", ("hidden", "ffn")))
 _NORMS = (_n("input_layernorm.weight", "attn_norm.weight"), _n("post_attention_layernorm.weight", "ffn_norm.weight"))
+_QK_NORMS = (_n("self_attn.q_norm.weight", "attn_q_norm.weight", "head_dim"),
+             _n("self_attn.k_norm.weight", "attn_k_norm.weight", "head_dim"))
 
 _LLAMA = Table("llama", (
     *_top(), *_NORMS,
-    _p("self_attn.q_proj.weight", "attn_q.weight", "permute_q"),
-    _p("self_attn.k_proj.weight", "attn_k.weight", "permute_k"),
+    _p("self_attn.q_proj.weight", "attn_q.weight", ("q", "hidden"), "permute_q"),
+    _p("self_attn.k_proj.weight", "attn_k.weight", ("kv", "hidden"), "permute_k"),
     *_ATTN[2:], *_MLP), rope_types=("default", "linear", "llama3"))
 
-_GEMMA_NORMS = (_n("input_layernorm.weight", "attn_norm.weight", "plus_one"),
-                _n("post_attention_layernorm.weight", "post_attention_norm.weight", "plus_one"),
-                _n("pre_feedforward_layernorm.weight", "ffn_norm.weight", "plus_one"),
-                _n("post_feedforward_layernorm.weight", "post_ffw_norm.weight", "plus_one"))
+_GEMMA_NORMS = (_n("input_layernorm.weight", "attn_norm.weight", transform="plus_one"),
+                _n("post_attention_layernorm.weight", "post_attention_norm.weight", transform="plus_one"),
+                _n("pre_feedforward_layernorm.weight", "ffn_norm.weight", transform="plus_one"),
+                _n("post_feedforward_layernorm.weight", "post_ffw_norm.weight", transform="plus_one"))
 _GELU = ("gelu_pytorch_tanh", "gelu_tanh")
 
 TABLES: dict[str, Table] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
-    "qwen2": Table("qwen2", (*_top(), *_NORMS, *_ATTN, *_MLP,
-                             _n("self_attn.q_proj.bias", "attn_q.bias"), _n("self_attn.k_proj.bias", "attn_k.bias"),
-                             _n("self_attn.v_proj.bias", "attn_v.bias"))),
-    "qwen3": Table("qwen3", (*_top(), *_NORMS, *_ATTN, *_MLP,
-                             _n("self_attn.q_norm.weight", "attn_q_norm.weight"),
-                             _n("self_attn.k_norm.weight", "attn_k_norm.weight"))),
+    "qwen2": Table("qwen2", (*_top(), *_NORMS, *_ATTN, *_MLP, _n("self_attn.q_proj.bias", "attn_q.bias", "q"),
+                             _n("self_attn.k_proj.bias", "attn_k.bias", "kv"),
+                             _n("self_attn.v_proj.bias", "attn_v.bias", "kv"))),
+    "qwen3": Table("qwen3", (*_top(), *_NORMS, *_ATTN, *_MLP, *_QK_NORMS)),
     "phi3": Table("phi3", (*_top(), *_NORMS,
-                           _p("self_attn.qkv_proj.weight", "attn_qkv.weight"),
-                           _p("self_attn.o_proj.weight", "attn_output.weight"),
-                           _p("mlp.gate_up_proj.weight", "ffn_up.weight"),   # gate rows, then up rows
-                           _p("mlp.down_proj.weight", "ffn_down.weight")), rope_types=("default", "longrope")),
+                           _p("self_attn.qkv_proj.weight", "attn_qkv.weight", ("qkv", "hidden")),
+                           _ATTN[3],
+                           _p("mlp.gate_up_proj.weight", "ffn_up.weight", ("2ffn", "hidden")),  # gate rows, then up
+                           _MLP[2]), rope_types=("default", "longrope")),
     "gemma2": Table("gemma2", (*_top("plus_one"), *_GEMMA_NORMS, *_ATTN, *_MLP), activations=_GELU,
                     tie_default=True),
     "gemma3_text": Table("gemma3", (*_top("plus_one"), *_GEMMA_NORMS, *_ATTN, *_MLP,
-                                    _n("self_attn.q_norm.weight", "attn_q_norm.weight", "plus_one"),
-                                    _n("self_attn.k_norm.weight", "attn_k_norm.weight", "plus_one")),
+                                    _n("self_attn.q_norm.weight", "attn_q_norm.weight", "head_dim", "plus_one"),
+                                    _n("self_attn.k_norm.weight", "attn_k_norm.weight", "head_dim", "plus_one")),
                          activations=_GELU, rope_types=("default", "linear"), tie_default=True),
     "mamba": Table("mamba", (
-        Rule("backbone.embeddings.weight", "token_embd.weight"),
-        Rule("backbone.norm_f.weight", "output_norm.weight"),
-        Rule("lm_head.weight", "output.weight", projection=True, tied=True),
-        Rule("backbone.layers.{i}.norm.weight", "blk.{i}.attn_norm.weight"),
-        Rule("backbone.layers.{i}.mixer.in_proj.weight", "blk.{i}.ssm_in.weight", projection=True),
-        Rule("backbone.layers.{i}.mixer.conv1d.weight", "blk.{i}.ssm_conv1d.weight", "squeeze"),
-        Rule("backbone.layers.{i}.mixer.conv1d.bias", "blk.{i}.ssm_conv1d.bias"),
-        Rule("backbone.layers.{i}.mixer.x_proj.weight", "blk.{i}.ssm_x.weight"),
-        Rule("backbone.layers.{i}.mixer.dt_proj.weight", "blk.{i}.ssm_dt.weight"),
-        Rule("backbone.layers.{i}.mixer.dt_proj.bias", "blk.{i}.ssm_dt.bias"),
-        Rule("backbone.layers.{i}.mixer.A_log", "blk.{i}.ssm_a", "neg_exp"),
-        Rule("backbone.layers.{i}.mixer.D", "blk.{i}.ssm_d"),
-        Rule("backbone.layers.{i}.mixer.out_proj.weight", "blk.{i}.ssm_out.weight", projection=True),
+        Rule("backbone.embeddings.weight", "token_embd.weight", ("vocab", "hidden")),
+        Rule("backbone.norm_f.weight", "output_norm.weight", ("hidden",)),
+        Rule("lm_head.weight", "output.weight", ("vocab", "hidden"), projection=True, tied=True),
+        Rule("backbone.layers.{i}.norm.weight", "blk.{i}.attn_norm.weight", ("hidden",)),
+        Rule("backbone.layers.{i}.mixer.in_proj.weight", "blk.{i}.ssm_in.weight", ("2inner", "hidden"),
+             projection=True),
+        Rule("backbone.layers.{i}.mixer.conv1d.weight", "blk.{i}.ssm_conv1d.weight", ("inner", "conv"), "squeeze"),
+        Rule("backbone.layers.{i}.mixer.conv1d.bias", "blk.{i}.ssm_conv1d.bias", ("inner",)),
+        Rule("backbone.layers.{i}.mixer.x_proj.weight", "blk.{i}.ssm_x.weight", ("xbc", "inner")),
+        Rule("backbone.layers.{i}.mixer.dt_proj.weight", "blk.{i}.ssm_dt.weight", ("inner", "rank")),
+        Rule("backbone.layers.{i}.mixer.dt_proj.bias", "blk.{i}.ssm_dt.bias", ("inner",)),
+        Rule("backbone.layers.{i}.mixer.A_log", "blk.{i}.ssm_a", ("inner", "state"), "neg_exp"),
+        Rule("backbone.layers.{i}.mixer.D", "blk.{i}.ssm_d", ("inner",)),
+        Rule("backbone.layers.{i}.mixer.out_proj.weight", "blk.{i}.ssm_out.weight", ("hidden", "inner"),
+             projection=True),
     ), tie_default=True),
 }
 
