@@ -19,10 +19,12 @@ and transformed ones are float32, as the converter writes them. `quantize="q8_0"
 2-D projections and the output head through `gguf.quants` when first read (rows whose length is not a
 multiple of 32 stay float, as the converter leaves them); the token embedding stays float.
 
-**Checks.** Every checkpoint tensor must fall under a rule of its architecture's table and every rule's
-tensor must be present, for every layer `config.json` declares; otherwise `HFError` names the tensor and
-the file or directory. Transformers' tied output head (`tie_word_embeddings`) is left out, and the model
-ties it to `token_embd.weight` as it does for a GGUF file.
+**Checks.** Every checkpoint tensor must fall under a rule of its architecture's table, with the shape
+`config.json`'s sizes give it, and every rule's tensor must be present, for every layer the config declares;
+otherwise `HFError` names the tensor and the file or directory. A configuration the decoder would not run
+as transformers does is refused by `fuel.io.hf_config`, naming the key and the value. Transformers' tied
+output head (`tie_word_embeddings`) is left out, and the model ties it to `token_embd.weight` as it does
+for a GGUF file.
 """
 
 from __future__ import annotations
