@@ -18,13 +18,17 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from fuel.errors import FuelError, ParamError
 from fuel.io.gguf import GGUFFile
-from fuel.io.hf import HFError, HFModelDir, open_source
+from fuel.io.hf import HFError, HFModelDir, _permute, open_source
+from fuel.io.hf_config import llama3_factors
 from fuel.testing.llama_files import tiny_llama_gguf
 from tests.models.hf_dirs import CONFIGS, hf_model, save_dir
 
@@ -295,3 +299,27 @@ def test_mamba_values(models: dict[str, Any], dirs: dict[str, Path]) -> None:
     assert src.hparam("ssm.state_size") == cfg.state_size and src.hparam("ssm.conv_kernel") == cfg.conv_kernel
     assert "output.weight" not in src and math.isclose(src.hparam("attention.layer_norm_rms_epsilon"),
                                                        cfg.layer_norm_epsilon)
+
+
+@settings(max_examples=40)
+@given(heads=st.integers(1, 8), half=st.integers(1, 12), k=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_permutation_is_undone_by_transformers(heads: int, half: int, k: int, seed: int) -> None:
+    """The converter's Q/K row order over any head count and size: transformers' GGUF reader undoes it."""
+    w = np.random.default_rng(seed).standard_normal((heads * 2 * half, k)).astype(np.float32)
+    back = LlamaTensorProcessor()._reverse_permute_weights(_permute(w, heads), heads, heads)
+    np.testing.assert_array_equal(back, w)
+
+
+@settings(max_examples=40)
+@given(half=st.integers(2, 64), theta=st.floats(1e3, 1e6), factor=st.floats(1.5, 64), low=st.floats(0.5, 2),
+       ratio=st.floats(1.5, 8), orig=st.integers(64, 16384))
+def test_llama3_factors_match_transformers(half: int, theta: float, factor: float, low: float, ratio: float,
+                                           orig: int) -> None:
+    """rope_freqs.weight divides each frequency as transformers' llama3 rope scales it, over any parameters."""
+    params = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+              "high_freq_factor": low * ratio, "original_max_position_embeddings": orig}
+    head_dim = 2 * half
+    cfg = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, rope_parameters=params)
+    inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, None)
+    base_inv = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    np.testing.assert_allclose(base_inv / llama3_factors(params, head_dim), inv.numpy(), rtol=2e-6)
