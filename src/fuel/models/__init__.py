@@ -26,11 +26,12 @@ if typing.TYPE_CHECKING:
     from fuel.models import mamba as mamba
     from fuel.models import mamba_lm as mamba_lm
     from fuel.models import sampling as sampling
+    from fuel.models import sequence_pool as sequence_pool
     from fuel.models import tokenizer as tokenizer
     from fuel.models import tokenizer_hf as tokenizer_hf
 
 MODULES = ("architectures", "bert", "catalog", "chat_template", "decoder_layer", "generate", "generate_args",
-           "generate_cli", "kv_sequence", "llama", "llama_weights", "mamba", "mamba_lm", "sampling", "tokenizer",
+           "generate_cli", "kv_sequence", "llama", "llama_weights", "mamba", "mamba_lm", "sampling", "sequence_pool", "tokenizer",
            "tokenizer_hf")
 
 

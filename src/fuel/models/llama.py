@@ -56,14 +56,12 @@ LongRoPE factors chosen by the capacity, with their attn_factor) and a linear sc
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 import fuel as fl
-from fuel.errors import ParamError
 from fuel.graph.tensor import Tensor
 from fuel.io.gguf import GGUFFile, open_gguf
 from fuel.models.decoder_layer import DecoderGraph, ProjectionHook, layer_weights
@@ -77,26 +75,20 @@ from fuel.models.llama_weights import (
     rope_factors,
     rope_tables,
 )
-from fuel.quant import dequantize_rows_into, weight_rows
+from fuel.models.sequence_pool import SequencePool, TokenEmbedding
 
 __all__ = ["ARCHITECTURES", "KVSequence", "LlamaConfig", "LlamaModel", "ModelError", "ProjectionHook", "load",
            "rope_tables"]
 
 
-class LlamaModel(DecoderGraph):
+class LlamaModel(DecoderGraph, SequencePool[KVSequence]):
     """A loaded model: its weights, the graph of a step, and the pool of sequences that run it (module doc)."""
 
     def __init__(self, f: GGUFFile, capacity: int, progress: Callable[[str, int, int], None] | None = None, *,
                  max_sequences: int = 4) -> None:
         self.file = f
         self.cfg = cfg = LlamaConfig.from_gguf(f)
-        if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or not (
-                1 <= capacity <= cfg.context_length):
-            raise ModelError(f"model: KV-cache capacity must be an int in [1, {cfg.context_length}] (the model's "
-                             f"context), got {capacity!r}")
-        if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
-            raise ModelError(f"model: max_sequences must be a positive int, got {max_sequences!r}")
-        self.capacity, self.max_sequences = int(capacity), max_sequences
+        self.set_limits(capacity, max_sequences, cfg.context_length, "KV-cache capacity")
         report = progress or (lambda what, i, n: None)
         self.layers: list[dict[str, Any]] = []
         for i in range(cfg.layers):
@@ -104,24 +96,16 @@ class LlamaModel(DecoderGraph):
             self.layers.append(layer_weights(f, cfg, i))
         report("weights", cfg.layers, cfg.layers)
         self.out_norm = f["output_norm.weight"].array()
-        embd = f["token_embd.weight"]
         self.head = _Linear.of(f["output.weight" if "output.weight" in f else "token_embd.weight"])  # tied if absent
-        # what `embed` reads per token, made once: the quantized table's rows, or the float table
-        self._embd_qt = embd.quant_type
-        self._embd_rows = None if embd.quant_type is None else weight_rows(embd.words, embd.quant_type, embd.n, embd.k)
-        self._embd_table = embd.array() if embd.quant_type is None else None
-        positions = np.arange(capacity)
+        self.embedding = TokenEmbedding(f["token_embd.weight"])
+        positions = np.arange(self.capacity)
         factors, scale = rope_factors(f, cfg, self.capacity)
         self.rope = {"global": rope_tables(cfg.rope_base, cfg.head_dim, positions, factors, scale)}
         if cfg.local_rope_base is not None:  # window layers: their own base, unscaled
             self.rope["local"] = rope_tables(cfg.local_rope_base, cfg.head_dim, positions)
         # an adapter over the projections (LoRA, `fuel.lora`), read when a step's graph is built: `set_adapter`
         self.adapter: ProjectionHook | None = None
-        self.lock = threading.RLock()  # held by every step of every sequence: one step at a time
-        self._pool_lock = threading.Lock()
-        self._idle: list[KVSequence] = []
-        self._lent: list[KVSequence] = []
-        self.default = KVSequence(self)
+        self.start_pool()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], capacity: int = 2048,
@@ -133,9 +117,7 @@ class LlamaModel(DecoderGraph):
     def set_adapter(self, hook: ProjectionHook | None) -> None:
         """Set (None: remove) the projections' adapter. A step already captured would replay as it was built,
         so a model any of whose sequences has captured a step is refused with a ModelError."""
-        with self._pool_lock:
-            seqs = [self.default, *self._idle, *self._lent]
-        if any(j.captures for s in seqs for j in (s.decode_step, s.prefill_step, s.prefill_last_step)):
+        if any(j.captures for s in self.sequences() for j in (s.decode_step, s.prefill_step, s.prefill_last_step)):
             raise ModelError("model: set_adapter: this model has captured steps, which would replay without the "
                              "change; set the adapter on a model that has not run (fuel.lora.load_model gives one)")
         self.adapter = hook
@@ -193,53 +175,6 @@ class LlamaModel(DecoderGraph):
         """A new sequence of this model, outside the pool (its caller owns it)."""
         return KVSequence(self)
 
-    def acquire(self, ids: Sequence[int] = ()) -> KVSequence:
-        """A sequence lent for one generation: of the idle ones, the one whose cached tokens share the
-        longest prefix with `ids` (its K/V rows of that prefix are reused), else a new one. At most
-        `max_sequences` are lent at once; `release` gives one back."""
-        with self._pool_lock:
-            if self._idle:
-                best = max(self._idle, key=lambda s: s.common_prefix(ids))
-                self._idle.remove(best)
-            elif len(self._lent) >= self.max_sequences:
-                raise ModelError(f"model: {len(self._lent)} sequences are in use on this model, its max_sequences; "
-                                 "finish or close a generation first, or load the model with a larger max_sequences")
-            else:
-                best = KVSequence(self)
-            self._lent.append(best)
-        return best
-
-    def release(self, seq: KVSequence) -> None:
-        """Give a lent sequence back to the pool (its cached tokens stay for the next `acquire`)."""
-        with self._pool_lock:
-            if not any(s is seq for s in self._lent):
-                raise ParamError("model.release: this sequence is not lent from this model's pool")
-            self._lent = [s for s in self._lent if s is not seq]
-            self._idle.append(seq)
-
-    @property
-    def sequences_in_use(self) -> int:
-        return len(self._lent)
-
-    # -- the model's own sequence ----------------------------------------------------------------
-
-    @property
-    def pos(self) -> int:
-        """The model's own sequence's position: the tokens its KV cache holds."""
-        return self.default.pos
-
-    def reset(self) -> None:
-        """Forget the model's own sequence: later tokens start at position 0 (the cache is overwritten)."""
-        self.default.reset()
-
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """`KVSequence.prefill` on the model's own sequence."""
-        return self.default.prefill(ids)
-
-    def decode(self, token: int) -> np.ndarray:
-        """`KVSequence.decode` on the model's own sequence."""
-        return self.default.decode(token)
-
     @property
     def _decode(self) -> Any:
         """The model's own sequence's captured decode step (read by the benchmarks)."""
@@ -249,19 +184,7 @@ class LlamaModel(DecoderGraph):
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
         """The embedding rows of `ids`, float32 `[len(ids), hidden]`."""
-        out = np.empty((len(ids), self.cfg.hidden), np.float32)
-        # A row is tiny work: in this thread, never waking a pool beside the spinning pool's worker
-        # (docs/models.md, "Measurements": "embedding rows in the calling thread").
-        with fl.serial():
-            for r, t in enumerate(ids):
-                if not 0 <= int(t) < self.cfg.vocab:
-                    raise ModelError(f"model: token id {t} is outside the vocabulary [0, {self.cfg.vocab})")
-                if self._embd_rows is not None and self._embd_qt is not None:
-                    dequantize_rows_into(self._embd_rows, self._embd_qt, int(t), int(t) + 1, out[r:r + 1])
-                else:
-                    assert self._embd_table is not None
-                    out[r] = self._embd_table[int(t)]
-        return out
+        return self.embedding.rows(ids)
 
     def tables(self, start: int, rows: int) -> list[np.ndarray]:
         """The rope tables' rows of positions start … start + rows - 1, in `forward`'s argument order."""

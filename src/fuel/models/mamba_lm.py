@@ -52,7 +52,7 @@ from fuel.graph.tensor import Tensor
 from fuel.io.gguf import GGUFFile, open_gguf
 from fuel.models.llama_weights import ModelError, _Linear, check_ids
 from fuel.models.mamba import softplus
-from fuel.quant import dequantize_rows_into, weight_rows
+from fuel.models.sequence_pool import SequencePool, TokenEmbedding
 
 ARCH = "mamba"
 
@@ -197,20 +197,14 @@ class MambaSequence:
             return np.asarray(out.numpy()).reshape(-1)
 
 
-class MambaModel:
+class MambaModel(SequencePool[MambaSequence]):
     """A loaded Mamba-1 model: its weights, the graph of a step, and the pool of sequences that run it."""
 
     def __init__(self, f: GGUFFile, capacity: int, progress: Callable[[str, int, int], None] | None = None, *,
                  max_sequences: int = 4) -> None:
         self.file = f
         self.cfg = cfg = MambaConfig.from_gguf(f)
-        if isinstance(capacity, bool) or not isinstance(capacity, int | np.integer) or not (
-                1 <= capacity <= cfg.context_length):
-            raise ModelError(f"model: capacity must be an int in [1, {cfg.context_length}] (the model's context), "
-                             f"got {capacity!r}")
-        if isinstance(max_sequences, bool) or not isinstance(max_sequences, int) or max_sequences < 1:
-            raise ModelError(f"model: max_sequences must be a positive int, got {max_sequences!r}")
-        self.capacity, self.max_sequences = int(capacity), max_sequences
+        self.set_limits(capacity, max_sequences, cfg.context_length)
         shapes = cfg.tensor_shapes(tied="output.weight" not in f)
         extra = sorted(set(f.names()) - set(shapes))
         if extra:
@@ -227,16 +221,9 @@ class MambaModel:
             self.layers.append(self._layer(i))
         report("weights", cfg.layers, cfg.layers)
         self.out_norm = self._floats("output_norm.weight")
-        embd = f["token_embd.weight"]
         self.head = _Linear.of(f["output.weight" if "output.weight" in f else "token_embd.weight"])
-        self._embd_qt = embd.quant_type
-        self._embd_rows = None if embd.quant_type is None else weight_rows(embd.words, embd.quant_type, embd.n, embd.k)
-        self._embd_table = None if embd.quant_type is not None else embd.array().astype(np.float32)
-        self.lock = threading.RLock()
-        self._pool_lock = threading.Lock()
-        self._idle: list[MambaSequence] = []
-        self._lent: list[MambaSequence] = []
-        self.default = MambaSequence(self)
+        self.embedding = TokenEmbedding(f["token_embd.weight"])
+        self.start_pool()
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], capacity: int = 2048,
@@ -321,63 +308,11 @@ class MambaModel:
         """A new sequence of this model, outside the pool (its caller owns it)."""
         return MambaSequence(self)
 
-    def acquire(self, ids: Sequence[int] = ()) -> MambaSequence:
-        """A sequence lent for one generation: the idle one whose tokens `ids` continue, else an idle or new
-        one. At most `max_sequences` are lent at once; `release` gives one back."""
-        with self._pool_lock:
-            if self._idle:
-                best = max(self._idle, key=lambda s: s.common_prefix(ids))
-                self._idle.remove(best)
-            elif len(self._lent) >= self.max_sequences:
-                raise ModelError(f"model: {len(self._lent)} sequences are in use on this model, its max_sequences; "
-                                 "finish or close a generation first, or load the model with a larger max_sequences")
-            else:
-                best = MambaSequence(self)
-            self._lent.append(best)
-        return best
-
-    def release(self, seq: MambaSequence) -> None:
-        """Give a lent sequence back to the pool (its state stays for the next `acquire`)."""
-        with self._pool_lock:
-            if not any(s is seq for s in self._lent):
-                raise ParamError("model.release: this sequence is not lent from this model's pool")
-            self._lent = [s for s in self._lent if s is not seq]
-            self._idle.append(seq)
-
-    @property
-    def sequences_in_use(self) -> int:
-        return len(self._lent)
-
-    # -- the model's own sequence ----------------------------------------------------------------
-
-    @property
-    def pos(self) -> int:
-        return self.default.pos
-
-    def reset(self) -> None:
-        self.default.reset()
-
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """`MambaSequence.prefill` on the model's own sequence."""
-        return self.default.prefill(ids)
-
-    def decode(self, token: int) -> np.ndarray:
-        """`MambaSequence.decode` on the model's own sequence."""
-        return self.default.decode(token)
-
     # -- running ---------------------------------------------------------------------------------
 
     def embed(self, ids: Sequence[int]) -> np.ndarray:
-        """The embedding rows of `ids` (checked ids), float32 `[len(ids), hidden]`."""
-        out = np.empty((len(ids), self.cfg.hidden), np.float32)
-        with fl.serial():
-            for row, t in enumerate(ids):
-                if self._embd_rows is not None and self._embd_qt is not None:
-                    dequantize_rows_into(self._embd_rows, self._embd_qt, int(t), int(t) + 1, out[row:row + 1])
-                else:
-                    assert self._embd_table is not None
-                    out[row] = self._embd_table[int(t)]
-        return out
+        """The embedding rows of `ids`, float32 `[len(ids), hidden]`."""
+        return self.embedding.rows(ids)
 
     def check_ids(self, ids: Sequence[int], what: str) -> list[int]:
         """`ids` as a list of ints, each a token of the vocabulary; else a ModelError naming `what`."""
