@@ -148,6 +148,10 @@ PRIM_VJP: dict[Op, PrimVjp] = {
     Op.POW_SCALAR: _pow_scalar_vjp,
     Op.POW: _pow_vjp,
     Op.CAST: lambda xs, n, y, g: [g.cast(xs[0].dtype) if xs[0].dtype.is_float else None],
+    # bit operations move integer data: no gradient (a float input read through BITCAST gets none)
+    Op.SHR: _none(2),
+    Op.BITAND: _none(2),
+    Op.BITCAST: _none(1),
     Op.REDUCE_SUM_TO: lambda xs, n, y, g: [g.broadcast_to(xs[0].shape)],
     Op.REDUCE_MAX_TO: lambda xs, n, y, g: [_max_share(xs[0], g)],
     Op.SUM_DIM: lambda xs, n, y, g: [g.unsqueeze(n.arg).broadcast_to(xs[0].shape)],
@@ -278,7 +282,9 @@ def grad(out: Tensor, wrt: Tensor | Iterable[Tensor], grad_out: Tensor | ArrayLi
             if inp not in needed:
                 continue
             if gi is None:
-                if inp.dtype.is_float:  # a gradient asked for flows through an input the rule does not serve
+                # A gradient asked for flows through an input the rule does not serve: a float one, or the
+                # integers a float's bits were read from (a zero gradient there would be silently wrong).
+                if inp.dtype.is_float or node.op is Op.BITCAST:
                     raise NotDifferentiable(f"grad: {_op_name(node)} gives no gradient for its input {k} "
                                             f"({list(inp.shape)} {inp.dtype.value}), which a tensor in wrt "
                                             f"depends on")

@@ -55,12 +55,17 @@ class Op(enum.Enum):
     GT = enum.auto()
     GE = enum.auto()
     WHERE = enum.auto()
+    # integer bit operations (same shape, same integer dtype; NumPy's >> and &)
+    SHR = enum.auto()
+    BITAND = enum.auto()
     # scalar-parameterised elementwise
     ADD_SCALAR = enum.auto()
     MUL_SCALAR = enum.auto()
     POWI = enum.auto()
     POW_SCALAR = enum.auto()
     CAST = enum.auto()
+    # the bytes of the last axis read as another dtype (little-endian), arg the target DType
+    BITCAST = enum.auto()
     # reductions
     REDUCE_SUM_TO = enum.auto()
     REDUCE_MAX_TO = enum.auto()

@@ -9,6 +9,7 @@ from typing import Any
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
+from fuel.graph.bits import BIT_RULES
 from fuel.graph.node import DynScalar, Node, Op, Shape
 from fuel.graph.shapes import broadcast_shapes, check_dims, reduce_to_axes
 from fuel.graph.slots import PRIM_SLOTS, slots_of
@@ -347,6 +348,7 @@ RULES: dict[Op, Rule] = {
     Op.POWI: _scalar(Op.POWI),
     Op.POW_SCALAR: _scalar(Op.POW_SCALAR),
     Op.CAST: _cast,
+    **BIT_RULES,
     Op.REDUCE_SUM_TO: _reduce_to(Op.REDUCE_SUM_TO),
     Op.REDUCE_MAX_TO: _reduce_to(Op.REDUCE_MAX_TO),
     Op.SUM_DIM: _dim_reduce(Op.SUM_DIM),

@@ -142,6 +142,16 @@ class Tensor(Conversions):
     def __ne__(self, other: object) -> Tensor: return binary(Op.NE, self, other)  # type: ignore[override,arg-type]
     __hash__ = object.__hash__
 
+    # integer bit operations (fuel.graph.bits): broadcast and promoted like the arithmetic operators
+    def __rshift__(self, other: TensorLike) -> Tensor: return binary(Op.SHR, self, other)
+    def __rrshift__(self, other: TensorLike) -> Tensor: return binary(Op.SHR, other, self)
+    def __and__(self, other: TensorLike) -> Tensor: return binary(Op.BITAND, self, other)
+    def __rand__(self, other: TensorLike) -> Tensor: return binary(Op.BITAND, other, self)
+
+    def bitcast(self, dtype: DType | str) -> Tensor:
+        """The bytes of the last axis read as `dtype` (little-endian): u32 `[..., n]` -> u8 `[..., 4n]`."""
+        return Tensor(make(Op.BITCAST, (self.node,), as_dtype(dtype, "bitcast")))
+
     def __matmul__(self, other: TensorLike) -> Tensor: return matmul(self, other)
     def __rmatmul__(self, other: TensorLike) -> Tensor: return matmul(other, self)
 

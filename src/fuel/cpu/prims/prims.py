@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from fuel.cpu.prims.bits import BIT_KERNELS
 from fuel.cpu.prims.erf import erf_into
 from fuel.cpu.prims.gemv import GEMV_MAX_BYTES, GEMV_MAX_ROWS, TASKS, gemv
 from fuel.cpu.prims.index_copy import index_copy_kernel
@@ -353,6 +354,7 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.POWI: _into(_powi),
     Op.POW_SCALAR: _scalar(np.power),
     Op.CAST: _into(_cast),
+    **BIT_KERNELS,
     Op.REDUCE_SUM_TO: _into(_reduce_to(np.sum)),
     Op.REDUCE_MAX_TO: _into(_reduce_to(np.max)),
     Op.SUM_DIM: _into(_dim(np.sum)),
