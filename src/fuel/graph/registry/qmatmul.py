@@ -10,8 +10,9 @@ with the `gguf` package; products and sums are f32. The weight is shared by ever
 `a @ dequant(W)`, `[..., M, k]`. Only activations are differentiable (the weight is frozen integer
 data): the VJP of either form is the other form, and w_q gets none (`fl.grad` refuses a U32 tensor).
 
-No decomposition: the primitive set has no bit operations on integers, every dtype tuple the rules
-admit has a CPU kernel, and a lowering would materialise the dequantised weight the kernel avoids.
+Decomposition: the weight dequantised with bit primitives (`fuel.quant.lowering`, bit for bit the
+kernel's and gguf's values), then one MATMUL of either form. It materialises the `[n, k]` f32 weight the
+kernel never builds; it is the reference form `fuel verify --decomposed` checks the kernel against.
 """
 
 from __future__ import annotations
@@ -100,6 +101,15 @@ def vjp(inputs: list[Tensor], params: QMatMulParams, out: Tensor, grad_out: Tens
     return [Tensor(fused_node(FusedOps.QMATMUL, [grad_out.node, inputs[1].node], flipped)), None]
 
 
+def decompose(inputs: list[Tensor], params: QMatMulParams) -> Tensor:
+    """`a @ Wᵀ` (or `a @ W`) with W `[n, k]` f32 dequantised from the word stream by primitives."""
+    from fuel.quant.lowering import dequantize
+
+    a, w_q = inputs
+    w = dequantize(w_q, params.quant_type, params.n, params.k)
+    return a @ (w if params.transpose else w.T)
+
+
 def qmatmul(a: TensorLike, w_q: TensorLike, quant_type: QuantType | str, k: int, n: int,
             transpose: bool = False) -> Tensor:
     """`a @ dequant(W)ᵀ` for a GGUF block-quantized weight W `[n, k]` given as its raw bytes in u32 words.
@@ -119,7 +129,7 @@ ENTRY = FusedOpEntry(
     arity=(2,),
     shape_rule=shape_rule,
     dtype_rule=dtype_rule,
-    decompose=None,
+    decompose=decompose,
     # The inventory's metadata (frozen weights); `vjp` gives the activations' gradient exactly.
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
