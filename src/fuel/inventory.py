@@ -90,6 +90,7 @@ def entry_record(entry: FusedOpEntry) -> dict[str, Any]:
         "differentiable": entry.vjp is not None,
         "decomposition": _decomposition(entry, sample),
         "pattern": "live" if entry.pattern is not None else "none",
+        "no_pattern": entry.no_pattern,
         "precision": {i.dtypes[-1].value if len(set(i.dtypes)) == 1 else ",".join(d.value for d in i.dtypes): {
             "bit_stable": i.precision.bit_stable_on_same_hardware,
             "max_relative": i.precision.max_relative,
@@ -116,10 +117,20 @@ def to_json(records: list[dict[str, Any]]) -> str:
     return json.dumps(records, indent=2)
 
 
+def _pattern_line(r: dict[str, Any]) -> str:
+    if r["pattern"] == "live":
+        return "live"
+    return f"none ({r['no_pattern']})" if r["no_pattern"] else "none (no reason given)"
+
+
 def to_markdown(records: list[dict[str, Any]]) -> str:
     done = sum(r["status"] == "complete" for r in records)
+    live = sum(r.get("pattern") == "live" for r in records)
+    lowers = sum(r.get("decomposition", "none") != "none" for r in records)
     lines = ["# Fuel fused-op registry — kernel inventory", "",
-             f"{done} entries complete, {len(records) - done} reserved, {len(records)} ids (0 is UNASSIGNED).", ""]
+             f"{done} entries complete, {len(records) - done} reserved, {len(records)} ids (0 is UNASSIGNED).",
+             f"{lowers}/{done} lower to primitives; {live}/{done} have a live pattern, and each entry without one "
+             "says why below.", ""]
     for r in records:
         lines.append(f"## {r['id']}. {r['name']}")
         if r["status"] != "complete":
@@ -134,7 +145,7 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
             f"- Shape rule: {r['shape_rule']}. Dtype rule: {r['dtype_rule']}. Output: {r['output']}",
             f"- Backward (inventory metadata): {r['backward']}",
             f"- Gradient: {'yes (vjp)' if r['differentiable'] else 'none'}",
-            f"- Decompose: {r['decomposition']}. Pattern: {r['pattern']}",
+            f"- Decompose: {r['decomposition']}. Pattern: {_pattern_line(r)}",
             "- Precision: " + "; ".join(
                 f"{k}: rel {v['max_relative']}, abs {v['max_absolute']}, bit-stable {v['bit_stable']}"
                 for k, v in r["precision"].items()),

@@ -108,7 +108,9 @@ OutputViews = Callable[[tuple[Shape, ...], tuple[DType, ...], Any], list[tuple[S
 
 @dataclass(frozen=True)
 class FusedOpEntry:
-    """Everything the graph side knows about one fused op. No field has a default."""
+    """Everything the graph side knows about one fused op. No field has a default but `no_pattern`:
+    an entry without a live `pattern` states why in it (the inventory reports it, and a test holds every
+    entry to having one or the other)."""
 
     id: FusedOpId
     name: str
@@ -123,6 +125,7 @@ class FusedOpEntry:
     pattern: Pattern | None
     output_views: OutputViews | None
     destructive_input: int | None
+    no_pattern: str | None = None
 
 
 class RegistryError(FuelError):

@@ -65,13 +65,21 @@ def gradient_dtype(op: str, names: tuple[str, str], dtypes: Sequence[DType]) -> 
     return first
 
 
+def emitted_by_vjp(forward: str) -> str:
+    """The `no_pattern` reason of a gradient op that only a fused forward's vjp emits."""
+    return (f"only {forward}'s vjp emits it: fl.grad fuses a {forward} spelled in primitives before "
+            f"differentiating, so no primitive VJP emits this lowering")
+
+
 def gradient_entry(op_id: FusedOpId, name: str, params: type, shape_rule: ShapeRule, dtype_rule: DTypeRule,
-                   decompose: Decompose, pattern: Pattern | None, vjp: Vjp) -> FusedOpEntry:
+                   decompose: Decompose, pattern: Pattern | None, vjp: Vjp, no_pattern: str | None = None
+                   ) -> FusedOpEntry:
     """The entry of a single-output gradient op that autograd emits from a forward input (or output)
     and the upstream gradient, arity 2.
 
     The inventory lists it as NotDifferentiable (no fused op is its gradient); `vjp` is its own gradient,
-    for higher-order derivatives (mostly `vjp_by_decomposition(decompose)`).
+    for higher-order derivatives (mostly `vjp_by_decomposition(decompose)`). `no_pattern` says why an
+    entry without a pattern has none.
     """
     return FusedOpEntry(
         id=op_id,
@@ -87,5 +95,6 @@ def gradient_entry(op_id: FusedOpId, name: str, params: type, shape_rule: ShapeR
         pattern=pattern,
         output_views=None,
         destructive_input=None,
+        no_pattern=no_pattern,
     )
 

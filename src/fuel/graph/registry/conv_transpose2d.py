@@ -151,6 +151,9 @@ ENTRY = FusedOpEntry(
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
     pattern=None,
+    no_pattern=(
+        "its col2im lowering scatters through an index table of the geometry (IndexAdd), not a spelling a "
+        "user writes: models call the op"),
     output_views=None,
     destructive_input=None,
 )

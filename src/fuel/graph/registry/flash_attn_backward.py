@@ -127,6 +127,9 @@ def entry(op_id: FusedOpId, name: str) -> FusedOpEntry:
         backward=NOT_DIFFERENTIABLE,
         vjp=None,
         pattern=None,
+        no_pattern=("only FlashAttn's vjp emits it: naive attention is fused to FlashAttn before fl.grad "
+                    "differentiates it, and the primitive VJPs of unfused attention differentiate the [S, S] "
+                    "scores, which is not this lowering"),
         output_views=None,
         destructive_input=None,
     )

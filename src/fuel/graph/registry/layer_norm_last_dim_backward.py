@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fuel.graph.registry import FusedOps, fused_node, vjp_by_decomposition
-from fuel.graph.registry.common import gradient_entry, operand_nodes
+from fuel.graph.registry.common import emitted_by_vjp, gradient_entry, operand_nodes
 from fuel.graph.registry.rms_norm_last_dim import NormParams, norm_dtype_rule, norm_shape_rule
 from fuel.graph.tensor import Tensor, TensorLike
 
@@ -39,4 +39,5 @@ def layer_norm_last_dim_backward(x: TensorLike, g: TensorLike, eps: float) -> Te
 ENTRY = gradient_entry(
     FusedOps.LAYER_NORM_LAST_DIM_BACKWARD, "LayerNormLastDimBackward", LayerNormLastDimBackwardParams,
     norm_shape_rule, norm_dtype_rule, decompose, pattern=None, vjp=vjp_by_decomposition(decompose),
+    no_pattern=emitted_by_vjp("LayerNormLastDim"),
 )

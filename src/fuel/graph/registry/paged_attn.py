@@ -194,6 +194,7 @@ ENTRY = FusedOpEntry(
     backward=NOT_DIFFERENTIABLE,
     vjp=None,
     pattern=None,
+    no_pattern="a block table has no primitive spelling a user writes: serving code calls the op",
     output_views=None,
     destructive_input=None,
 )

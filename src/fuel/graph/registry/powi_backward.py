@@ -76,4 +76,5 @@ def powi_backward(x: TensorLike, g: TensorLike, exp: int) -> Tensor:
 ENTRY = gradient_entry(
     FusedOps.POWI_BACKWARD, "PowIBackward", PowIBackwardParams,
     shape_rule, dtype_rule, decompose, pattern=None, vjp=vjp,
+    no_pattern="autograd's VJP of POWI emits it directly, so no graph holds its lowering",
 )

@@ -80,4 +80,5 @@ def reduce_max_to_backward(x: TensorLike, g: TensorLike) -> Tensor:
 ENTRY = gradient_entry(
     FusedOps.REDUCE_MAX_TO_BACKWARD, "ReduceMaxToBackward", ReduceMaxToBackwardParams,
     shape_rule, dtype_rule, decompose, pattern=None, vjp=vjp_by_decomposition(decompose),
+    no_pattern="autograd's VJP of MAX_DIM and REDUCE_MAX_TO emits it directly, so no graph holds its lowering",
 )

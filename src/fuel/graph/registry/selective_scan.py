@@ -139,6 +139,9 @@ ENTRY = FusedOpEntry(
     backward=DECOMPOSE,
     vjp=vjp,
     pattern=None,
+    no_pattern=(
+        "its lowering unrolls the recurrence one position at a time, so its graph grows with the sequence and"
+        " no fixed spelling exists to match: Mamba code calls the op"),
     output_views=output_views,
     destructive_input=None,
 )
