@@ -1,0 +1,133 @@
+"""A Llama written from primitives (tests/models/primitive_llama.py) runs on the fused kernels and computes what
+the hand-fused `fuel.nn.Llama` computes.
+
+- Plans: the fuse pass turns its spellings into the entries the hand-fused model calls (FlashAttn, RmsNormLastDim,
+  Rope, FusedSoftmaxCrossEntropy) and autograd then builds their backward entries, read from `fuel.trace()` over
+  a realised forward and a realised gradient. The projections are bias-free `x @ W.T`, a MATMUL in both models
+  (FusedLinear is the biased form).
+- Numbers: its loss equals the hand-fused model's and transformers' LlamaForCausalLM's (run in float64 from the
+  same state dict, the outside oracle); each parameter's gradient equals the hand-fused model's and the float64
+  oracle's per row, each row scaled by its own largest oracle value.
+
+Its step time against the hand-fused model's is measured by benchmarks/bench_primitive_llama.py, not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fuel as fl
+from fuel import nn
+from fuel.nn.llama import Llama, LlamaConfig
+from tests.models.primitive_llama import PrimitiveLlama
+
+VOCAB = 48
+# Both models are f32 end to end. The losses differ only in how each sums the same f32 terms; a gradient row goes
+# through two layers of products in either order of rounding, bounded against the float64 oracle per row.
+LOSS_RTOL = 2e-6
+GRAD_ROW_TOL = 1e-5
+
+
+def config(n_kv_heads: int, tie: bool) -> LlamaConfig:
+    return LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=VOCAB, hidden_dim=48,
+                       max_seq_len=32, tie_embeddings=tie)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads(), fl.get_num_threads()
+    torch.set_num_threads(1)
+    fl.set_num_threads(1)
+    yield
+    torch.set_num_threads(before[0])
+    fl.set_num_threads(before[1])
+
+
+def pair(cfg: LlamaConfig, seed: int) -> tuple[PrimitiveLlama, Llama]:
+    """The primitive model with fresh weights, and the hand-fused model loaded from its state dict."""
+    prim = PrimitiveLlama(cfg, seed=seed)
+    fused = Llama(cfg, seed=seed + 1)
+    nn.load_state_dict(fused, {k: t.numpy() for k, t in nn.get_state_dict(prim).items()})
+    return prim, fused
+
+
+def transformers_f64(model: Llama) -> transformers.LlamaForCausalLM:
+    hf = transformers.LlamaConfig(**model.cfg.to_hf())
+    hf._attn_implementation = "eager"
+    ref = transformers.LlamaForCausalLM(hf)
+    state = {k: torch.from_numpy(t.numpy().copy()) for k, t in nn.get_state_dict(model).items()}
+    ref.load_state_dict(state, strict=True)
+    return ref.double()
+
+
+def row_error(got: np.ndarray, want: np.ndarray, oracle: np.ndarray) -> float:
+    """max |got - want| over each last-axis row, divided by the oracle's max |value| over that row."""
+    g = np.asarray(got, np.float64).reshape(-1, want.shape[-1])
+    w = np.asarray(want, np.float64).reshape(-1, want.shape[-1])
+    scale = np.abs(np.asarray(oracle, np.float64).reshape(-1, want.shape[-1])).max(axis=1, keepdims=True)
+    return float((np.abs(g - w) / np.where(scale > 0, scale, 1.0)).max())
+
+
+def loss_and_grads(model: Llama, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    params = nn.get_parameters(model)
+    loss = model.loss(x, y)
+    grads = fl.grad(loss, params)
+    fl.realize(loss, *grads)
+    by_id = {id(p): g.numpy() for p, g in zip(params, grads, strict=True)}
+    return float(loss.numpy()), {k: by_id[id(t)] for k, t in nn.get_state_dict(model).items()}
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[int, bool, np.ndarray, np.ndarray]:
+    kv = draw(st.sampled_from([1, 2, 4]))
+    tie = draw(st.booleans())
+    # From 2 positions: with one, every query and key gradient is exactly 0 in exact arithmetic (a softmax over one
+    # score), so no per-row relative bound applies to the f32 rounding noise either model leaves there.
+    b, t = draw(st.integers(1, 2)), draw(st.integers(2, 12))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x, y = rng.integers(0, VOCAB, (b, t)), rng.integers(0, VOCAB, (b, t))
+    ignored = rng.random((b, t)) < draw(st.sampled_from([0.0, 0.3]))
+    ignored.flat[rng.integers(0, b * t)] = False  # at least one counted row: torch's mean over none is NaN
+    return kv, tie, x, np.where(ignored, -100, y)
+
+
+@settings(max_examples=6)
+@given(case=batches())
+def test_loss_and_gradients_equal_the_hand_fused_model_and_transformers(
+        case: tuple[int, bool, np.ndarray, np.ndarray]) -> None:
+    kv, tie, x, y = case
+    prim, fused = pair(config(kv, tie), seed=int(x.sum()))
+    p_loss, p_grads = loss_and_grads(prim, x, y)
+    f_loss, f_grads = loss_and_grads(fused, x, y)
+
+    ref = transformers_f64(fused)
+    logits = ref(torch.from_numpy(x)).logits
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(y).reshape(-1))
+    want.backward()
+    assert p_loss == pytest.approx(f_loss, rel=LOSS_RTOL)
+    assert p_loss == pytest.approx(want.item(), rel=LOSS_RTOL)
+
+    oracle = dict(ref.named_parameters())
+    for name, g in p_grads.items():
+        truth = oracle[name if name in oracle else "model.embed_tokens.weight"].grad  # tied: torch names it once
+        assert truth is not None
+        t = truth.numpy()
+        assert row_error(g, f_grads[name], t) <= GRAD_ROW_TOL, name
+        assert row_error(g, t, t) <= GRAD_ROW_TOL, name
+        assert row_error(f_grads[name], t, t) <= GRAD_ROW_TOL, name
+
+
+def test_the_models_share_one_state_dict() -> None:
+    cfg = config(2, False)
+    prim, fused = pair(cfg, seed=3)
+    assert list(nn.get_state_dict(prim)) == list(nn.get_state_dict(fused))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf()))
+    assert set(nn.get_state_dict(prim)) == set(hf.state_dict())
+
