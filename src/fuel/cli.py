@@ -67,12 +67,17 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from fuel.testing.contract import verify
-
     names = _entry_names(args.names)
     if names is None:
         return 2
-    results = verify(names)
+    if args.decomposed:
+        from fuel.testing.decomposed import verify_decomposed
+
+        results = verify_decomposed(names)
+    else:
+        from fuel.testing.contract import verify
+
+        results = verify(names)
     print(f"{'impl':52} {'cases':>5} {'worst/bound':>11} {'bit-stable':>10}  result")
     for r in results:
         status = "ok" if r.ok else (r.error or (f"not bit-stable: {r.unstable}" if not r.bit_stable else "")
@@ -209,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=_inventory)
     p = sub.add_parser("verify", help="every impl against the float64 reference and bit-stability")
     p.add_argument("names", nargs="*", help="entry names (default: all)")
+    p.add_argument("--decomposed", action="store_true",
+                   help="instead: every entry's primitive lowering against each of its kernels, within the "
+                        "kernel's declared precision")
     p.set_defaults(run=_verify)
     p = sub.add_parser("compile", help="fill Numba's on-disk cache with every kernel ahead of first use")
     p.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
