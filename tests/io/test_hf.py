@@ -322,4 +322,6 @@ def test_llama3_factors_match_transformers(half: int, theta: float, factor: floa
     cfg = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, rope_parameters=params)
     inv, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, None)
     base_inv = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    np.testing.assert_allclose(base_inv / llama3_factors(params, head_dim), inv.numpy(), rtol=2e-6)
+    # transformers computes in float32: its pow over a base up to 1e6 and the smooth band's blend round to a few
+    # 1e-6, up to 2.3e-5 at the band's edges (measured over 20 000 random draws); a wrong rule moves it by O(1)
+    np.testing.assert_allclose(base_inv / llama3_factors(params, head_dim), inv.numpy(), rtol=1e-4)

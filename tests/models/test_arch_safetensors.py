@@ -17,6 +17,7 @@ import torch
 
 from fuel.io.hf import open_source
 from fuel.models.llama import LlamaModel
+from tests.models.arch_oracle import fuel_greedy
 from tests.models.hf_dirs import VOCAB, WINDOW, hf_model, save_dir
 from tests.models.oracles import hf_greedy
 
@@ -27,22 +28,11 @@ DECODERS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 SEEDS = {"gemma2": 1}  # seeds whose greedy continuation is not one token repeated
 
 
-def _fuel_greedy(model: LlamaModel, ids: list[int], steps: int = STEPS) -> tuple[list[int], np.ndarray]:
-    logits = model.prefill(ids)
-    first = np.asarray(logits, np.float64)
-    toks: list[int] = []
-    for _ in range(steps):
-        toks.append(int(np.argmax(logits)))
-        if len(toks) < steps:
-            logits = model.decode(toks[-1])
-    return toks, first
-
-
 def _check(model: Any, path: Path, rtol: float = 1e-4, quantize: str | None = None) -> None:
     src = open_source(path, quantize=quantize)
     fuel = LlamaModel(src, CAPACITY)
     want_toks, want = hf_greedy(model, PROMPT, STEPS)
-    got_toks, got = _fuel_greedy(fuel, PROMPT)
+    got_toks, got = fuel_greedy(fuel, PROMPT)
     scale = np.abs(want).max()  # one row: the last position's logits
     assert np.abs(got - want).max() <= rtol * scale, (np.abs(got - want).max(), scale)
     assert got_toks == want_toks
@@ -85,7 +75,7 @@ def test_mamba_from_safetensors(tmp_path: Path) -> None:
 
     model = hf_model("mamba")
     fuel = MambaModel(open_source(save_dir(model, tmp_path / "mamba")), CAPACITY)
-    got_toks, got = _fuel_greedy(fuel, PROMPT)   # type: ignore[arg-type]
+    got_toks, got = fuel_greedy(fuel, PROMPT)   # type: ignore[arg-type]
     ids, want_toks = list(PROMPT), []
     with torch.inference_mode():
         want = model(torch.tensor([ids])).logits[0, -1].double().numpy()

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,12 +57,14 @@ from fuel.io.gguf_format import (
     SUPPORTED_VERSIONS,
     Cursor,
     GGUFError,
+    GGUFKeyError,
     GGUFNotFound,
     MissingDependency,
     UnsupportedTensorType,
     ggml_type_name,
     need_gguf,
 )
+from fuel.io.source import ModelSource
 from fuel.quant import QuantType
 
 if TYPE_CHECKING:
@@ -79,14 +81,6 @@ __all__ = [
     "bundled_gguf",
     "open_gguf",
 ]
-
-
-class GGUFKeyError(GGUFError, KeyError):
-    """A metadata key or a tensor the file does not have (a KeyError too, as a mapping's lookup raises).
-    Its message names the key and the file."""
-
-    def __str__(self) -> str:  # KeyError's own would quote the message as a repr
-        return str(self.args[0]) if self.args else ""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,8 +248,9 @@ class GGUFTensor:
 # Files
 
 
-class GGUFFile:
-    """A GGUF file, mapped read-only: `metadata`, and `tensors` by name (in file order)."""
+class GGUFFile(ModelSource[GGUFTensor]):
+    """A GGUF file, mapped read-only: `metadata`, and `tensors` by name (in file order); hparam, names and
+    lookups as every `fuel.io.source.ModelSource` has them."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -348,34 +343,6 @@ class GGUFFile:
         if not isinstance(arch, str):
             raise GGUFError(f"{self.path}: metadata has no string general.architecture")
         return arch
-
-    def hparam(self, key: str, default: Any = ...) -> Any:
-        """An architecture hyper-parameter: `hparam("block_count")` reads `<arch>.block_count`."""
-        full = f"{self.architecture}.{key}"
-        if full in self.metadata:
-            return self.metadata[full]
-        if default is not ...:
-            return default
-        raise GGUFKeyError(f"{self.path}: metadata has no {full!r}")
-
-    def names(self) -> list[str]:
-        """Tensor names in file order."""
-        return list(self.tensors)
-
-    def __getitem__(self, name: str) -> GGUFTensor:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise GGUFKeyError(f"{self.path}: no tensor {name!r} among its {len(self.tensors)} tensors") from None
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[GGUFTensor]:
-        return iter(self.tensors.values())
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:

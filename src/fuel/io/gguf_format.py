@@ -18,6 +18,14 @@ class GGUFError(FuelError, ValueError):
     """A GGUF file is malformed, or something it does not hold was asked of it."""
 
 
+class GGUFKeyError(GGUFError, KeyError):
+    """A metadata key or a tensor the file does not have (a KeyError too, as a mapping's lookup raises).
+    Its message names the key and the file."""
+
+    def __str__(self) -> str:  # KeyError's own would quote the message as a repr
+        return str(self.args[0]) if self.args else ""
+
+
 class GGUFNotFound(GGUFError, FileNotFoundError):
     """The GGUF file does not exist."""
 

@@ -34,7 +34,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,11 @@ import ml_dtypes
 import numpy as np
 
 from fuel.errors import ParamError
-from fuel.io.gguf import GGUFFile, GGUFKeyError, GGUFTensor, open_gguf
+from fuel.io.gguf import GGUFFile, GGUFTensor, open_gguf
 from fuel.io.gguf_format import need_gguf
 from fuel.io.hf_config import Config, HFError, decoder_metadata, mamba_metadata
 from fuel.io.hf_names import TABLES, Rule, ignored, match
+from fuel.io.source import ModelSource
 
 __all__ = ["QUANTIZE_CHOICES", "HFError", "HFModelDir", "HFTensor", "open_source", "read_safetensors"]
 
@@ -131,7 +132,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-class HFModelDir:
+class HFModelDir(ModelSource[HFTensor]):
     """A Hugging Face model directory as a GGUF source (module doc)."""
 
     def __init__(self, path: str | os.PathLike[str], quantize: str | None = None) -> None:
@@ -264,33 +265,6 @@ class HFModelDir:
     @property
     def architecture(self) -> str:
         return self.table.arch
-
-    def hparam(self, key: str, default: Any = ...) -> Any:
-        """`<arch>.<key>` of the metadata (GGUFFile.hparam)."""
-        full = f"{self.architecture}.{key}"
-        if full in self.metadata:
-            return self.metadata[full]
-        if default is not ...:
-            return default
-        raise GGUFKeyError(f"{self.path}: metadata has no {full!r}")
-
-    def names(self) -> list[str]:
-        return list(self.tensors)
-
-    def __getitem__(self, name: str) -> HFTensor:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise GGUFKeyError(f"{self.path}: no tensor {name!r} among its {len(self.tensors)} tensors") from None
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def __iter__(self) -> Iterator[HFTensor]:
-        return iter(self.tensors.values())
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def open_source(path: str | os.PathLike[str], quantize: str | None = None) -> GGUFFile | HFModelDir:
