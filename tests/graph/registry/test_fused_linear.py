@@ -258,3 +258,14 @@ def test_property_shapes(batch: list[tuple[int, int]], shared: bool, m: int, k: 
     sb = (k, n) if shared else b_batch + (k, n)
     a, b, bias = _rand(rng, a_batch + (m, k), DType.F32), _rand(rng, sb, DType.F32), _rand(rng, (n,), DType.F32)
     check(fl.ops.fused_linear(a, b, bias).numpy(), a, b, bias, DType.F32)
+
+
+def test_pattern_refuses_a_bias_along_the_wrong_axis() -> None:
+    rng = np.random.default_rng(9)
+    x, w = (fl.tensor(_rand(rng, s, DType.F32)) for s in [(4, 6), (6, 4)])
+    col = fl.tensor(_rand(rng, (4, 1), DType.F32))  # one bias per row, not per output column
+    (root,) = fuse([(x @ w + col).node], default_registry())
+    assert root.op is Op.ADD
+    row = fl.tensor(_rand(rng, (4,), DType.F32))
+    (root,) = fuse([(x @ w + row).node], default_registry())
+    assert root.op is Op.FUSED and root.arg[0] == FusedOps.FUSED_LINEAR

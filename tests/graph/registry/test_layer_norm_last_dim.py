@@ -336,3 +336,18 @@ def test_property_forward_and_grad(dims: list[int], seed: int, eps: float, dt: D
     eps = eps if shape[-1] != 2 else 0.5
     dx = layer_norm_last_dim_backward(x64, g64, eps)
     assert_close_rowwise(dx.numpy(), _oracle_grad(x64, g64, eps), DType.F64, backward=True)
+
+
+def test_pattern_refuses_a_wrong_axis_or_another_input() -> None:
+    from fuel.graph.node import topo_order
+
+    x = fl.tensor(_rand((3, 4, 8), DType.F32, 8))
+    z = fl.tensor(_rand((3, 4, 8), DType.F32, 9))
+    c0 = x - x.mean(0, keepdim=True)  # centred along axis 0, normalised along the last
+    c1 = x - x.mean(-1, keepdim=True)
+    cz = x - z.mean(-1, keepdim=True)  # centred by another tensor's mean
+    for y in (c0 / (c0 * c0).mean(-1, keepdim=True).add(EPS).sqrt(),
+              c1 * (c1 * c1).mean(1, keepdim=True).add(EPS).rsqrt(),
+              cz / (cz * cz).mean(-1, keepdim=True).add(EPS).sqrt()):
+        nodes = topo_order(fuse([y.node], default_registry()))
+        assert not any(n.op is Op.FUSED and n.arg[0] == FusedOps.LAYER_NORM_LAST_DIM for n in nodes)

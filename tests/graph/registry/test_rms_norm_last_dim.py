@@ -324,3 +324,15 @@ def test_property_forward_and_grad(dims: list[int], seed: int, eps: float, dt: D
     eps = eps if shape[-1] > 1 else 0.5  # see test_backward_entry_matches_torch_autograd
     dx = rms_norm_last_dim_backward(x64, g64, eps)
     assert_close_rowwise(dx.numpy(), _oracle_grad(x64, g64, eps), DType.F64, backward=True)
+
+
+def test_pattern_refuses_a_wrong_axis_or_another_input() -> None:
+    from fuel.graph.node import topo_order
+
+    x = fl.tensor(_rand((3, 4, 8), DType.F32, 8))
+    z = fl.tensor(_rand((3, 4, 8), DType.F32, 9))
+    for y in (x / (x * x).mean(1, keepdim=True).add(EPS).sqrt(),  # the norm of axis 1
+              x * (x * x).mean(0, keepdim=True).add(EPS).rsqrt(),
+              x / (z * z).mean(-1, keepdim=True).add(EPS).sqrt()):  # the mean square of another tensor
+        nodes = topo_order(fuse([y.node], default_registry()))
+        assert not any(n.op is Op.FUSED and n.arg[0] == FusedOps.RMS_NORM_LAST_DIM for n in nodes)

@@ -259,3 +259,13 @@ def test_property_shapes(lead: list[int], seq: int, half: int, seed: int, dt: DT
     rng = np.random.default_rng(seed)
     x, c, s = _inputs(rng, (*lead, seq, 2 * half), dt)
     assert_close_rope(fl.ops.rope(x, c, s).numpy(), _t64(x), _t64(c), _t64(s), dt)
+
+
+def test_pattern_refuses_a_rotation_of_another_axis() -> None:
+    from fuel.graph.node import topo_order
+
+    rng = np.random.default_rng(8)
+    x, c, s = (fl.tensor(a) for a in _inputs(rng, (2, 6, 8), DType.F32))
+    rows = fl.concat([-x[..., 3:, :], x[..., :3, :]], axis=-2)  # rotate-half of the positions, not the dims
+    nodes = topo_order(fuse([(x * c + rows * s).node], default_registry()))
+    assert not any(n.op is Op.FUSED and n.arg[0] == FusedOps.ROPE for n in nodes)

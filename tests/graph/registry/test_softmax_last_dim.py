@@ -171,3 +171,41 @@ def test_softmax_rows_sum_to_one_for_any_shape(shape: list[int], scale: float, d
     assert np.abs(sums - 1.0).max() <= ROW_SUM_TOL[dt], sums
     want = torch.softmax(torch.from_numpy(x.astype(np.float64)), -1).numpy()
     assert_close_softmax(got, want, dt, x)
+
+
+def _fused_ids_of(*ys: fl.Tensor) -> set[int]:
+    """The fused entries the fuse pass puts in the plan of `ys` (roots and everything below)."""
+    from fuel.graph.node import topo_order
+
+    return {n.arg[0] for n in topo_order(fuse([y.node for y in ys], default_registry())) if n.op is Op.FUSED}
+
+
+def test_pattern_refuses_a_wrong_axis_or_another_input() -> None:
+    x = fl.tensor(np.zeros((3, 4, 5), np.float32))
+    z = fl.tensor(np.ones((3, 4, 5), np.float32))
+    e = (x - x.max(1, keepdim=True)).exp()
+    assert FusedOps.SOFTMAX_LAST_DIM not in _fused_ids_of(e / e.sum(1, keepdim=True))  # a softmax of axis 1
+    e = (x - x.max(-1, keepdim=True)).exp()
+    assert FusedOps.SOFTMAX_LAST_DIM not in _fused_ids_of(e / e.sum(0, keepdim=True))  # mixed axes
+    e = (x - z.max(-1, keepdim=True)).exp()
+    assert FusedOps.SOFTMAX_LAST_DIM not in _fused_ids_of(e / e.sum(-1, keepdim=True))  # max of another tensor
+
+
+def test_backward_pattern_fuses_the_user_expression_and_guards(rng: np.random.Generator) -> None:
+    y_np = torch.softmax(torch.randn(4, 11, dtype=torch.float64), -1).numpy().astype(np.float32)
+    g_np = rng.standard_normal((4, 11)).astype(np.float32)
+    y, g = fl.tensor(y_np), fl.tensor(g_np)
+    expr = y * (g - (g * y).sum(-1, keepdim=True))
+    (root,) = fuse([expr.node], default_registry())
+    assert root.op is Op.FUSED and root.arg[0] == FusedOps.SOFTMAX_LAST_DIM_BACKWARD
+    assert root.inputs == (y.node, g.node)
+    want = torch._softmax_backward_data(torch.from_numpy(g_np.astype(np.float64)),
+                                        torch.from_numpy(y_np.astype(np.float64)), -1, torch.float64).numpy()
+    assert_close_rowwise(fl.realize(expr)[0].numpy(), want, DType.F32, backward=True)
+    s = (g * y).sum(-1, keepdim=True)
+    assert FusedOps.SOFTMAX_LAST_DIM_BACKWARD not in _fused_ids_of(y * (g - s), s)  # the sum read elsewhere
+    y3, g3 = fl.tensor(np.ones((2, 3, 4), np.float32)), fl.tensor(np.ones((2, 3, 4), np.float32))
+    wrong_axis = y3 * (g3 - (g3 * y3).sum(1, keepdim=True))
+    assert FusedOps.SOFTMAX_LAST_DIM_BACKWARD not in _fused_ids_of(wrong_axis)
+    other = fl.tensor(y_np[::-1].copy())
+    assert FusedOps.SOFTMAX_LAST_DIM_BACKWARD not in _fused_ids_of(y * (g - (g * other).sum(-1, keepdim=True)))

@@ -11,12 +11,12 @@ Output `[..., M, N]` in the common dtype of the three inputs.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.node import Node, Op, Shape
+from fuel.graph.passes.template import Bound, Wild, template_pattern
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
@@ -123,26 +123,21 @@ def _unexpand(bb: Node, a_shape: Shape) -> Node:
     return bb
 
 
-def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
-    """Add(MatMul(a, b'), BroadcastTo(bias)) in either operand order (b' may be b expanded).
+def _recipe(a: Wild, b: Wild, bias: Wild) -> Tensor:
+    return decompose([a, b, bias], FusedLinearParams())
 
-    The MatMul must feed only this Add (else fusing would compute the product twice). View nodes
-    (the broadcasts of bias and b) are not guarded: they cost nothing, so another reader keeping
-    one alive duplicates no work, and CSE often shares `BroadcastTo(w)` between projections.
-    """
-    if node.op is not Op.ADD or not node.dtype.is_float:
+
+def _build(m: Bound) -> Match | None:
+    """b may be b expanded (views only), bias a broadcast [N]. The MatMul is guarded (fusing a product
+    read elsewhere would compute it twice); the views of b and bias are free, and CSE often shares
+    `BroadcastTo(w)` between projections. The fuse pass checks the match against the rules."""
+    a, bb, bias = m.node("a"), m.node("b"), m.node("bias")
+    if bias.shape != bb.shape[-1:]:
         return None
-    for mm, other in (node.inputs, node.inputs[::-1]):
-        if mm.op is not Op.MATMUL or counts[mm] != 1:
-            continue
-        n = mm.shape[-1]
-        bias = other.inputs[0] if other.op is Op.BROADCAST_TO else other
-        if bias.shape != (n,):
-            continue
-        a, bb = mm.inputs
-        # The fuse pass checks the match against the shape and dtype rules before using it.
-        return Match((a, _unexpand(bb, a.shape), bias), FusedLinearParams())
-    return None
+    return Match((a, _unexpand(bb, a.shape), bias), FusedLinearParams())
+
+
+pattern = template_pattern(_recipe, build=_build, shapes={"a": (2, 3, 4), "b": (2, 4, 5), "bias": (5,)})
 
 
 def _fold_reps(t: Tensor, b_shape: Shape) -> Tensor:

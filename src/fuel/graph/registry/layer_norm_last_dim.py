@@ -3,21 +3,17 @@ no affine weight or bias)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fuel.graph.node import Node, Op
-from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
+from fuel.graph.passes.template import Bound, Scalar, Wild, template_pattern
 from fuel.graph.registry import BackwardKind, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.registry.rms_norm_last_dim import (
     NormParams,
-    match_root_ms,
     norm_dtype_rule,
     norm_shape_rule,
     normable,
-    scaled_by_root_ms,
-    square_of,
+    valid_eps,
 )
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
@@ -36,29 +32,21 @@ def decompose(inputs: list[Tensor], params: LayerNormLastDimParams) -> Tensor:
     return centered / (centered * centered).mean(-1, keepdim=True).add(params.eps).sqrt()
 
 
-def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
-    """Div(c, bcast(Sqrt(AddScalar(eps)(keepdim MeanDim(c²))))) with c = Sub(x, bcast(keepdim
-    MeanDim(x))); or Mul(c, bcast(Rsqrt(...))) in either operand order."""
-    if not node.dtype.is_float:
-        return None
-    for centered, denom, root_op in scaled_by_root_ms(node):
-        if centered.op is not Op.SUB or not normable(centered):
-            continue
-        found = match_root_ms(denom, centered.shape, root_op)
-        if found is None:
-            continue
-        sq, eps, interior = found
-        if not square_of(sq, centered):
-            continue
-        x, bmean = centered.inputs
-        mean = broadcast_keepdim_last(bmean, Op.MEAN_DIM, None, x.shape)
-        if mean is None or mean[0] is not x:
-            continue
-        # `centered` feeds the root and the square (twice when spelled c * c), nothing else.
-        uses = 1 + (2 if sq.op is Op.MUL else 1)
-        if counts[centered] == uses and only_used_once(counts, [*interior, *mean[1]]):
-            return Match((x,), LayerNormLastDimParams(eps))
-    return None
+def _recipe(x: Wild, eps: Scalar) -> Tensor:
+    return decompose([x], LayerNormLastDimParams(eps))
+
+
+def _by_rsqrt(x: Wild, eps: Scalar) -> Tensor:
+    centered = x - x.mean(-1, keepdim=True)
+    return centered * (centered * centered).mean(-1, keepdim=True).add(eps).rsqrt()
+
+
+def _build(m: Bound) -> Match | None:
+    x, eps = m.node("x"), m.scalar("eps")
+    return Match((x,), LayerNormLastDimParams(eps)) if normable(x) and valid_eps(eps) else None
+
+
+pattern = template_pattern(_recipe, build=_build, variants=[_by_rsqrt])
 
 
 def vjp(inputs: list[Tensor], params: LayerNormLastDimParams, out: Tensor,

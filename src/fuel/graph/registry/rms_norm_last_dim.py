@@ -1,13 +1,12 @@
 """RmsNormLastDim (id 3): x / sqrt(mean(x², last) + eps), no affine weight.
 
 The rules and pattern pieces shared by the whole norm family (entries 3, 4, 8, 9) live here too:
-the eps check, the params, the shape/dtype rules and the matcher of `sqrt(mean(v², last) + eps)`.
+the eps check, the params and the shape/dtype rules.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -15,8 +14,8 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import ParamError, ShapeError
-from fuel.graph.node import Node, Op, Shape
-from fuel.graph.passes.pattern import keepdim_last, only_used_once, unbroadcast
+from fuel.graph.node import Node, Shape
+from fuel.graph.passes.template import Bound, Scalar, Wild, template_pattern
 from fuel.graph.registry import BackwardKind, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.registry.common import gradient_dtype
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
@@ -72,44 +71,6 @@ def norm_dtype_rule(dtypes: tuple[DType, ...], params: NormParams) -> DType:
     return gradient_dtype(params.OP, ("x", "upstream gradient"), dtypes)
 
 
-def square_of(sq: Node, v: Node) -> bool:
-    """sq is v² in any spelling a user writes: v * v, v.square(), v ** 2."""
-    if sq.op is Op.MUL:
-        return sq.inputs[0] is v and sq.inputs[1] is v
-    if sq.op is Op.SQR:
-        return sq.inputs[0] is v
-    return sq.op is Op.POWI and sq.arg == 2 and sq.inputs[0] is v
-
-
-def match_root_ms(denom: Node, shape: Shape, root_op: Op) -> tuple[Node, float, list[Node]] | None:
-    """`denom` = bcast(ROOT_OP(keepdim mean(sq, last) + eps)) with sq of `shape`.
-
-    Returns (sq, eps, the interior nodes) so the caller can check sq squares its value and guard
-    every interior node. ROOT_OP is SQRT (divided by) or RSQRT (multiplied by).
-    """
-    root, nodes = unbroadcast(denom, shape)
-    if root.op is not root_op:
-        return None
-    add = root.inputs[0]
-    if add.op is not Op.ADD_SCALAR or not valid_eps(add.arg):
-        return None
-    found = keepdim_last(add.inputs[0], Op.MEAN_DIM, None)
-    if found is None or found[0].shape != shape:
-        return None
-    sq, kd = found
-    return sq, float(add.arg), [*nodes, root, add, *kd, sq]
-
-
-def scaled_by_root_ms(node: Node) -> list[tuple[Node, Node, Op]]:
-    """The (value, denominator, root op) readings of a DIV by sqrt or a MUL by rsqrt (either side)."""
-    if node.op is Op.DIV:
-        return [(node.inputs[0], node.inputs[1], Op.SQRT)]
-    if node.op is Op.MUL:
-        a, b = node.inputs
-        return [(a, b, Op.RSQRT), (b, a, Op.RSQRT)]
-    return []
-
-
 def normable(x: Node) -> bool:
     """A pattern must not propose a node the shape/dtype rules would reject."""
     return x.dtype.is_float and bool(x.shape) and x.shape[-1] > 0
@@ -131,20 +92,21 @@ def decompose(inputs: list[Tensor], params: RmsNormLastDimParams) -> Tensor:
     return x / (x * x).mean(-1, keepdim=True).add(params.eps).sqrt()
 
 
-def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
-    """Div(x, bcast(Sqrt(AddScalar(eps)(keepdim MeanDim(last)(x²))))), or Mul(x, bcast(Rsqrt(...)))."""
-    if not node.dtype.is_float:
-        return None
-    for x, denom, root_op in scaled_by_root_ms(node):
-        if not normable(x):
-            continue
-        found = match_root_ms(denom, x.shape, root_op)
-        if found is None:
-            continue
-        sq, eps, interior = found
-        if square_of(sq, x) and only_used_once(counts, interior):
-            return Match((x,), RmsNormLastDimParams(eps))
-    return None
+def _recipe(x: Wild, eps: Scalar) -> Tensor:
+    return decompose([x], RmsNormLastDimParams(eps))
+
+
+def _by_rsqrt(x: Wild, eps: Scalar) -> Tensor:
+    return x * (x * x).mean(-1, keepdim=True).add(eps).rsqrt()
+
+
+def _build(m: Bound) -> Match | None:
+    x, eps = m.node("x"), m.scalar("eps")
+    return Match((x,), RmsNormLastDimParams(eps)) if normable(x) and valid_eps(eps) else None
+
+
+# x², x.square() and x ** 2 read alike; so do the operand orders of the product.
+pattern = template_pattern(_recipe, build=_build, variants=[_by_rsqrt])
 
 
 def vjp(inputs: list[Tensor], params: RmsNormLastDimParams, out: Tensor,

@@ -8,14 +8,13 @@ the table halves are duplicated), and cos and sin get gradients too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fuel.dtype import DType
 from fuel.errors import ShapeError
 from fuel.graph.functions import concat
-from fuel.graph.node import Node, Op, Shape
-from fuel.graph.passes.pattern import unbroadcast
+from fuel.graph.node import Shape
+from fuel.graph.passes.template import Wild, template_pattern
 from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.registry.common import float_like_first, operand_nodes
 from fuel.graph.tensor import Tensor, TensorLike
@@ -56,58 +55,14 @@ def decompose(inputs: list[Tensor], params: RopeParams) -> Tensor:
     return x * cos + rotate_half(x) * sin
 
 
-def _half_slice(n: Node, x: Node, hi: bool) -> bool:
-    """n = x[..., D/2:] (hi) or x[..., :D/2] (lo)."""
-    if n.op is not Op.SLICE or n.inputs[0] is not x:
-        return False
-    d = x.shape[-1]
-    want = (d // 2, d, 1) if hi else (0, d // 2, 1)
-    return tuple(n.arg) == (*((0, k, 1) for k in x.shape[:-1]), want)
+def _recipe(x: Wild, cos: Wild, sin: Wild) -> Tensor:
+    return decompose([x, cos, sin], RopeParams())
 
 
-def _rotated(n: Node) -> Node | None:
-    """The x of `n = concat(neg(x[..., D/2:]), x[..., :D/2])` along the last axis."""
-    if n.op is not Op.CONCAT or len(n.inputs) != 2 or n.arg != len(n.shape) - 1:
-        return None
-    neg, lo = n.inputs
-    if neg.op is not Op.NEG or lo.op is not Op.SLICE:
-        return None
-    x = lo.inputs[0]
-    if x.shape != n.shape or not _half_slice(neg.inputs[0], x, True) or not _half_slice(lo, x, False):
-        return None
-    return x
-
-
-def _table(n: Node, shape: Shape) -> Node | None:
-    """The [S, D] table behind `n` (a broadcast of it to x's shape, or itself when x is rank 2)."""
-    t, _ = unbroadcast(n, shape)
-    return t if t.shape == shape[-2:] else None
-
-
-def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
-    """Add(Mul(x, bcast(cos)), Mul(concat(neg(x[..., h:]), x[..., :h]), bcast(sin))).
-
-    Both operand orders of the Add and of each Mul. The Muls, the Neg and the Concat must have no
-    other reader (fusing would compute them twice); broadcasts and slices are free views and are not
-    guarded, so tables broadcast once and shared by q and k still fuse.
-    """
-    if node.op is not Op.ADD or not node.dtype.is_float or len(node.shape) < 2 or node.shape[-1] % 2:
-        return None
-    for m_cos, m_sin in (node.inputs, node.inputs[::-1]):
-        if m_cos.op is not Op.MUL or m_sin.op is not Op.MUL:
-            continue
-        for rot, bsin in (m_sin.inputs, m_sin.inputs[::-1]):
-            x = _rotated(rot)
-            sin = _table(bsin, node.shape)
-            if x is None or sin is None:
-                continue
-            for xx, bcos in (m_cos.inputs, m_cos.inputs[::-1]):
-                cos = _table(bcos, node.shape)
-                if xx is not x or cos is None or cos.dtype is not x.dtype or sin.dtype is not x.dtype:
-                    continue
-                if all(counts[k] == 1 for k in (m_cos, m_sin, rot, rot.inputs[0])):
-                    return Match((x, cos, sin), RopeParams())
-    return None
+# Both operand orders of the Add and of each Mul. Broadcasts and slices of x and the tables are free
+# views (tables broadcast once and shared by q and k still fuse); the Muls, Neg and Concat are guarded.
+pattern = template_pattern(_recipe, build=lambda m: Match((m["x"], m["cos"], m["sin"]), RopeParams()),
+                           shapes={"x": (2, 3, 4, 8), "cos": (4, 8), "sin": (4, 8)})
 
 
 def _table_sum(t: Tensor) -> Tensor:

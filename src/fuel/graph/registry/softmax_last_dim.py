@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
-from fuel.graph.node import Node, Op, Shape
-from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
+from fuel.graph.node import Shape
+from fuel.graph.passes.template import Wild, template_pattern
 from fuel.graph.registry import BackwardKind, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 
@@ -40,24 +39,11 @@ def decompose(inputs: list[Tensor], params: SoftmaxLastDimParams) -> Tensor:
     return e / e.sum(-1, keepdim=True)
 
 
-def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
-    """Div(e, bcast(keepdim sum(e))) with e = Exp(Sub(x, bcast(keepdim max(x))))."""
-    if node.op is not Op.DIV or not node.dtype.is_float:
-        return None
-    e, denom = node.inputs
-    if e.op is not Op.EXP or counts[e] != 2:
-        return None
-    summed = broadcast_keepdim_last(denom, Op.SUM_DIM, Op.REDUCE_SUM_TO, e.shape)
-    sub = e.inputs[0]
-    if summed is None or summed[0] is not e or sub.op is not Op.SUB:
-        return None
-    x, shifted = sub.inputs
-    maxed = broadcast_keepdim_last(shifted, Op.MAX_DIM, Op.REDUCE_MAX_TO, x.shape)
-    if maxed is None or maxed[0] is not x:
-        return None
-    if not only_used_once(counts, [sub, *summed[1], *maxed[1]]):
-        return None
-    return Match((x,), SoftmaxLastDimParams())
+def _recipe(x: Wild) -> Tensor:
+    return decompose([x], SoftmaxLastDimParams())
+
+
+pattern = template_pattern(_recipe, build=lambda m: Match((m["x"],), SoftmaxLastDimParams()))
 
 
 def vjp(inputs: list[Tensor], params: SoftmaxLastDimParams, out: Tensor, grad_out: Tensor) -> list[Tensor | None]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fuel.dtype import DType
 from fuel.errors import ShapeError
-from fuel.graph.node import Node, Op, Shape
-from fuel.graph.passes.pattern import broadcast_keepdim_last, only_used_once
+from fuel.graph.node import Shape
+from fuel.graph.passes.template import Wild, template_pattern
 from fuel.graph.registry import FusedOps, Match, fused_node, vjp_by_decomposition
 from fuel.graph.registry.common import gradient_dtype, gradient_entry, operand_nodes
 from fuel.graph.tensor import Tensor, TensorLike
@@ -39,23 +38,11 @@ def decompose(inputs: list[Tensor], params: SoftmaxLastDimBackwardParams) -> Ten
     return y * (g - (g * y).sum(-1, keepdim=True))
 
 
-def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
-    """Mul(y, Sub(g, bcast(keepdim sum(Mul(g, y)))))."""
-    if node.op is not Op.MUL or not node.dtype.is_float:
-        return None
-    y, diff = node.inputs
-    if diff.op is not Op.SUB:
-        return None
-    g, bsum = diff.inputs
-    found = broadcast_keepdim_last(bsum, Op.SUM_DIM, Op.REDUCE_SUM_TO, y.shape)
-    if found is None or found[0].op is not Op.MUL:
-        return None
-    prod = found[0]
-    if set(prod.inputs) != {g, y} or y is g:
-        return None
-    if not only_used_once(counts, [diff, prod, *found[1]]):
-        return None
-    return Match((y, g), SoftmaxLastDimBackwardParams())
+def _recipe(y: Wild, g: Wild) -> Tensor:
+    return decompose([y, g], SoftmaxLastDimBackwardParams())
+
+
+pattern = template_pattern(_recipe, build=lambda m: Match((m["y"], m["g"]), SoftmaxLastDimBackwardParams()))
 
 
 def softmax_last_dim_backward(y: TensorLike, g: TensorLike) -> Tensor:
