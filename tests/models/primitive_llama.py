@@ -10,7 +10,7 @@ one state dict loads into both; the difference is only the spelling:
   transformers' `repeat_kv` (an expand and a reshape), the causal mask applied with `where` from a
   lower-triangular constant, the softmax spelled `exp(s - max) / sum(exp(s - max))`;
 - the loss is a max-shifted log-softmax, the target column gathered, ignored targets masked with `where`,
-  and the sum divided by the number of counted rows.
+  and the sum divided by the number of counted rows (at least 1).
 
 The fuse pass is what turns these spellings into the fused entries the hand-fused model calls directly;
 `test_primitive_llama.py` checks that it does and that both models compute the same loss and gradients.
@@ -70,12 +70,13 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 def cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int) -> Tensor:
-    """Mean negative log-likelihood over the rows whose target is not `ignore_index`."""
+    """Mean negative log-likelihood over the rows whose target is not `ignore_index`, 0 when none is (the count
+    kept at least 1, so an all-ignored batch gives 0 as `fuel.nn.Llama.loss` does, not 0 / 0)."""
     shifted = logits - logits.max(-1, keepdim=True)
     log_probs = shifted - shifted.exp().sum(-1, keepdim=True).log()
     valid = targets != ignore_index
     picked = log_probs.gather(-1, fl.where(valid, targets, 0).unsqueeze(-1)).squeeze(-1)
-    return fl.where(valid, -picked, 0.0).sum() / valid.cast(f32).sum()
+    return fl.where(valid, -picked, 0.0).sum() / valid.cast(f32).sum().maximum(1.0)
 
 
 class PrimitiveLlama(Llama):

@@ -131,3 +131,14 @@ def test_the_models_share_one_state_dict() -> None:
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg.to_hf()))
     assert set(nn.get_state_dict(prim)) == set(hf.state_dict())
 
+
+
+def test_a_batch_with_every_target_ignored_has_loss_and_gradients_zero() -> None:
+    """As `fuel.nn.Llama.loss` documents (torch's mean over no rows is NaN, so torch is no oracle here)."""
+    prim, fused = pair(config(2, True), seed=9)
+    x = np.random.default_rng(1).integers(0, VOCAB, (2, 5))
+    y = np.full_like(x, -100)
+    for model in (prim, fused):
+        loss, grads = loss_and_grads(model, x, y)
+        assert loss == 0.0
+        assert all(not g.any() for g in grads.values())
