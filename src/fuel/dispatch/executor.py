@@ -52,11 +52,21 @@ class Trace:
     plans_built: int = 0
     plans_reused: int = 0
 
+    @property
+    def copies(self) -> int:
+        """How many inputs the executor made contiguous (copied) for kernels that read only contiguous ones."""
+        return sum(r.copies for r in self.records)
+
+    @property
+    def copied(self) -> list[TraceRecord]:
+        """The runs that copied an input, in order."""
+        return [r for r in self.records if r.copies]
+
     def __str__(self) -> str:
         lines = [f"{'node':44} {'impl':44} {'ms':>9} copies"]
         for r in self.records:
             lines.append(f"{r.node[:44]:44} {r.impl[:44]:44} {r.seconds * 1e3:9.3f} {r.copies:6}")
-        lines.append(f"plans built {self.plans_built}, reused {self.plans_reused}")
+        lines.append(f"plans built {self.plans_built}, reused {self.plans_reused}, input copies {self.copies}")
         return "\n".join(lines)
 
 
@@ -313,7 +323,8 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
               check: Sequence[int] | None = None, slots: list[Any] | None = None) -> tuple[Any, int]:
     """Run a fused step's kernel into `out` (allocated here when None).
 
-    Inputs at positions `check` (all when None) are made contiguous for an impl that needs it. A joint
+    Inputs at positions `check` (all when None) are made contiguous for an impl that needs it: every
+    non-contiguous one for an impl without `strided_input`, those its `caps.reads` refuses otherwise. A joint
     step also writes its siblings' outputs into `slots`. Returns the output and the number of input
     copies made. The inputs' and the output's dtypes must be the impl's registered tuple, else it is a
     KernelError and the kernel does not run: kernels read their arrays as the types they were written for.
@@ -324,10 +335,13 @@ def run_fused(step: Step, args: list[np.ndarray], out: np.ndarray | None, env: d
     if tuple(map(_DTYPE_OF, args)) != ins:
         raise KernelError(f"{impl.name}: is registered for inputs {_names(ins)}, got {_names(args)}")
     copies = 0
-    if not impl.caps.strided_input:
+    caps = impl.caps
+    if not caps.strided_input or caps.reads is not None:
+        reads = caps.reads
         for k in range(len(args)) if check is None else check:
-            if not args[k].flags.c_contiguous:
-                args[k] = np.ascontiguousarray(args[k])
+            a = args[k]
+            if not a.flags.c_contiguous and (reads is None or not reads(k, a)):
+                args[k] = np.ascontiguousarray(a)
                 copies += 1
     params = resolve(step.params, step.dyn_fields, env)
     result: Any

@@ -56,9 +56,14 @@ class PrecisionGuarantee:
 
 @dataclass(frozen=True)
 class KernelCaps:
-    """What an impl accepts beyond contiguous, offset-0, row-major inputs."""
+    """What an impl accepts beyond contiguous, offset-0, row-major inputs.
+
+    With `strided_input` the executor hands the kernel its inputs as they are (views: transposed, sliced,
+    broadcast, offset), except an input at position k that `reads(k, array)` says the kernel cannot read
+    in place, which it copies first (and counts in `fuel.trace()`); `reads` None means any layout."""
 
     strided_input: bool
+    reads: Callable[[int, np.ndarray], bool] | None = None
 
 
 CONTIGUOUS_ONLY = KernelCaps(strided_input=False)

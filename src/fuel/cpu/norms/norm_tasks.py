@@ -23,14 +23,14 @@ from fuel.cpu.norms.norm_rows import (
     rms_row,
     rms_row_rescaled,
 )
-from fuel.cpu.norms.row_tasks import BF16, ROW_ARGS, bf16_rows, native_rows
+from fuel.cpu.norms.row_tasks import BF16, ROW_ARGS, bf16_rows, native_rows, reads_rows
 from fuel.cpu.simd.half import via_f32
 from fuel.dispatch.impls import (
-    CONTIGUOUS_ONLY,
     BackendImpl,
     CostEstimate,
     CostFn,
     FusedKernelRegistry,
+    KernelCaps,
     PrecisionGuarantee,
     revision_of,
 )
@@ -160,10 +160,12 @@ Kernel = Callable[[list[np.ndarray], np.ndarray, Any], None]
 def register_norm(registry: FusedKernelRegistry, ops: tuple[FusedOpId, FusedOpId], kernels: tuple[Kernel, Kernel],
                   flops: tuple[int, int], bounds: tuple[Bounds, Bounds]) -> None:
     """A norm's forward and backward (`ops`, `kernels`, flops an element, bounds) for every float dtype:
-    f16 runs the f32 kernel on a widened copy."""
+    f16 runs the f32 kernel on a widened copy. Inputs whose rows are evenly spaced are read in place
+    (`row_tasks.row_step`)."""
     rev = revision_of(_norm)
+    caps = KernelCaps(strided_input=True, reads=reads_rows)
     for op_id, kernel, k, bound, arity in zip(ops, kernels, flops, bounds, (1, 2), strict=True):
         precision = norm_precision(bound)
         for dt in FLOAT_DTYPES:
             registry.register(BackendImpl(op_id, "cpu", via_f32(kernel) if dt == DType.F16 else kernel,
-                                          (dt,) * (arity + 1), norm_cost(k), precision[dt], CONTIGUOUS_ONLY, rev))
+                                          (dt,) * (arity + 1), norm_cost(k), precision[dt], caps, rev))

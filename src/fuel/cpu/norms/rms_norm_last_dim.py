@@ -24,12 +24,12 @@ BACKWARD_SECONDS_PER_VALUE = 1e-9  # the backward reads two rows and makes two p
 
 
 def rms_norm_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
-    """x and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
+    """x and out of one dtype among f32, f64 and bf16, rows laid out as `rows_job` reads them (None otherwise)."""
     return rows_job(NORM_TASKS, inputs, out, params.eps, SECONDS_PER_VALUE, RMS)
 
 
 def rms_norm_backward_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
-    """x, g and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
+    """x, g and out of one dtype among f32, f64 and bf16, rows laid out as `rows_job` reads them (None otherwise)."""
     return rows_job(NORM_TASKS, inputs, out, params.eps, BACKWARD_SECONDS_PER_VALUE, RMS_BACKWARD)
 
 

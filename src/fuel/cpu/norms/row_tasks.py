@@ -1,7 +1,9 @@
 """The row machinery every last-axis row kernel shares: softmax, RmsNorm, LayerNorm and their backwards.
 
-A kernel of this family sees its arrays as [rows, cols] (one or two inputs x and g of out's dtype, all
-C-contiguous) and computes each row from that row alone, in a fixed order, so a part of the job is a range
+A kernel of this family sees its arrays as [rows, cols] (one or two inputs x and g of out's dtype; out
+C-contiguous; each input with a unit-stride last axis and rows at most three strides place: C-contiguous,
+sliced, broadcast, its leading axes permuted, the record holding each input's `row_layout`) and computes
+each row from that row alone, in a fixed order, so a part of the job is a range
 of rows and the bytes do not depend on how the rows are split. Its row function has one signature,
 `row(x, g, o, eps, inv_n, one) -> bool`, the scalars in the working type (f64 for f64, else f32); it returns
 False when the row needs its fallback `redo(x, g, o, eps, inv_n, one)` (the norms' overflow path), which
@@ -31,36 +33,59 @@ from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, REAL, record_at
 
-# `kind` tells a task serving several kernels which one a job runs (norm_tasks)
-ROW_ARGS = jobs.record(x=ADDRESS, g=ADDRESS, out=ADDRESS, rows=INT, cols=INT, inputs=INT, kind=INT, eps=REAL)
+# `kind` tells a task serving several kernels which one a job runs (norm_tasks); x_* and g_* are the
+# inputs' `row_layout`s
+ROW_ARGS = jobs.record(x=ADDRESS, g=ADDRESS, out=ADDRESS, rows=INT, cols=INT, inputs=INT, kind=INT, eps=REAL,
+                       x_s0=INT, x_n1=INT, x_s1=INT, x_n2=INT, x_s2=INT,
+                       g_s0=INT, g_n1=INT, g_s1=INT, g_n2=INT, g_s2=INT)
+Layout = tuple[int, int, int, int, int]  # (s0, n1, s1, n2, s2): see row_layout
 BF16 = DType.BF16.np
 
 
 @njit(inline="always", cache=True)
-def row_arrays(argv: int, dt: Any) -> tuple[Any, Any, Any, Any]:
-    """(record, x, g, out) of a row job, the arrays [rows, cols] of type dt."""
+def row_arrays(argv: int, dt: Any) -> tuple[Any, Any]:
+    """(record, out) of a row job, out the array [rows, cols] of type dt."""
     a = record_at(argv, ROW_ARGS)
-    shape = (a.rows, a.cols)
-    return a, carray(pointer(a.x, dt), shape), carray(pointer(a.g, dt), shape), carray(pointer(a.out, dt), shape)
+    return a, carray(pointer(a.out, dt), (a.rows, a.cols))
+
+
+@njit(inline="always", cache=True)
+def row_at(base: int, s0: int, n1: int, s1: int, n2: int, s2: int, r: int, cols: int, dt: Any) -> Any:
+    """Row r of an input of `row_layout` (s0, n1, s1, n2, s2) as a contiguous [cols] array of type dt: the
+    same type a row of a C-contiguous [rows, cols] array has, so a row function compiles the same."""
+    q = r // n2
+    return carray(pointer(base + (q // n1) * s0 + (q % n1) * s1 + (r % n2) * s2, dt), (cols,))
+
+
+@njit(inline="always", cache=True)
+def x_row(a: Any, r: int, dt: Any) -> Any:
+    return row_at(a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2, r, a.cols, dt)
+
+
+@njit(inline="always", cache=True)
+def g_row(a: Any, r: int, dt: Any) -> Any:
+    return row_at(a.g, a.g_s0, a.g_n1, a.g_s1, a.g_n2, a.g_s2, r, a.cols, dt)
 
 
 @njit(inline="always", cache=True)
 def native_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) -> None:
     """Rows [part·rows/parts, (part+1)·rows/parts) of f32 or f64 (dt) arrays, straight into out."""
-    a, x, g, out = row_arrays(argv, dt)
+    a, out = row_arrays(argv, dt)
     one = dt(1)
     eps = dt(a.eps)
     inv_n = one / dt(a.cols)
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
-        if not row(x[r], g[r], out[r], eps, inv_n, one):
-            redo(x[r], g[r], out[r], eps, inv_n, one)
+        x = x_row(a, r, dt)
+        g = g_row(a, r, dt)
+        if not row(x, g, out[r], eps, inv_n, one):
+            redo(x, g, out[r], eps, inv_n, one)
 
 
 @njit(inline="always", cache=True)
 def bf16_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) -> None:
     """Rows of bf16 bits (dt is uint16): widened into f32 scratch, computed by the f32 row function,
     rounded once. (native_rows' signature, so that a task can take either.)"""
-    a, x, g, out = row_arrays(argv, dt)
+    a, out = row_arrays(argv, dt)
     n = a.cols
     one = np.float32(1)
     eps = np.float32(a.eps)
@@ -71,38 +96,73 @@ def bf16_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) ->
     fx = wx.view(np.float32)
     fg = wg.view(np.float32) if a.inputs == 2 else fx
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
-        widen_bf16_row(x[r], wx)
+        widen_bf16_row(x_row(a, r, dt), wx)
         if a.inputs == 2:
-            widen_bf16_row(g[r], wg)
+            widen_bf16_row(g_row(a, r, dt), wg)
         if not row(fx, fg, res, eps, inv_n, one):
             redo(fx, fg, res, eps, inv_n, one)
         narrow_bf16_row(res.view(np.uint32), out[r])
 
 
 @njit(cache=True)
-def _fill(x: Any, g: Any, out: Any, inputs: int, kind: int, eps: float, argv: Any) -> None:
+def _fill(x: int, g: int, out: Any, inputs: int, kind: int, eps: float, xl: Layout, gl: Layout,
+          argv: Any) -> None:
     a = argv[0]
-    a.x, a.g, a.out = x.ctypes.data, g.ctypes.data, out.ctypes.data
+    a.x, a.g, a.out = x, g, out.ctypes.data
     a.cols = out.shape[-1] if out.ndim else 1
     a.rows = out.size // a.cols
     a.inputs, a.kind = inputs, kind
     a.eps = eps
+    a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2 = xl
+    a.g_s0, a.g_n1, a.g_s1, a.g_n2, a.g_s2 = gl
+
+
+def row_layout(a: np.ndarray) -> Layout | None:
+    """Where the rows of `a` (seen as [rows, last]) lie, when they can be read in place: its last axis
+    unit-stride and its leading axes collapsing into at most three evenly strided groups. Row r, split as
+    (i0, i1, i2) over counts (·, n1, n2), starts i0·s0 + i1·s1 + i2·s2 bytes past `a`'s first element
+    (steps of any sign, 0 for a broadcast axis). None otherwise: a transposed last axis, or four groups."""
+    if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return None
+    groups: list[list[int]] = []  # [step, count], innermost first
+    for n, s in zip(reversed(a.shape[:-1]), reversed(a.strides[:-1]), strict=True):
+        if n == 1:
+            continue
+        if groups and s == groups[-1][0] * groups[-1][1]:
+            groups[-1][1] *= n
+        else:
+            groups.append([s, n])
+    if len(groups) > 3:
+        return None
+    groups += [[0, 1]] * (3 - len(groups))
+    (s2, n2), (s1, n1), (s0, _) = groups
+    return s0, n1, s1, n2, s2
+
+
+def reads_rows(k: int, a: np.ndarray) -> bool:
+    """`KernelCaps.reads` of a row kernel: every input whose `row_layout` it has is read in place."""
+    return row_layout(a) is not None
 
 
 def rows_job(tasks: Mapping[Any, pool.Task], inputs: Sequence[np.ndarray], out: np.ndarray, eps: float,
              seconds_per_value: float, kind: int = 0) -> jobs.Jobs | None:
-    """The job of a row kernel: `tasks` by out's dtype, every input of out's shape and dtype, all
-    C-contiguous (None otherwise: no task serves the call, and in native replay an eps still a DynScalar,
-    which this record holds as a value); `()` for an empty out."""
+    """The job of a row kernel: `tasks` by out's dtype, every input of out's shape and dtype with rows
+    a `row_layout`, out C-contiguous (None otherwise: no task serves the call, and in native
+    replay an eps still a DynScalar, which this record holds as a value); `()` for an empty out. The
+    record holds the inputs' addresses: the job reads the very arrays (views included) it was built on."""
     if not out.size:
         return ()
     if not isinstance(eps, numbers.Real):
         return None
     task = tasks.get(out.dtype)
-    if task is None or not all(a.dtype == out.dtype and a.shape == out.shape and a.flags.c_contiguous
-                               for a in (*inputs, out)):
+    if task is None or not out.flags.c_contiguous or not all(a.dtype == out.dtype and a.shape == out.shape
+                                                             for a in inputs):
         return None
-    x, g, o = (bits(a) if out.dtype == BF16 else a for a in (inputs[0], inputs[-1], out))
+    x, g = inputs[0], inputs[-1]
+    xl, gl = row_layout(x), row_layout(g)
+    if xl is None or gl is None:
+        return None
     argv = jobs.argv_of(ROW_ARGS)
-    _fill(x, g, o, len(inputs), kind, float(eps), argv)
+    _fill(x.ctypes.data, g.ctypes.data, bits(out) if out.dtype == BF16 else out, len(inputs), kind, float(eps),
+          xl, gl, argv)
     return jobs.job(task, argv, out.size * seconds_per_value, int(argv[0]["rows"]))

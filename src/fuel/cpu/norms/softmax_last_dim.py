@@ -14,13 +14,13 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from fuel.cpu.norms.row_tasks import BF16, bf16_rows, native_rows, rows_job
+from fuel.cpu.norms.row_tasks import BF16, bf16_rows, native_rows, reads_rows, rows_job
 from fuel.cpu.simd.half import via_f32
 from fuel.cpu.simd.vecmath import expf_nonpositive, maxnum
 from fuel.dispatch.impls import (
-    CONTIGUOUS_ONLY,
     BackendImpl,
     FusedKernelRegistry,
+    KernelCaps,
     PrecisionGuarantee,
     elementwise_cost,
     revision_of,
@@ -150,12 +150,12 @@ _BACKWARD_TASKS = {np.dtype(np.float32): _backward_f32_part, np.dtype(np.float64
 
 
 def softmax_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
-    """x and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
+    """x and out of one dtype among f32, f64 and bf16, rows laid out as `rows_job` reads them (None otherwise)."""
     return rows_job(_TASKS, inputs, out, 0.0, SECONDS_PER_VALUE)
 
 
 def softmax_backward_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
-    """y, g and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
+    """y, g and out of one dtype among f32, f64 and bf16, rows laid out as `rows_job` reads them (None otherwise)."""
     return rows_job(_BACKWARD_TASKS, inputs, out, 0.0, BACKWARD_SECONDS_PER_VALUE)
 
 
@@ -183,11 +183,13 @@ SOFTMAX_BACKWARD_PRECISION = {
 
 
 def register(registry: FusedKernelRegistry) -> None:
+    """Both entries for every float dtype; inputs whose rows are evenly spaced are read in place."""
     rev = revision_of(_softmax_f32, native_rows)
+    caps = KernelCaps(strided_input=True, reads=reads_rows)
     for dt in FLOAT_DTYPES:
         forward = via_f32(softmax_kernel) if dt == DType.F16 else softmax_kernel
         backward = via_f32(softmax_backward_kernel) if dt == DType.F16 else softmax_backward_kernel
         registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM, "cpu", forward, (dt, dt),
-                                      elementwise_cost(5), SOFTMAX_PRECISION[dt], CONTIGUOUS_ONLY, rev))
+                                      elementwise_cost(5), SOFTMAX_PRECISION[dt], caps, rev))
         registry.register(BackendImpl(FusedOps.SOFTMAX_LAST_DIM_BACKWARD, "cpu", backward, (dt, dt, dt),
-                                      elementwise_cost(4), SOFTMAX_BACKWARD_PRECISION[dt], CONTIGUOUS_ONLY, rev))
+                                      elementwise_cost(4), SOFTMAX_BACKWARD_PRECISION[dt], caps, rev))

@@ -54,10 +54,11 @@ def rows2d(a: np.ndarray) -> np.ndarray:
 
 
 def via_f32(kernel: Callable[[list[np.ndarray], np.ndarray, Any], None]) -> Callable[..., None]:
-    """Run an f32 kernel for f16 data: widen inputs exactly, compute in f32, round once into out."""
+    """Run an f32 kernel for f16 data: widen inputs exactly into C-contiguous copies (whatever their layout,
+    so a kernel that reads strided input can take the wrapper's), compute in f32, round once into out."""
 
     def run(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> None:
-        wide = [a.astype(np.float32) if a.dtype == DType.F16.np else a for a in inputs]
+        wide = [a.astype(np.float32, order="C") if a.dtype == DType.F16.np else a for a in inputs]
         tmp = POOL.empty(out.shape, np.dtype(np.float32))
         kernel(wide, tmp, params)
         np.copyto(out, tmp, casting="unsafe")

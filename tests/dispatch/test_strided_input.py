@@ -1,0 +1,163 @@
+"""Strided inputs without copies: a kernel that declares `strided_input` gets its inputs as they are
+(transposed leading axes, slices, reversed or broadcast rows, an offset start), the executor copies only
+what the impl's `caps.reads` refuses, and `fuel.trace()` counts the copies it made (`Trace.copies`).
+
+For every kernel that reads such inputs in place: no copy, the very bytes of the same values laid out
+contiguously, and torch's float64 result within the entry's row-wise tolerance. Native replay (`fl.jit`)
+posts the same jobs over views of its staged arguments, so strided views replay natively with the eager
+bytes, call after call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fuel as fl
+from fuel.dtype import DType
+from fuel.testing.oracle import assert_close_rowwise
+
+EPS = 1e-5
+T = torch.Tensor
+
+
+def _grad_of(f: Callable[[T], T]) -> Callable[[T, T], T]:
+    def backward(x: T, g: T) -> T:
+        x = x.clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(f(x), [x], g)
+        return dx
+
+    return backward
+
+
+def _rms(x: T) -> T:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, EPS)
+
+
+def _ln(x: T) -> T:
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), None, None, EPS)
+
+
+def _softmax_backward(y: T, g: T) -> T:
+    return y * (g - (g * y).sum(-1, keepdim=True))
+
+
+# entry name -> (fuel op over (x, g), torch float64 oracle over the same inputs, arity, is a backward)
+ROW_KERNELS: dict[str, tuple[Callable[..., fl.Tensor], Callable[..., T], int, bool]] = {
+    "SoftmaxLastDim": (lambda x: fl.ops.softmax_last_dim(x), lambda x: torch.softmax(x, -1), 1, False),
+    "SoftmaxLastDimBackward": (fl.ops.softmax_last_dim_backward, _softmax_backward, 2, True),
+    "RmsNormLastDim": (lambda x: fl.ops.rms_norm_last_dim(x, EPS), _rms, 1, False),
+    "RmsNormLastDimBackward": (lambda x, g: fl.ops.rms_norm_last_dim_backward(x, g, EPS), _grad_of(_rms), 2, True),
+    "LayerNormLastDim": (lambda x: fl.ops.layer_norm_last_dim(x, EPS), _ln, 1, False),
+    "LayerNormLastDimBackward": (lambda x, g: fl.ops.layer_norm_last_dim_backward(x, g, EPS), _grad_of(_ln), 2,
+                                 True),
+}
+DTYPES = [DType.F32, DType.F64, DType.BF16, DType.F16]
+
+
+@st.composite
+def layouts(draw: Any, lead: tuple[int, ...], cols: int) -> tuple[Any, ...]:
+    """How a [*lead, cols] view lies in a larger array: the order of its leading axes in memory, a step per
+    leading axis (2 skips rows, -1 reverses them), one leading axis broadcast (or none), and the slice of
+    the last axis (an offset start and a shorter row)."""
+    n = len(lead)
+    perm = tuple(draw(st.permutations(range(n))))
+    steps = tuple(draw(st.sampled_from([1, 2, -1])) for _ in range(n))
+    broadcast = draw(st.sampled_from([None, *range(n)]))
+    return perm, steps, broadcast, draw(st.integers(0, 3)), draw(st.integers(0, 3))
+
+
+def _view(rng: np.random.Generator, dt: DType, lead: tuple[int, ...], cols: int, layout: tuple[Any, ...],
+          softmax_output: bool = False) -> np.ndarray:
+    perm, steps, broadcast, start, pad = layout
+    n = len(lead)
+    full = [1 if k == broadcast else size * abs(step) for k, (size, step) in enumerate(zip(lead, steps, strict=True))]
+    base = rng.standard_normal([full[p] for p in perm] + [start + cols + pad]) * 3 + 0.5
+    if softmax_output:  # softmax's backward reads a softmax output
+        base[..., start:start + cols] = torch.softmax(torch.from_numpy(base[..., start:start + cols]), -1).numpy()
+    v = base.astype(dt.np).transpose([perm.index(k) for k in range(n)] + [n])
+    index = tuple(slice(None) if k == broadcast else slice(None, None, s) for k, s in enumerate(steps))
+    v = np.broadcast_to(v[(*index, slice(start, start + cols))], (*lead, cols))
+    assert v.shape == (*lead, cols)
+    return v
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint8)
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(sorted(ROW_KERNELS)), dt=st.sampled_from(DTYPES),
+       lead=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple), cols=st.integers(1, 40),
+       data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_row_kernels_read_strided_input_without_a_copy(name: str, dt: DType, lead: tuple[int, ...], cols: int,
+                                                       data: Any, seed: int) -> None:
+    op, oracle, arity, backward = ROW_KERNELS[name]
+    rng = np.random.default_rng(seed)
+    xs = [_view(rng, dt, lead, cols, data.draw(layouts(lead, cols)), name == "SoftmaxLastDimBackward" and k == 0)
+          for k in range(arity)]
+    with fl.trace() as t:
+        out = op(*map(fl.tensor, xs)).numpy()
+    assert [r.impl.split("[")[0] for r in t.records] == [name]
+    assert t.copies == 0, str(t)
+    dense = op(*(fl.tensor(np.ascontiguousarray(x)) for x in xs)).numpy()
+    np.testing.assert_array_equal(_bits(out), _bits(dense))
+    want = oracle(*(torch.from_numpy(x.astype(np.float64)) for x in xs)).detach().numpy()
+    if name == "SoftmaxLastDimBackward":  # the Jacobian product's terms can cancel: scale per element
+        y, g = (x.astype(np.float64) for x in xs)
+        scale = np.abs(y) * (np.abs(g) + np.abs(g * y).sum(-1, keepdims=True))
+        assert_close_rowwise(out, want, dt, backward=True, scale=scale)
+    else:
+        assert_close_rowwise(out, want, dt, backward=backward)
+
+
+def test_a_transposed_last_axis_is_still_copied_and_counted() -> None:
+    """A row kernel reads rows with a unit-stride last axis; a transposed matrix is copied (one per input)."""
+    x = np.random.default_rng(0).standard_normal((8, 5)).astype(np.float32)
+    with fl.trace() as t:
+        out = fl.ops.softmax_last_dim_backward(fl.tensor(x.T), fl.tensor(x[:, ::-1].T)).numpy()
+    assert t.copies == 2 and [r.copies for r in t.copied] == [2]
+    assert "input copies 2" in str(t)
+    dense = fl.ops.softmax_last_dim_backward(np.ascontiguousarray(x.T), np.ascontiguousarray(x[:, ::-1].T)).numpy()
+    np.testing.assert_array_equal(out, dense)
+
+
+def test_strided_views_replay_natively_with_the_eager_bytes() -> None:
+    """Views of the arguments (heads transposed, a sliced row, every other position) go to the row
+    kernels' native jobs without a copy, and each call's new values come out as eagerly."""
+
+    def step(x: fl.Tensor, g: fl.Tensor) -> tuple[fl.Tensor, ...]:
+        xv = x.transpose(1, 2)[:, :, 1:, 2:10]        # [B, H, S-1, 8] of [B, S, H, D]
+        gv = g[:, :, ::2]                             # every other row
+        y = fl.ops.softmax_last_dim(xv)
+        return fl.ops.rms_norm_last_dim(xv, EPS), y, fl.ops.layer_norm_last_dim_backward(xv, gv, EPS)
+
+    f = fl.jit(step)
+    rng = np.random.default_rng(1)
+    for call in range(3):
+        x = rng.standard_normal((2, 7, 3, 12)).astype(np.float32)
+        g = rng.standard_normal((2, 3, 12, 8)).astype(np.float32)
+        outs = f(x, g)
+        if call == 0:
+            capture = f.capture_for(x, g)
+            assert capture is not None and capture.native is not None
+            jobbed = {s for s, _ in capture.native.fixed}
+            fused = [r.step for r in capture.runs if r.step.prim is None]
+            assert len(fused) == 3 and all(s.output in jobbed for s in fused)
+        with fl.trace() as t:
+            eager = step(fl.tensor(x), fl.tensor(g))
+            fl.realize(*eager)
+        assert t.copies == 0
+        xv = np.ascontiguousarray(x.transpose(0, 2, 1, 3)[:, :, 1:, 2:10])
+        gv = np.ascontiguousarray(g[:, :, ::2])
+        dense = (fl.ops.rms_norm_last_dim(xv, EPS), fl.ops.softmax_last_dim(xv),
+                 fl.ops.layer_norm_last_dim_backward(xv, gv, EPS))
+        for got, e, d in zip(outs, eager, dense, strict=True):
+            np.testing.assert_array_equal(got.numpy(), d.numpy())
+            np.testing.assert_array_equal(e.numpy(), d.numpy())
+        assert_close_rowwise(outs[1].numpy(), torch.softmax(torch.from_numpy(xv.astype(np.float64)), -1).numpy(),
+                             DType.F32)
