@@ -13,16 +13,21 @@ data): the VJP of either form is the other form, and w_q gets none (`fl.grad` re
 Decomposition: the weight dequantised with bit primitives (`fuel.quant.lowering`, bit for bit the
 kernel's and gguf's values), then one MATMUL of either form. It materialises the `[n, k]` f32 weight the
 kernel never builds; it is the reference form `fuel verify --decomposed` checks the kernel against.
+
+Pattern: that lowering itself. A MATMUL whose weight operand is a u32 stream decoded by
+`fuel.quant.lowering` (as `decompose` builds it, either form) becomes one QMatMul, provided nothing
+outside reads the decoded weight or any step of its decoding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
-from fuel.graph.node import Shape
-from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.node import Node, Op, Shape
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 from fuel.quant import QuantType
 
@@ -110,6 +115,76 @@ def decompose(inputs: list[Tensor], params: QMatMulParams) -> Tensor:
     return a @ (w if params.transpose else w.T)
 
 
+def _streams(b: Node, limit: int = 512) -> list[Node]:
+    """The 1-D u32 word streams among `b`'s ancestors that a BITCAST reads as bytes: where a lowering of
+    a weight operand starts (a bounded search that descends no leaf and no product, so a model's
+    activations, which come out of products, are not walked)."""
+    seen: set[int] = set()
+    stack, found = [b], []
+    while stack and len(seen) < limit:
+        n = stack.pop()
+        if id(n) in seen or n.value is not None:
+            continue
+        seen.add(id(n))
+        src = n.inputs[0] if n.op is Op.BITCAST else None
+        if src is not None and n.dtype is DType.U8 and src.dtype is DType.U32 and len(src.shape) == 1:
+            found.append(src)
+        elif n.op not in (Op.MATMUL, Op.FUSED):  # no lowering of a weight passes through a product
+            stack.extend(n.inputs)
+    return found
+
+
+def _same(ref: Node, got: Node, pairs: dict[int, Node]) -> bool:
+    """Whether `got` computes what `ref` does: the same ops, arguments, shapes and dtypes over the same
+    bound inputs, and constants of equal bytes (the lowering's shift tables, its empty-weight zeros)."""
+    if ref is got:
+        return True
+    if id(ref) in pairs:
+        return pairs[id(ref)] is got
+    if (ref.op is not got.op or ref.shape != got.shape or ref.dtype is not got.dtype
+            or len(ref.inputs) != len(got.inputs) or (ref.value is None) != (got.value is None)):
+        return False
+    if ref.value is not None and got.value is not None:
+        if ref.op is not Op.CONST or got.op is not Op.CONST or ref.value.tobytes() != got.value.tobytes():
+            return False
+    elif ref.arg != got.arg:
+        return False
+    pairs[id(ref)] = got
+    return all(_same(r, g, pairs) for r, g in zip(ref.inputs, got.inputs, strict=True))
+
+
+def _sole_reader(root: Node, interior: list[Node], counts: Mapping[Node, int]) -> bool:
+    """Every matched node but the root is read only inside the match (else fusing computes it twice)."""
+    uses: dict[int, int] = {}
+    for n in interior:
+        for i in n.inputs:
+            uses[id(i)] = uses.get(id(i), 0) + 1
+    return all(n is root or n.value is not None or counts[n] == uses.get(id(n), 0) for n in interior)
+
+
+def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
+    """QMatMul's own lowering, `a @ dequant(W)ᵀ` or `a @ dequant(W)` built by `decompose`: for each u32
+    stream under the weight operand and each geometry its shape and length allow, the lowering is rebuilt
+    over the same inputs and compared node for node; every interior node must have no other reader."""
+    if node.op is not Op.MATMUL or node.dtype is not DType.F32 or len(node.shape) < 2:
+        return None
+    a, b = node.inputs
+    if b.value is not None:
+        return None
+    for w_q in _streams(b):
+        for transpose in (False, True):
+            n, k = (b.shape[-2], b.shape[-1]) if transpose else (b.shape[-1], b.shape[-2])
+            for qt in QuantType:
+                p = QMatMulParams(qt, k, n, transpose)
+                if k % qt.block_elements or weight_words(p) != w_q.shape[0]:
+                    continue
+                pairs: dict[int, Node] = {}
+                if _same(decompose([Tensor(a), Tensor(w_q)], p).node, node, pairs) and _sole_reader(
+                        node, [g for g in pairs.values() if g is not a and g is not w_q], counts):
+                    return Match((a, w_q), p)
+    return None
+
+
 def qmatmul(a: TensorLike, w_q: TensorLike, quant_type: QuantType | str, k: int, n: int,
             transpose: bool = False) -> Tensor:
     """`a @ dequant(W)ᵀ` for a GGUF block-quantized weight W `[n, k]` given as its raw bytes in u32 words.
@@ -133,7 +208,7 @@ ENTRY = FusedOpEntry(
     # The inventory's metadata (frozen weights); `vjp` gives the activations' gradient exactly.
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
-    pattern=None,
+    pattern=pattern,
     output_views=None,
     destructive_input=None,
 )
