@@ -127,6 +127,8 @@ def readings(n: Node) -> list[Reading]:
             out.append(kd)
     if op in _TO_OPS:
         x = ins[0].shape
+        if not n.shape:  # a reduction of every axis (`t.sum()`), at any rank, 0 included
+            out.append(Reading((op, "all"), ins))
         if len(x) == len(n.shape):
             axes = tuple(_neg_axis(i, len(x)) for i, (a, b) in enumerate(zip(x, n.shape, strict=True))
                          if b == 1 and a != 1)
