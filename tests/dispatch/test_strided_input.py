@@ -115,6 +115,32 @@ def test_row_kernels_read_strided_input_without_a_copy(name: str, dt: DType, lea
         assert_close_rowwise(out, want, dt, backward=backward)
 
 
+def _rotate_half(x: T) -> T:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(dt=st.sampled_from(DTYPES), lead=st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple),
+       seq=st.integers(1, 5), half=st.integers(1, 12), data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_rope_reads_strided_x_and_tables_without_a_copy(dt: DType, lead: tuple[int, ...], seq: int, half: int,
+                                                        data: Any, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    d = 2 * half
+    x = _view(rng, dt, (*lead, seq), d, data.draw(layouts((*lead, seq), d)))
+    cos, sin = (_view(rng, dt, (seq,), d, data.draw(layouts((seq,), d))) for _ in range(2))
+    with fl.trace() as t:
+        out = fl.ops.rope(fl.tensor(x), fl.tensor(cos), fl.tensor(sin)).numpy()
+    assert [r.impl.split("[")[0] for r in t.records] == ["Rope"]
+    assert t.copies == 0, str(t)
+    dense = fl.ops.rope(*(fl.tensor(np.ascontiguousarray(a)) for a in (x, cos, sin))).numpy()
+    np.testing.assert_array_equal(_bits(out), _bits(dense))
+    x64, c64, s64 = (torch.from_numpy(a.astype(np.float64)) for a in (x, cos, sin))
+    want = x64 * c64 + _rotate_half(x64) * s64  # transformers' apply_rotary_pos_emb, in float64
+    scale = x64.abs() * c64.abs() + _rotate_half(x64).abs() * s64.abs()  # the two products can cancel
+    assert_close_rowwise(out, want.numpy(), dt, scale=scale.numpy())
+
+
 def test_a_transposed_last_axis_is_still_copied_and_counted() -> None:
     """A row kernel reads rows with a unit-stride last axis; a transposed matrix is copied (one per input)."""
     x = np.random.default_rng(0).standard_normal((8, 5)).astype(np.float32)

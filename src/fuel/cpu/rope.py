@@ -1,6 +1,8 @@
 """Rope (entry 5): rotate-half rotary embedding, one task over (outer, s) rows.
 
-x is seen as `[outer·S, D]`; row r uses table row `r % S`. Per pair (i, i + D/2):
+x is seen as `[outer·S, D]`; row r uses table row `r % S`. x, cos and sin are read in place wherever their
+rows lie (`row_tasks.row_layout`: a unit-stride last axis, up to three row strides: heads transposed,
+sliced tables, offset starts), out is C-contiguous. Per pair (i, i + D/2):
 `out_lo = x_lo·c_lo - x_hi·s_lo`, `out_hi = x_hi·c_hi + x_lo·s_hi`, computed in f32 (f64 for f64)
 with a fixed operation order, so results are bit-stable. bf16 rows and table rows are widened from their
 uint16 bits (exactly) and rounded once (RNE) on store; f16 goes through exact f32 copies.
@@ -14,12 +16,13 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
+from fuel.cpu.norms.row_tasks import Layout, reads_rows, row_at, row_layout
 from fuel.cpu.simd.half import bits, narrow_bf16_row, via_f32
 from fuel.cpu.simd.vecmath import bf16_to_f32
 from fuel.dispatch.impls import (
-    CONTIGUOUS_ONLY,
     BackendImpl,
     FusedKernelRegistry,
+    KernelCaps,
     PrecisionGuarantee,
     elementwise_cost,
     revision_of,
@@ -35,7 +38,11 @@ from fuel.runtime.jobs import ADDRESS, INT, record_at
 FASTMATH = {"nsz", "contract"}
 SECONDS_PER_VALUE = 0.5e-9  # one core's time a value, for the part count
 
-ROPE_ARGS = jobs.record(x=ADDRESS, cos=ADDRESS, sin=ADDRESS, out=ADDRESS, rows=INT, dim=INT, table_rows=INT)
+# x_*, c_* and s_* are the `row_layout`s of x, cos and sin
+ROPE_ARGS = jobs.record(x=ADDRESS, cos=ADDRESS, sin=ADDRESS, out=ADDRESS, rows=INT, dim=INT, table_rows=INT,
+                        x_s0=INT, x_n1=INT, x_s1=INT, x_n2=INT, x_s2=INT,
+                        c_s0=INT, c_n1=INT, c_s1=INT, c_n2=INT, c_s2=INT,
+                        s_s0=INT, s_n1=INT, s_s1=INT, s_n2=INT, s_s2=INT)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -47,18 +54,24 @@ def _rope_row(x: Any, c: Any, s: Any, o: Any, h: int) -> None:
         o[i + h] = hi * c[i + h] + lo * s[i + h]
 
 
+@njit(inline="always", cache=True)
+def _rows(a: Any, r: int, t: int, dt: Any) -> tuple[Any, Any, Any]:
+    """Row r of x and row t of cos and sin, each a contiguous [dim] array of type dt."""
+    d = a.dim
+    return (row_at(a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2, r, d, dt),
+            row_at(a.cos, a.c_s0, a.c_n1, a.c_s1, a.c_n2, a.c_s2, t, d, dt),
+            row_at(a.sin, a.s_s0, a.s_n1, a.s_s1, a.s_n2, a.s_s2, t, d, dt))
+
+
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _rope_rows(part: int, parts: int, argv: int, dt: Any) -> None:
     """Rows [part·rows/parts, (part+1)·rows/parts) of x, cos, sin and out, all of type dt."""
     a = record_at(argv, ROPE_ARGS)
     rows, d, seq = a.rows, a.dim, a.table_rows
-    x = carray(pointer(a.x, dt), (rows, d))
-    cos = carray(pointer(a.cos, dt), (seq, d))
-    sin = carray(pointer(a.sin, dt), (seq, d))
     out = carray(pointer(a.out, dt), (rows, d))
     for r in range(part * rows // parts, (part + 1) * rows // parts):
-        t = r % seq
-        _rope_row(x[r], cos[t], sin[t], out[r], d // 2)
+        x, c, s = _rows(a, r, r % seq, dt)
+        _rope_row(x, c, s, out[r], d // 2)
 
 
 @pool.task(fastmath=FASTMATH)
@@ -78,20 +91,17 @@ def _rope_bf16_part(part: int, parts: int, argv: int) -> None:
     a = record_at(argv, ROPE_ARGS)
     rows, d, seq = a.rows, a.dim, a.table_rows
     h = d // 2
-    x = carray(pointer(a.x, np.uint16), (rows, d))
-    cos = carray(pointer(a.cos, np.uint16), (seq, d))
-    sin = carray(pointer(a.sin, np.uint16), (seq, d))
     out = carray(pointer(a.out, np.uint16), (rows, d))
     xw = np.empty(d, np.float32)
     cw = np.empty(d, np.float32)
     sw = np.empty(d, np.float32)
     res = np.empty(d, np.float32)
     for r in range(part * rows // parts, (part + 1) * rows // parts):
-        t = r % seq
+        x, c, s = _rows(a, r, r % seq, np.uint16)
         for i in range(d):
-            xw[i] = bf16_to_f32(x[r, i])
-            cw[i] = bf16_to_f32(cos[t, i])
-            sw[i] = bf16_to_f32(sin[t, i])
+            xw[i] = bf16_to_f32(x[i])
+            cw[i] = bf16_to_f32(c[i])
+            sw[i] = bf16_to_f32(s[i])
         for i in range(h):
             res[i] = xw[i] * cw[i] - xw[i + h] * sw[i]
             res[i + h] = xw[i + h] * cw[i + h] + xw[i] * sw[i + h]
@@ -103,25 +113,31 @@ _TASKS = {np.dtype(np.float32): _rope_f32_part, np.dtype(np.float64): _rope_f64_
 
 
 @njit(cache=True)
-def _fill(x: Any, cos: Any, sin: Any, out: Any, argv: Any) -> None:
+def _fill(x: int, cos: int, sin: int, out: Any, table_rows: int, xl: Layout, cl: Layout, sl: Layout,
+          argv: Any) -> None:
     a = argv[0]
-    a.x, a.cos, a.sin, a.out = x.ctypes.data, cos.ctypes.data, sin.ctypes.data, out.ctypes.data
-    a.rows, a.dim, a.table_rows = out.size // out.shape[-1], out.shape[-1], cos.shape[0]
+    a.x, a.cos, a.sin, a.out = x, cos, sin, out.ctypes.data
+    a.rows, a.dim, a.table_rows = out.size // out.shape[-1], out.shape[-1], table_rows
+    a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2 = xl
+    a.c_s0, a.c_n1, a.c_s1, a.c_n2, a.c_s2 = cl
+    a.s_s0, a.s_n1, a.s_s1, a.s_n2, a.s_s2 = sl
 
 
 def rope_job(inputs: list[np.ndarray], out: np.ndarray, params: Any) -> jobs.Jobs | None:
-    """x, cos, sin and out of one dtype among f32, f64 and bf16, C-contiguous (None otherwise)."""
+    """x, cos, sin and out of one dtype among f32, f64 and bf16; out C-contiguous and each input with a
+    `row_layout` (None otherwise)."""
     x, cos, sin = inputs
     task = _TASKS.get(out.dtype)
     if not out.size:
         return ()
-    if task is None or not all(a.flags.c_contiguous and a.dtype == out.dtype
-                                               for a in (*inputs, out)):
+    if task is None or not out.flags.c_contiguous or not all(a.dtype == out.dtype for a in inputs):
         return None
-    if out.dtype == DType.BF16.np:  # the task reads the bits
-        x, cos, sin, out = bits(x), bits(cos), bits(sin), bits(out)
+    xl, cl, sl = row_layout(x), row_layout(cos), row_layout(sin)
+    if xl is None or cl is None or sl is None:
+        return None
     argv = jobs.argv_of(ROPE_ARGS)
-    _fill(x, cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]), out, argv)
+    _fill(x.ctypes.data, cos.ctypes.data, sin.ctypes.data, bits(out) if out.dtype == DType.BF16.np else out,
+          cos.size // cos.shape[-1], xl, cl, sl, argv)
     return jobs.job(task, argv, out.size * SECONDS_PER_VALUE, int(argv[0]["rows"]))
 
 
@@ -141,8 +157,10 @@ ROPE_PRECISION = {
 
 
 def register(registry: FusedKernelRegistry) -> None:
+    """Every float dtype; inputs whose rows have a `row_layout` are read in place."""
     rev = revision_of(_rope_rows, _rope_bf16_part.fn)
+    caps = KernelCaps(strided_input=True, reads=reads_rows)
     for dt in FLOAT_DTYPES:
         kernel = via_f32(rope_kernel) if dt == DType.F16 else rope_kernel
         registry.register(BackendImpl(FusedOps.ROPE, "cpu", kernel, (dt, dt, dt, dt),
-                                      elementwise_cost(3), ROPE_PRECISION[dt], CONTIGUOUS_ONLY, rev))
+                                      elementwise_cost(3), ROPE_PRECISION[dt], caps, rev))
