@@ -1,12 +1,14 @@
-"""Products of a few rows with a weight matrix (decode-sized MATMUL): one serial pass over the weight.
+"""Products of a few rows with a weight matrix (decode-sized MATMUL): one pass over the weight.
 
-At decode sizes a matrix product streams a weight `[K, N]` from memory to make one to four rows. Run
-through OpenBLAS, each call pays its thread hand-off, which costs more than the product at these sizes
-(docs/performance/runtime.md, "gemv"). Past `GEMV_MAX_BYTES` the BLAS keeps them: two threads may stream a
-large weight faster than one.
-
-Each output row accumulates `a[i, k] * b[k, :]` over k in order, in the working type (f32, or f64
-for f64), one thread: the bytes never depend on the thread count.
+At decode sizes a matrix product streams a weight `[K, N]` from memory to make one to `GEMV_MAX_ROWS` rows.
+Run through OpenBLAS, each call pays its thread hand-off, which costs more than the product at these sizes
+(docs/performance/runtime.md, "gemv"), and BLAS's blocking makes a row's bytes depend on how many rows come
+with it. Here every row's arithmetic is its own: each output value is `a[i, k] * b[k, j]` accumulated over k
+in order within each of K_SPLIT fixed row ranges of the weight (in the working type: f32, or f64 for f64), the
+partial sums added in order. So a value's bytes depend neither on the thread count, nor on which part
+computed its column tile, nor on the other rows: a served request's rows are the same bytes alone or in a
+batch (docs/kernels.md, "Batch invariance"). The work is cut into column tiles, each weight row read once
+for all M rows of a tile; the parts take whole tiles.
 
 Only the dtypes in `TASKS` have a kernel: the tasks read raw addresses as that type, so any other dtype
 would be read as the wrong type and written past the scratch. The MATMUL primitive routes by `TASKS`
@@ -26,24 +28,33 @@ from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, record_at
 from fuel.runtime.threads import SERIAL_BYTES_PER_SECOND
 
-GEMV_MAX_ROWS = 4
-GEMV_MAX_BYTES = 8 << 20
+GEMV_MAX_ROWS = 16  # up to this many rows a MATMUL with a 2-D weight runs here: each row's bytes as alone
 SUM_SECONDS_PER_VALUE = 0.4e-9  # one core, adding the partial sums
 K_SPLIT = 8  # fixed row ranges of the weight, each summed on its own, then added in order
+TILE_VALUES = 8192  # M x the columns of a tile: a tile's two partial-sum blocks stay in the first-level cache,
+# and one row's tile reads long runs of each weight row
+MIN_TILE = 256
+MOST_PARTS = 16  # parts a job may be cut into (each owns a scratch of two partial-sum tiles)
 
-# a [m, k] @ b [k, n] into the K_SPLIT partial sums [K_SPLIT, m, n] at `partial`
-GEMV_ARGS = jobs.record(a=ADDRESS, b=ADDRESS, partial=ADDRESS, m=INT, k=INT, n=INT)
-# the `size` values of the K_SPLIT partial sums at `partial` added in order into `out`
-SUM_ARGS = jobs.record(partial=ADDRESS, out=ADDRESS, size=INT)
+# a [m, k] @ b [k, n] into out [m, n], by column tiles of `tile` columns; `scratch` holds MOST_PARTS x 2 blocks
+# [m, tile]
+GEMV_ARGS = jobs.record(a=ADDRESS, b=ADDRESS, out=ADDRESS, scratch=ADDRESS, m=INT, k=INT, n=INT, tile=INT)
+
+
+def column_tile(m: int) -> int:
+    """The columns of a tile for M rows (a multiple of 64). It changes which columns share a part, never a
+    value's arithmetic, so the bytes are the same at any M."""
+    return max(MIN_TILE, TILE_VALUES // max(1, m) // 64 * 64)
 
 
 @njit(inline="always", cache=True, fastmath={"contract"})
-def _rows(a: Any, b: Any, acc: Any, k0: int, k1: int) -> None:
-    """acc [M, N] <- a[:, k0:k1] @ b[k0:k1]: each weight row read once for all M rows, k in order."""
+def _rows(a: Any, b: Any, acc: Any, k0: int, k1: int, j0: int, j1: int) -> None:
+    """acc [M, j1 - j0] <- a[:, k0:k1] @ b[k0:k1, j0:j1]: each weight row read once for all M rows, k in
+    order, every row's arithmetic its own (the same at any M)."""
     m = a.shape[0]
     acc[:] = 0
     for kk in range(k0, k1):
-        brow = b[kk]
+        brow = b[kk, j0:j1]
         for i in range(m):
             av = a[i, kk]
             y = acc[i]
@@ -53,14 +64,24 @@ def _rows(a: Any, b: Any, acc: Any, k0: int, k1: int) -> None:
 
 @njit(inline="always", cache=True)
 def _part(argv: int, part: int, parts: int, dtype: Any) -> None:
-    """Row ranges [part·K_SPLIT/parts, (part + 1)·K_SPLIT/parts) of the weight, each into its partial sum."""
+    """Column tiles [part·tiles/parts, (part + 1)·tiles/parts): each tile's K_SPLIT partial sums over fixed
+    row ranges of the weight, added in order, so a value's bytes never depend on the parts or on M."""
     r = record_at(argv, GEMV_ARGS)
     m, k, n = r.m, r.k, r.n
     a = carray(pointer(r.a, dtype), (m, k))
     b = carray(pointer(r.b, dtype), (k, n))
-    partial = carray(pointer(r.partial, dtype), (K_SPLIT, m, n))
-    for s in range(part * K_SPLIT // parts, (part + 1) * K_SPLIT // parts):
-        _rows(a, b, partial[s], s * k // K_SPLIT, (s + 1) * k // K_SPLIT)
+    out = carray(pointer(r.out, dtype), (m, n))
+    tile = r.tile
+    scratch = carray(pointer(r.scratch, dtype), (parts, 2, m, tile))
+    tiles = (n + tile - 1) // tile
+    for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+        j0, j1 = t * tile, min(n, (t + 1) * tile)
+        total, partial = scratch[part, 0, :, :j1 - j0], scratch[part, 1, :, :j1 - j0]
+        _rows(a, b, total, 0, k // K_SPLIT, j0, j1)
+        for s in range(1, K_SPLIT):
+            _rows(a, b, partial, s * k // K_SPLIT, (s + 1) * k // K_SPLIT, j0, j1)
+            total += partial
+        out[:, j0:j1] = total
 
 
 @pool.task(fastmath={"contract"})
@@ -73,33 +94,15 @@ def _gemv_f64(part: int, parts: int, argv: int) -> None:
     _part(argv, part, parts, np.float64)
 
 
-# The dtypes gemv has a kernel for (a, b and out all of one of them), and those of `f32_jobs`, whose sum
-# task adds f32 partial sums.
+# The dtypes gemv has a kernel for (a, b and out all of one of them).
 TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _gemv_f32, np.dtype(np.float64): _gemv_f64}
-F32_TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _gemv_f32}
 
 
 @njit(cache=True)
-def _fill(a: Any, b: Any, partial: Any, argv: Any) -> None:
+def _fill(a: Any, b: Any, out: Any, scratch: Any, argv: Any) -> None:
     r = argv[0]
-    r.a, r.b, r.partial = a.ctypes.data, b.ctypes.data, partial.ctypes.data
-    r.m, r.k, r.n = a.shape[0], a.shape[1], b.shape[1]
-
-
-@njit(cache=True)
-def _sum_partials(partial: Any, out: Any) -> None:
-    """out <- the partial sums added in order."""
-    out[:] = partial[0]
-    for s in range(1, partial.shape[0]):
-        out += partial[s]
-
-
-@pool.task()
-def _sum_task(part: int, parts: int, argv: int) -> None:
-    """`_sum_partials` of f32 as a job (one part), for the native replay."""
-    r = record_at(argv, SUM_ARGS)
-    _sum_partials(carray(pointer(r.partial, np.float32), (K_SPLIT, r.size)),
-                  carray(pointer(r.out, np.float32), (r.size,)))
+    r.a, r.b, r.out, r.scratch = a.ctypes.data, b.ctypes.data, out.ctypes.data, scratch.ctypes.data
+    r.m, r.k, r.n, r.tile = a.shape[0], a.shape[1], b.shape[1], scratch.shape[3]
 
 
 def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dict[np.dtype[Any], pool.Task],
@@ -121,33 +124,28 @@ def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dic
     return task
 
 
-def _partials_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str,
-                  summed_by_job: bool) -> tuple[jobs.Job, np.ndarray]:
-    """`gemv`'s first job, the K_SPLIT partial sums of a @ b into a scratch, and that scratch. Where
-    `summed_by_job` the partial sums are then added by `_sum_task`, which writes out by address as f32:
-    only f32 and a C-contiguous out are taken. Else they are added by `_sum_partials` on the array out."""
-    task = _task_for(op, a, b, out, F32_TASKS if summed_by_job else TASKS, out_raw=summed_by_job)
-    partial = np.empty((K_SPLIT, *out.shape), out.dtype)
+def gemv_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv") -> jobs.Job:
+    """The job of out [M, N] <- a [M, K] @ b [K, N], all C-contiguous and of one dtype of `TASKS` (else a
+    KernelError naming `op`); it keeps its scratch alive."""
+    task = _task_for(op, a, b, out, TASKS, out_raw=True)
+    tile = column_tile(a.shape[0])
+    most = max(1, min(MOST_PARTS, -(-b.shape[1] // tile)))
+    scratch = np.empty((most, 2, a.shape[0], tile), out.dtype)
     argv = jobs.argv_of(GEMV_ARGS)
-    _fill(a, b, partial, argv)
-    return jobs.job(task, argv, b.nbytes / SERIAL_BYTES_PER_SECOND, K_SPLIT), partial
-
-
-def f32_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[jobs.Job, jobs.Job, np.ndarray]:
-    """`gemv` of f32 a (C-contiguous), b and out as two jobs, the partial sums into a scratch and their sum
-    into out, and that scratch. Only f32: `_sum_task` adds f32 partial sums."""
-    partials, partial = _partials_job(a, b, out, "gemv.f32_jobs", summed_by_job=True)
-    total = jobs.argv_of(SUM_ARGS)
-    total[0] = (partial.ctypes.data, out.ctypes.data, out.size)
-    return partials, jobs.job(_sum_task, total, out.size * SUM_SECONDS_PER_VALUE, 1), partial
+    _fill(a, b, out, scratch, argv)
+    seconds = b.nbytes / SERIAL_BYTES_PER_SECOND + out.size * K_SPLIT * SUM_SECONDS_PER_VALUE
+    return jobs.job(task, argv, seconds, most, keep=(scratch,))
 
 
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
     """out [M, N] <- a [M, K] @ b [K, N], all of one dtype of `TASKS` (any other is a KernelError), b
-    C-contiguous. The weight is cut into K_SPLIT fixed row ranges: each is one sequential stream, summed
-    alone (on the spinning pool past a few microseconds of weight), and the partial sums are added in
-    order, so the bytes never depend on who computed which range."""
+    C-contiguous. Each output value is K_SPLIT partial sums over fixed row ranges of the weight, each in k
+    order, added in order: its bytes depend neither on who computed which columns nor on the other rows
+    (`GEMV_MAX_ROWS` rows of a MATMUL come here, so a served request's rows are the same bytes in any batch)."""
     a = np.ascontiguousarray(a)  # the job reads it by address: a copy made here must live until it has run
-    partials, partial = _partials_job(a, b, out, "gemv", summed_by_job=False)
-    jobs.run(partials)
-    _sum_partials(partial, out)
+    if out.flags.c_contiguous:
+        jobs.run(gemv_job(a, b, out))
+        return
+    flat = np.empty(out.shape, out.dtype)
+    jobs.run(gemv_job(a, b, flat))
+    out[...] = flat

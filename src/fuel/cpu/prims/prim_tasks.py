@@ -170,8 +170,8 @@ def silu_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> 
 
 
 @prim_job(Op.MATMUL)
-def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> tuple[Job, Job] | None:
-    """An f32 product of a few rows with a 2-D weight, which the MATMUL kernel runs as `gemv`: its two jobs."""
+def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
+    """An f32 product of a few rows with a 2-D weight, which the MATMUL kernel runs as `gemv`: its job."""
     a, b = xs
     if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
         b = b[(0,) * (b.ndim - 2)]  # a weight broadcast over the batch, as the kernel takes it
@@ -179,10 +179,9 @@ def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -
             or b.size == 0 or not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous)):
         return None
     rows = math.prod(a.shape[:-1])
-    if rows > gemv.GEMV_MAX_ROWS or b.nbytes > gemv.GEMV_MAX_BYTES:
+    if rows > gemv.GEMV_MAX_ROWS:
         return None
-    partials, total, scratch = gemv.f32_jobs(a.reshape(rows, a.shape[-1]), b, out.reshape(rows, b.shape[1]))
-    return partials._replace(keep=(scratch,)), total
+    return gemv.gemv_job(a.reshape(rows, a.shape[-1]), b, out.reshape(rows, b.shape[1]), "matmul")
 
 
 # ---- CACHE_WRITE ------------------------------------------------------------------------------------
