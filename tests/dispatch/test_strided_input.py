@@ -2,10 +2,10 @@
 (transposed leading axes, slices, reversed or broadcast rows, an offset start), the executor copies only
 what the impl's `caps.reads` refuses, and `fuel.trace()` counts the copies it made (`Trace.copies`).
 
-For every kernel that reads such inputs in place: no copy, the very bytes of the same values laid out
-contiguously, and torch's float64 result within the entry's row-wise tolerance. Native replay (`fl.jit`)
-posts the same jobs over views of its staged arguments, so strided views replay natively with the eager
-bytes, call after call."""
+For every kernel that reads such inputs in place (the row kernels, Rope, FusedSoftmaxCrossEntropy): no
+copy, the very bytes of the same values laid out contiguously, and torch's float64 result within the
+entry's tolerance. Native replay (`fl.jit`) posts the same jobs over views of its staged arguments, so
+strided views replay natively with the eager bytes, call after call."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
+from fuel.cpu.fused_softmax_cross_entropy import cross_entropy_grad
 from fuel.dtype import DType
+from fuel.graph.registry.fused_softmax_cross_entropy import FusedSoftmaxCrossEntropyParams
 from fuel.testing.oracle import assert_close_rowwise
 
 EPS = 1e-5
@@ -139,6 +141,35 @@ def test_rope_reads_strided_x_and_tables_without_a_copy(dt: DType, lead: tuple[i
     want = x64 * c64 + _rotate_half(x64) * s64  # transformers' apply_rotary_pos_emb, in float64
     scale = x64.abs() * c64.abs() + _rotate_half(x64).abs() * s64.abs()  # the two products can cancel
     assert_close_rowwise(out, want.numpy(), dt, scale=scale.numpy())
+
+
+@settings(max_examples=20, deadline=None)
+@given(dt=st.sampled_from(DTYPES), lead=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple),
+       v=st.integers(1, 40), reduction=st.sampled_from(["mean", "sum", "none"]), data=st.data(),
+       seed=st.integers(0, 2**32 - 1))
+def test_cross_entropy_reads_strided_logits_without_a_copy(dt: DType, lead: tuple[int, ...], v: int, reduction: str,
+                                                          data: Any, seed: int) -> None:
+    """Shifted logits (`logits[:, :-1]`), a vocabulary slice, heads in another order: the forward impl and
+    the gradient primitive read the rows where they lie."""
+    rng = np.random.default_rng(seed)
+    x = _view(rng, dt, lead, v, data.draw(layouts(lead, v)))
+    t = np.where(rng.random(lead) < 0.2, -100, rng.integers(0, v, lead)).astype(np.int64)
+    with fl.trace() as tr:
+        loss = fl.ops.fused_softmax_cross_entropy(fl.tensor(x), fl.tensor(t), reduction).numpy()
+    assert [r.impl.split("[")[0] for r in tr.records] == ["FusedSoftmaxCrossEntropy"]
+    assert tr.copies == 0, str(tr)
+    dense = np.ascontiguousarray(x)
+    np.testing.assert_array_equal(loss, fl.ops.fused_softmax_cross_entropy(dense, t, reduction).numpy())
+    x64 = torch.from_numpy(x.astype(np.float64)).reshape(-1, v).requires_grad_(True)
+    want = torch.nn.functional.cross_entropy(x64, torch.from_numpy(t.reshape(-1)), reduction=reduction,
+                                             ignore_index=-100)
+    np.testing.assert_allclose(loss.reshape(-1), want.detach().numpy().reshape(-1), rtol=1e-6, atol=1e-6)
+    g = rng.standard_normal(loss.shape).astype(np.float32)
+    params = FusedSoftmaxCrossEntropyParams(reduction, -100)
+    grad = cross_entropy_grad([x, t, g], params)
+    np.testing.assert_array_equal(_bits(grad), _bits(cross_entropy_grad([dense, t, g], params)))
+    (want_grad,) = torch.autograd.grad(want, [x64], torch.from_numpy(g.astype(np.float64)).reshape(want.shape))
+    assert_close_rowwise(grad, want_grad.numpy().reshape(x.shape), dt, backward=True)
 
 
 def test_a_transposed_last_axis_is_still_copied_and_counted() -> None:

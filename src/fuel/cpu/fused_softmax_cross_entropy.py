@@ -28,12 +28,13 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
+from fuel.cpu.norms.row_tasks import row_at, row_layout
 from fuel.cpu.simd.vecmath import cast_like, exp_nonpositive, maxnum, narrow, widen
 from fuel.dispatch.impls import (
-    CONTIGUOUS_ONLY,
     BackendImpl,
     CostEstimate,
     FusedKernelRegistry,
+    KernelCaps,
     PrecisionGuarantee,
     revision_of,
 )
@@ -52,10 +53,11 @@ NAME = "fused_softmax_cross_entropy"
 # no nnan/ninf, so NaN and inf rows keep IEEE behaviour.
 FASTMATH = {"nsz", "reassoc", "contract", "arcp"}
 SECONDS_PER_VALUE = 1.5e-9  # one core's time a logit (a max pass and an exp pass), for the part count
-# logits x [rows, cols] (bf16 as uint16 bits, f16 as int16 bits), flat i64 targets t, the f64 per-row
-# losses or scales, out [rows, cols] (the gradient's; unused by the forward)
+# logits x [rows, cols] (bf16 as uint16 bits, f16 as int16 bits) wherever its rows lie (x_*: its
+# `row_tasks.row_layout`), flat i64 targets t, the f64 per-row losses or scales, out [rows, cols] (the
+# gradient's; unused by the forward)
 CE_ARGS = jobs.record(x=ADDRESS, t=ADDRESS, rowwise=ADDRESS, out=ADDRESS, rows=INT, cols=INT, ignore=INT,
-                      gradient=INT)
+                      gradient=INT, x_s0=INT, x_n1=INT, x_s1=INT, x_n2=INT, x_s2=INT)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -81,12 +83,17 @@ def _row_stats(xr: Any, t: int) -> Any:
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
-def _arrays(argv: int, dt: Any, out_dt: Any) -> tuple[Any, Any, Any, Any, Any]:
-    """(record, x, t, rowwise, out) of a cross-entropy job, x of type dt and out of out_dt."""
+def _arrays(argv: int, out_dt: Any) -> tuple[Any, Any, Any, Any]:
+    """(record, t, rowwise, out) of a cross-entropy job, out of out_dt (x's rows: `_x_row`)."""
     a = record_at(argv, CE_ARGS)
-    shape = (a.rows, a.cols)
-    return (a, carray(pointer(a.x, dt), shape), carray(pointer(a.t, np.int64), (a.rows,)),
-            carray(pointer(a.rowwise, np.float64), (a.rows,)), carray(pointer(a.out, out_dt), shape))
+    return (a, carray(pointer(a.t, np.int64), (a.rows,)), carray(pointer(a.rowwise, np.float64), (a.rows,)),
+            carray(pointer(a.out, out_dt), (a.rows, a.cols)))
+
+
+@njit(inline="always", cache=True)
+def _x_row(a: Any, r: int, dt: Any) -> Any:
+    """Row r of the logits, a contiguous [cols] array of type dt."""
+    return row_at(a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2, r, a.cols, dt)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -96,26 +103,27 @@ def _losses(part: int, parts: int, argv: int, dt: Any) -> None:
 
     As (max − x_t) + log1p((e_t − 1) + Σ_{j≠t} e_j): e_t − 1 is exactly 0 when the target is the max,
     and otherwise the sum holds the max's own 1, so nothing cancels."""
-    a, x, t, losses, _ = _arrays(argv, dt, dt)
+    a, t, losses, _ = _arrays(argv, dt)
     ignore = a.ignore
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
         if tr == ignore:
             losses[r] = 0.0
         else:
-            m, et, others = _row_stats(x[r], tr)
-            losses[r] = (np.float64(m) - np.float64(widen(x[r, tr]))) + math.log1p((et - 1.0) + others)
+            xr = _x_row(a, r, dt)
+            m, et, others = _row_stats(xr, tr)
+            losses[r] = (np.float64(m) - np.float64(widen(xr[tr]))) + math.log1p((et - 1.0) + others)
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _grad(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> None:
     """out[r] = (softmax(x[r]) − onehot(t[r]))·scales[r], zero where t[r] == ignore (targets pre-checked);
     at the target softmax_t − 1 = −Σ_{j≠t} e_j / Σ_j e_j, formed in f64. x of type dt, out of out_dt."""
-    a, x, t, scales, out = _arrays(argv, dt, out_dt)
+    a, t, scales, out = _arrays(argv, out_dt)
     ignore = a.ignore
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
-        xr, o = x[r], out[r]
+        xr, o = _x_row(a, r, dt), out[r]
         if tr == ignore:
             for j in range(xr.shape[0]):
                 o[j] = 0
@@ -150,11 +158,11 @@ def _exp_store_sum(seg: Any, m: Any, o: Any) -> float:
 def _grad_in_place(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> None:
     """`_grad` for an out in the compute type (f32, or f64 for f64 rows): each exponential is computed
     once, stored, and scaled in place while the row is still in cache (one exp pass instead of two)."""
-    a, x, t, scales, out = _arrays(argv, dt, out_dt)
+    a, t, scales, out = _arrays(argv, out_dt)
     ignore = a.ignore
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
-        xr, o = x[r], out[r]
+        xr, o = _x_row(a, r, dt), out[r]
         if tr == ignore:
             for j in range(xr.shape[0]):
                 o[j] = 0
@@ -208,13 +216,27 @@ def _run(gradient: bool, logits: np.ndarray, t: np.ndarray, ignore: int, rowwise
     """Run the losses or the gradient over rows: x the logits as [rows, V] (bf16/f16 as their bits), t the
     flat targets, rowwise f64 per row, out [rows, V] (or rowwise again for the forward)."""
     v = logits.shape[-1]
-    x = np.ascontiguousarray(logits.reshape(-1, v).view(_BITS.get(logits.dtype, logits.dtype)))
+    x = logits.view(_BITS.get(logits.dtype, logits.dtype))
+    layout = row_layout(x)
+    if layout is None:  # rows no layout describes: the gradient primitive's are read from a contiguous copy
+        x = np.ascontiguousarray(x)
+        layout = row_layout(x)
+        assert layout is not None
     t = np.ascontiguousarray(t, np.int64)
+    rows = x.size // v
     argv = jobs.argv_of(CE_ARGS)
     row = argv[0]
     row["x"], row["t"], row["rowwise"], row["out"] = x.ctypes.data, t.ctypes.data, rowwise.ctypes.data, out.ctypes.data
-    row["rows"], row["cols"], row["ignore"], row["gradient"] = x.shape[0], v, ignore, gradient
-    jobs.run(jobs.job(_TASKS[logits.dtype], argv, x.size * SECONDS_PER_VALUE, x.shape[0]))
+    row["rows"], row["cols"], row["ignore"], row["gradient"] = rows, v, ignore, gradient
+    for name, value in zip(("x_s0", "x_n1", "x_s1", "x_n2", "x_s2"), layout, strict=True):
+        row[name] = value
+    jobs.run(jobs.job(_TASKS[logits.dtype], argv, x.size * SECONDS_PER_VALUE, rows))
+
+
+def reads_logits(k: int, a: np.ndarray) -> bool:
+    """`KernelCaps.reads` of the forward: logits whose rows have a `row_layout` are read in place; strided
+    targets are copied (the kernel reads them flat)."""
+    return k == 0 and row_layout(a) is not None
 
 
 _BITS = {DType.BF16.np: np.dtype(np.uint16), DType.F16.np: np.dtype(np.int16)}
@@ -324,8 +346,10 @@ CE_PRECISION = {
 
 
 def register(registry: FusedKernelRegistry) -> None:
+    """Every logits dtype; logits whose rows have a `row_layout` are read in place."""
     rev = revision_of(cross_entropy)
+    caps = KernelCaps(strided_input=True, reads=reads_logits)
     for dt in FLOAT_DTYPES:
         registry.register(BackendImpl(FusedOps.FUSED_SOFTMAX_CROSS_ENTROPY, "cpu", cross_entropy,
                                       (dt, DType.I64, DType.F32), cross_entropy_cost, CE_PRECISION[dt],
-                                      CONTIGUOUS_ONLY, rev))
+                                      caps, rev))
