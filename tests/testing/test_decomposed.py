@@ -15,7 +15,7 @@ from fuel.testing.decomposed import verify_decomposed
 
 
 def test_lowerings_within_their_bounds_pass(capsys: pytest.CaptureFixture[str]) -> None:
-    """QMatMul (every block type, both forms) and PowIBackward (every dtype, the half types in f32 rounded
+    """QMatMul (every block type, both forms) and PowIBackward (every dtype, the recipe in f64 rounded
     once): all cases run, each within its bound, exit 0."""
     results = verify_decomposed(["PowIBackward"])
     assert len(results) == 4 and all(r.ok and r.cases > 0 and r.worst <= 1.0 for r in results), results
