@@ -25,6 +25,7 @@ from fuel.dtype import DType
 from fuel.errors import KernelError, ShapeError, StaleInput
 from fuel.graph.node import Node, Op, OpSpec, topo_order
 from fuel.graph.passes import arg_key
+from fuel.graph.passes.fuse import value_key
 from fuel.graph.passes.order import alias_root
 from fuel.graph.registry import FusedOpRegistry, default_registry
 from fuel.graph.traced import check_realize
@@ -213,7 +214,7 @@ def _structure_key(order: list[Node], roots: list[Node], fuse_on: bool) -> objec
     parts: list[object] = [fuse_on]
     for n in order:
         if n.value is not None:
-            parts.append(("leaf", n.shape, n.dtype))
+            parts.append(("leaf", n.shape, n.dtype, value_key(n)))  # patterns may read small constants
         else:
             parts.append((n.op, arg_key(n.arg), tuple(index[i] for i in n.inputs), n.shape, n.dtype))
     parts.append(tuple(index[r] for r in roots))

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 
 from fuel.errors import RealizeInTrace
 from fuel.graph.node import Node, is_constant, topo_order
+
+# Every placeholder of every trace, for as long as its node lives: it holds one call's argument, so no
+# pass may decide by its values (`fuel.graph.passes.fuse.value_readable`), even a read-only one's.
+_PLACEHOLDERS: weakref.WeakSet[Node] = weakref.WeakSet()
 
 _STATE = threading.local()  # .args: {id(placeholder node): argument index}, .effects: the destructive
 # nodes built, while this thread traces
@@ -28,10 +33,16 @@ def tracing(placeholders: Sequence[Node]) -> Iterator[None]:
     outer, outer_effects = getattr(_STATE, "args", None), getattr(_STATE, "effects", None)
     _STATE.args = {id(p): i for i, p in enumerate(placeholders)}
     _STATE.effects = []
+    _PLACEHOLDERS.update(placeholders)
     try:
         yield
     finally:
         _STATE.args, _STATE.effects = outer, outer_effects
+
+
+def is_placeholder(node: Node) -> bool:
+    """Whether `node` stands for an `fl.jit` argument (its value is only the first call's)."""
+    return node in _PLACEHOLDERS
 
 
 def note_effect(node: Node) -> None:

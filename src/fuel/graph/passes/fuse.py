@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Sequence
 
+import numpy as np
+
 from fuel.errors import FuelError
-from fuel.graph.node import Node, Op, consumer_counts, topo_order
+from fuel.graph.node import Node, Op, consumer_counts, frozen, topo_order
 from fuel.graph.registry import FusedOpEntry, FusedOpId, FusedOpRegistry, Match, fused_node
+from fuel.graph.traced import is_placeholder
+
+# The largest constant a pattern may read the values of (an attention mask [Sq, Sk], say).
+READABLE_MAX_SIZE = 1 << 16
+
+
+def value_readable(leaf: Node) -> bool:
+    """Whether a pattern may decide by `leaf`'s values: a constant (its array cannot change, see
+    `fuel.graph.node.frozen`) of rank >= 2 and at most READABLE_MAX_SIZE elements, and no `fl.jit` argument.
+    Scalars are excluded so that a plan stays shared across scalar constants (a learning rate, say)."""
+    v = leaf.value
+    return (v is not None and leaf.op is Op.CONST and v.ndim >= 2 and v.size <= READABLE_MAX_SIZE and frozen(v)
+            and not is_placeholder(leaf))
+
+
+def value_key(leaf: Node) -> bytes | None:
+    """A digest of a value-readable leaf's contents, else None. Plans are keyed on it: a plan fused by
+    reading one constant (a causal mask) is never reused for another of the same shape (a window)."""
+    if not value_readable(leaf):
+        return None
+    arr = np.ascontiguousarray(leaf.value)
+    return hashlib.blake2b(arr.tobytes(), digest_size=16).digest()
 
 
 class _Counts(dict[Node, int]):

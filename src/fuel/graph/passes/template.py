@@ -209,6 +209,10 @@ class Bound:
             return self._st.wild[name]
         return self._st.scal[name][0]
 
+    def get(self, name: str) -> Any:
+        """What `name` bound, or None when this variant of the recipe does not use it."""
+        return self[name] if name in self._st.wild or name in self._st.scal else None
+
     def node(self, name: str) -> Node:
         return self._st.wild[name]
 

@@ -12,6 +12,7 @@ realize) makes k/v a capacity cache whose first k_len rows are live.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,8 +20,8 @@ import numpy as np
 from fuel.dtype import DType
 from fuel.errors import DTypeError, NoDecomposition, ParamError, ShapeError
 from fuel.graph.functions import where
-from fuel.graph.node import DynScalar, Shape
-from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.node import DynScalar, Node, Shape
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, matmul, tensor
 
 
@@ -211,6 +212,13 @@ def flash_attn(q: TensorLike, k: TensorLike, v: TensorLike, softmax_scale: float
     return Tensor(fused_node(FusedOps.FLASH_ATTN, [t.node for t in inputs], params))
 
 
+def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
+    """The naive attention spellings (fuel.graph.registry.flash_attn_pattern, which imports this module)."""
+    from fuel.graph.registry.flash_attn_pattern import pattern as live
+
+    return live(node, counts)
+
+
 ENTRY = FusedOpEntry(
     id=FusedOps.FLASH_ATTN,
     name="FlashAttn",
@@ -222,7 +230,7 @@ ENTRY = FusedOpEntry(
     decompose=decompose,
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
-    pattern=None,
+    pattern=pattern,
     output_views=None,
     destructive_input=None,
 )
