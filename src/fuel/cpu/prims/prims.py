@@ -312,12 +312,13 @@ def _cache_write(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.
     return cache
 
 
-def _grad_kernel(module: str, name: str) -> PrimKernel:
+def _grad_kernel(module: str, name: str, as_is: bool = False) -> PrimKernel:
     """A fused op's gradient kernel, `kernel(inputs, arg) -> array or tuple of arrays`, living beside the
     op's forward kernels in module `module` of `fuel.cpu` (imported on first use: it compiles Numba code,
-    then kept). Inputs the autograd built as broadcast zeros arrive contiguous. A one-array result is copied
-    into `out` when one is given, as every primitive's: an fl.jit capture reads that buffer through views
-    of it that it folded at capture."""
+    then kept). Inputs arrive contiguous (those the autograd built as broadcast zeros included), or as they
+    are for a kernel that reads any layout (`as_is`). A one-array result is copied into `out` when one is
+    given, as every primitive's: an fl.jit capture reads that buffer through views of it that it folded at
+    capture."""
     found: list[Callable[..., Any]] = []
 
     def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
@@ -325,7 +326,7 @@ def _grad_kernel(module: str, name: str) -> PrimKernel:
             import importlib
 
             found.append(getattr(importlib.import_module(f"fuel.cpu.{module}"), name))
-        res = found[0]([np.ascontiguousarray(x) for x in xs], n.arg)
+        res = found[0](xs if as_is else [np.ascontiguousarray(x) for x in xs], n.arg)
         return res if isinstance(res, tuple) else _copy_into(res, out)
     return run
 
@@ -376,7 +377,7 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.CACHE_WRITE: _cache_write,
     Op.INDEX_COPY: index_copy_kernel,
     Op.VIEW: lambda xs, n, out: xs[0][n.arg[0]],
-    Op.CROSS_ENTROPY_GRAD: _grad_kernel("fused_softmax_cross_entropy", "cross_entropy_grad"),
+    Op.CROSS_ENTROPY_GRAD: _grad_kernel("fused_softmax_cross_entropy", "cross_entropy_grad", as_is=True),
     Op.SELECTIVE_SCAN_GRAD: _grad_kernel("scans.selective_scan", "selective_scan_grad"),
     Op.SSD_CHUNK_SCAN_GRAD: _grad_kernel("scans.ssd_chunk_scan", "ssd_chunk_scan_grad"),
     Op.CONST: _no_kernel,
