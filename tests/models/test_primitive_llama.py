@@ -14,6 +14,7 @@ Its step time against the hand-fused model's is measured by benchmarks/bench_pri
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 
 import fuel as fl
 from fuel import nn
+from fuel.dispatch.executor import Trace
 from fuel.nn.llama import Llama, LlamaConfig
 from tests.models.primitive_llama import PrimitiveLlama
 
@@ -142,3 +144,53 @@ def test_a_batch_with_every_target_ignored_has_loss_and_gradients_zero() -> None
         loss, grads = loss_and_grads(model, x, y)
         assert loss == 0.0
         assert all(not g.any() for g in grads.values())
+
+
+def kernels(trace: Trace) -> Counter[str]:
+    """How many times each fused entry, MATMUL and CROSS_ENTROPY_GRAD ran (a joint step counts each entry)."""
+    out: Counter[str] = Counter()
+    for r in trace.records:
+        for impl in r.impl.split(" + "):
+            name = impl.split("[")[0]
+            if not name.startswith("prim:") or name in ("prim:matmul", "prim:cross_entropy_grad"):
+                out[name] += 1
+    return out
+
+
+def plans(model: Llama, x: np.ndarray, y: np.ndarray) -> tuple[Counter[str], Counter[str]]:
+    """The kernels of a realised loss, then of a realised gradient of every parameter."""
+    with fl.trace() as forward:
+        model.loss(x, y).numpy()
+    grads = fl.grad(model.loss(x, y), nn.get_parameters(model))
+    with fl.trace() as backward:
+        fl.realize(*grads)
+    return kernels(forward), kernels(backward)
+
+
+def test_plans_run_the_hand_fused_models_kernels() -> None:
+    """Forward: FlashAttn (causal, key/value heads shared by query groups), RmsNormLastDim, Rope, the MATMUL
+    projections and FusedSoftmaxCrossEntropy, no SoftmaxLastDim (no [T, T] score matrix). Backward: the FlashAttn
+    backward entries, RmsNormLastDimBackward, Rope of the gradient and CROSS_ENTROPY_GRAD. Both plans run the
+    hand-fused model's kernels, count for count."""
+    cfg = config(2, False)
+    prim, fused = pair(cfg, seed=5)
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, VOCAB, (2, 7)), rng.integers(0, VOCAB, (2, 7))
+    y[0, :2] = -100
+    p_forward, p_backward = plans(prim, x, y)
+    f_forward, f_backward = plans(fused, x, y)
+    layers = cfg.n_layers
+    assert p_forward["FlashAttn"] == layers
+    assert p_forward["RmsNormLastDim"] == 2 * layers + 1
+    assert p_forward["Rope"] == 2 * layers
+    assert p_forward["FusedSoftmaxCrossEntropy"] == 1
+    assert p_forward["prim:matmul"] == 7 * layers + 1
+    assert p_forward["SoftmaxLastDim"] == 0
+    for name in ("FlashAttnBackwardQ", "FlashAttnBackwardK", "FlashAttnBackwardV"):
+        assert p_backward[name] == layers, name
+    assert p_backward["RmsNormLastDimBackward"] == 2 * layers + 1
+    assert p_backward["Rope"] == 4 * layers  # q and k forward, then their gradients through rope's adjoint
+    assert p_backward["prim:cross_entropy_grad"] == 1
+    assert p_backward["SoftmaxLastDimBackward"] == 0
+    assert p_forward == f_forward
+    assert p_backward == f_backward
