@@ -2,8 +2,8 @@
 and final softcaps, query scale and even-layer sliding window (16 keys, passed here). Each row's logits match
 `LlamaModel`'s own steps on the same tokens (FlashAttn over a contiguous cache, which
 tests/models/test_arch_oracle.py checks against transformers), and a sequence's rows are the same bytes whether
-or not another sequence shares its steps (Q8_0 files: QMatMul's rows are batch-invariant, as the engine needs;
-a float weight's BLAS product is not)."""
+or not another sequence shares its steps: in Q8_0 files (QMatMul's rows) and in an F32 file (the dense products
+of up to 16 rows run through the row-invariant gemv loop)."""
 
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))  # per row
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma2"])
-def test_batched_rows_equal_the_model_and_each_other(tmp_path: Path, name: str) -> None:
-    model = LlamaModel.load(write_arch_gguf(tmp_path / f"{name}.gguf", name, "Q8_0"), capacity=32)
+@pytest.mark.parametrize(("name", "qtype"), [("qwen2", "Q8_0"), ("gemma2", "Q8_0"), ("qwen2", "F32")])
+def test_batched_rows_equal_the_model_and_each_other(tmp_path: Path, name: str, qtype: str) -> None:
+    model = LlamaModel.load(write_arch_gguf(tmp_path / f"{name}.gguf", name, qtype), capacity=32)
     rng = np.random.default_rng(7)
     a, b = rng.integers(3, VOCAB, 24).tolist(), rng.integers(3, VOCAB, 7).tolist()
     sa, sb = model.sequence(), model.sequence()

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 from numba import carray
 
+from fuel.cpu.prims.gemv import GEMV_MAX_ROWS, gemv
+from fuel.cpu.prims.gemv import TASKS as GEMV_TASKS
 from fuel.cpu.simd import row_blocks
 from fuel.cpu.simd.half import bits, narrow_bf16_row, widened
 from fuel.dispatch.impls import (
@@ -109,8 +111,17 @@ def _operands(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> tuple[np.ndarray
 
 
 def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
-    """out <- a @ b + bias for f32/f64 (out has the inputs' dtype)."""
+    """out <- a @ b + bias for f32/f64 (out has the inputs' dtype). Up to GEMV_MAX_ROWS rows times a
+    C-contiguous 2-D weight run through the row-invariant gemv loop, the bias added after, as MATMUL's do: a
+    row's bytes are then the same in any batch (a served float model's biased projections)."""
+    if b.ndim > 2 and all(d == 1 or st == 0 for d, st in zip(b.shape[:-2], b.strides[:-2], strict=True)):
+        b = b[(0,) * (b.ndim - 2)]  # one weight for every batch entry: one product over all rows, as MATMUL's
     va, vb, vo = _operands(a, b, out)
+    if (vb.ndim == 2 and va.ndim == 2 and va.shape[0] <= GEMV_MAX_ROWS and vb.flags.c_contiguous
+            and vb.dtype in GEMV_TASKS and va.dtype == vb.dtype == vo.dtype):
+        gemv(va, vb, vo)
+        np.add(vo, bias, out=vo)
+        return
     row_blocks.matmul(va, vb, vo, bias)
 
 
