@@ -8,7 +8,9 @@
 - f32/f64 run BLAS straight into `out` and add the bias to each piece of it as soon as it is done,
   while it is in cache. bf16/f16 widen exactly to f32, run one sgemm into an f32 scratch buffer, add
   the bias in f32 and round once on store.
-The product runs as one-thread OpenBLAS GEMMs on fixed pieces of the output (`row_blocks`), so an
+Up to `GEMV_MAX_ROWS` rows times a 2-D f32/f64 weight run through MATMUL's row-invariant gemv loop instead
+(docs/kernels.md, "Batch invariance"). Otherwise the product runs as one-thread OpenBLAS GEMMs on fixed pieces
+of the output (`row_blocks`), so an
 element's bytes do not depend on the thread count (OpenBLAS's own threading cuts a GEMM by it). The bf16
 store (bias added, one rounding) is a task over the rows.
 
