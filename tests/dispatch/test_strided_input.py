@@ -188,37 +188,48 @@ def test_a_transposed_last_axis_is_still_copied_and_counted() -> None:
 
 
 def test_strided_views_replay_natively_with_the_eager_bytes() -> None:
-    """Views of the arguments (heads transposed, a sliced row, every other position) go to the row
-    kernels' native jobs without a copy, and each call's new values come out as eagerly."""
+    """Views of the arguments (heads transposed, a sliced row, every other position) and of captured tables
+    go to the kernels' native jobs without a copy (cross-entropy, which has no job, to its Python step), and
+    each call's new values come out as eagerly."""
+    rng = np.random.default_rng(1)
+    cos_big, sin_big = rng.standard_normal((8, 20)).astype(np.float32), rng.standard_normal((12, 8)).astype(np.float32)
 
-    def step(x: fl.Tensor, g: fl.Tensor) -> tuple[fl.Tensor, ...]:
+    def step(x: fl.Tensor, g: fl.Tensor, t: fl.Tensor) -> tuple[fl.Tensor, ...]:
         xv = x.transpose(1, 2)[:, :, 1:, 2:10]        # [B, H, S-1, 8] of [B, S, H, D]
         gv = g[:, :, ::2]                             # every other row
-        y = fl.ops.softmax_last_dim(xv)
-        return fl.ops.rms_norm_last_dim(xv, EPS), y, fl.ops.layer_norm_last_dim_backward(xv, gv, EPS)
+        cos, sin = fl.tensor(cos_big)[1:7, 4:12], fl.tensor(sin_big)[::2]  # captured tables, sliced
+        return (fl.ops.rms_norm_last_dim(xv, EPS), fl.ops.softmax_last_dim(xv),
+                fl.ops.layer_norm_last_dim_backward(xv, gv, EPS), fl.ops.rope(xv, cos, sin),
+                fl.ops.fused_softmax_cross_entropy(xv, t, "none"))
+
+    def dense(x: np.ndarray, g: np.ndarray, t: np.ndarray) -> list[np.ndarray]:
+        xv = np.ascontiguousarray(x.transpose(0, 2, 1, 3)[:, :, 1:, 2:10])
+        gv = np.ascontiguousarray(g[:, :, ::2])
+        cos, sin = np.ascontiguousarray(cos_big[1:7, 4:12]), np.ascontiguousarray(sin_big[::2])
+        return [a.numpy() for a in (fl.ops.rms_norm_last_dim(xv, EPS), fl.ops.softmax_last_dim(xv),
+                                    fl.ops.layer_norm_last_dim_backward(xv, gv, EPS), fl.ops.rope(xv, cos, sin),
+                                    fl.ops.fused_softmax_cross_entropy(xv, t, "none"))]
 
     f = fl.jit(step)
-    rng = np.random.default_rng(1)
     for call in range(3):
         x = rng.standard_normal((2, 7, 3, 12)).astype(np.float32)
         g = rng.standard_normal((2, 3, 12, 8)).astype(np.float32)
-        outs = f(x, g)
+        t = rng.integers(0, 8, (2, 3, 6)).astype(np.int64)
+        outs = f(x, g, t)
         if call == 0:
-            capture = f.capture_for(x, g)
+            capture = f.capture_for(x, g, t)
             assert capture is not None and capture.native is not None
             jobbed = {s for s, _ in capture.native.fixed}
-            fused = [r.step for r in capture.runs if r.step.prim is None]
-            assert len(fused) == 3 and all(s.output in jobbed for s in fused)
-        with fl.trace() as t:
-            eager = step(fl.tensor(x), fl.tensor(g))
+            fused = {r.step.name.split("[")[0]: r.step.output for r in capture.runs if r.step.prim is None}
+            assert len(fused) == 5
+            assert [n for n, s in fused.items() if s not in jobbed] == ["FusedSoftmaxCrossEntropy"]
+        with fl.trace() as tr:
+            eager = step(fl.tensor(x), fl.tensor(g), fl.tensor(t))
             fl.realize(*eager)
-        assert t.copies == 0
-        xv = np.ascontiguousarray(x.transpose(0, 2, 1, 3)[:, :, 1:, 2:10])
-        gv = np.ascontiguousarray(g[:, :, ::2])
-        dense = (fl.ops.rms_norm_last_dim(xv, EPS), fl.ops.softmax_last_dim(xv),
-                 fl.ops.layer_norm_last_dim_backward(xv, gv, EPS))
-        for got, e, d in zip(outs, eager, dense, strict=True):
-            np.testing.assert_array_equal(got.numpy(), d.numpy())
-            np.testing.assert_array_equal(e.numpy(), d.numpy())
-        assert_close_rowwise(outs[1].numpy(), torch.softmax(torch.from_numpy(xv.astype(np.float64)), -1).numpy(),
-                             DType.F32)
+        assert tr.copies == 0, str(tr)
+        want = dense(x, g, t)
+        for got, e, d in zip(outs, eager, want, strict=True):
+            np.testing.assert_array_equal(got.numpy(), d)
+            np.testing.assert_array_equal(e.numpy(), d)
+        xv = torch.from_numpy(x.transpose(0, 2, 1, 3)[:, :, 1:, 2:10].astype(np.float64))
+        assert_close_rowwise(outs[1].numpy(), torch.softmax(xv, -1).numpy(), DType.F32)
