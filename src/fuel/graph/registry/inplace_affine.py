@@ -12,10 +12,16 @@ does realising a reader of x built before the write once the write has run.
 The decomposition is the value form only, `AddScalar(add)(MulScalar(mul)(x))`, which writes a fresh
 buffer; its gradient is d/dx = mul·g (the inventory's metadata says NotDifferentiable as `backward=`,
 but the entry serves this vjp).
+
+Pattern: the value form written back over x, `fl.assign(x, x * mul + add)` (also `x * mul` and `x + add`
+alone), the update shape of an optimizer step in a captured training step (a decay, a momentum
+rescale). The fused op rounds once where the spelling rounds after the product and again after the sum,
+so its result is the exact affine value rounded to x's dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +29,10 @@ import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
-from fuel.graph.node import Shape
-from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.node import Node, Op, Shape
+from fuel.graph.passes.template import Bound, Scalar, Wild, template_pattern
+from fuel.graph.prims import CacheWriteArg, make
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor
 from fuel.graph.traced import note_effect
 
@@ -66,6 +74,56 @@ def decompose(inputs: list[Tensor], params: InplaceAffineParams) -> Tensor:
     return x * params.mul + params.add
 
 
+def _written_back(x: Tensor, value: Tensor) -> Tensor:
+    """`fl.assign(x, value)` as its nodes (a 0-d target written through one-element views), built
+    without noting an effect: the recipe is traced once, possibly while a jit capture is recording."""
+    if x.ndim == 0:
+        return _written_back(x.reshape(1), value.reshape(1)).reshape(())
+    return Tensor(make(Op.CACHE_WRITE, (x.node, value.node), CacheWriteArg(0, 0)))
+
+
+def _affine(x: Wild, mul: Scalar, add: Scalar) -> Tensor:
+    return _written_back(x, x * mul + add)
+
+
+def _scale(x: Wild, mul: Scalar) -> Tensor:
+    return _written_back(x, x * mul)
+
+
+def _shift(x: Wild, add: Scalar) -> Tensor:
+    return _written_back(x, x + add)
+
+
+def _scalar(m: Bound, name: str, absent: float) -> float:
+    """The number a Scalar bound, or `absent` in a variant without it (`x * mul` adds 0)."""
+    try:
+        return m.scalar(name)
+    except KeyError:
+        return absent
+
+
+def _build(m: Bound) -> Match | None:
+    x = m.node("x")
+    if x.value is None or not x.dtype.is_float:  # assign writes only a realised tensor
+        return None
+    # The spelling's scalars are rounded to the dtype its primitives compute in (f32 for f32 and the
+    # half types, f64 for f64), as NumPy rounds a Python scalar to the array's type.
+    work = np.float64 if x.dtype is DType.F64 else np.float32
+    mul, add = (float(work(_scalar(m, name, absent))) for name, absent in (("mul", 1.0), ("add", 0.0)))
+    return Match((x,), InplaceAffineParams(mul, add))
+
+
+_PATTERNS = [template_pattern(_affine, _build, variants=[_scale, _shift], shapes={"x": shape})
+             for shape in ((2, 3), ())]
+
+
+def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
+    """`fl.assign(x, x * mul + add)` (or `x * mul`, `x + add`) at any rank, 0 included."""
+    if node.op not in (Op.CACHE_WRITE, Op.RESHAPE):
+        return None
+    return next((m for m in (p(node, counts) for p in _PATTERNS) if m is not None), None)
+
+
 def vjp(inputs: list[Tensor], params: InplaceAffineParams, out: Tensor, grad_out: Tensor) -> list[Any]:
     """d/dx (mul·x + add) = mul: the gradient never reads x, so the write does not disturb it."""
     return [grad_out * params.mul]
@@ -102,7 +160,7 @@ ENTRY = FusedOpEntry(
     decompose=decompose,
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
-    pattern=None,
+    pattern=pattern,
     output_views=None,
     destructive_input=0,
 )
