@@ -84,16 +84,16 @@ def _row_stats(xr: Any, t: int) -> Any:
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
 def _arrays(argv: int, out_dt: Any) -> tuple[Any, Any, Any, Any]:
-    """(record, t, rowwise, out) of a cross-entropy job, out of out_dt (x's rows: `_x_row`)."""
+    """(record, t, rowwise, out) of a cross-entropy job, out of out_dt (x's rows: `row_at`)."""
     a = record_at(argv, CE_ARGS)
     return (a, carray(pointer(a.t, np.int64), (a.rows,)), carray(pointer(a.rowwise, np.float64), (a.rows,)),
             carray(pointer(a.out, out_dt), (a.rows, a.cols)))
 
 
 @njit(inline="always", cache=True)
-def _x_row(a: Any, r: int, dt: Any) -> Any:
-    """Row r of the logits, a contiguous [cols] array of type dt."""
-    return row_at(a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2, r, a.cols, dt)
+def _x_where(a: Any) -> Any:
+    """`row_at`'s `where` of the logits, read out of the record once, before a row loop."""
+    return a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -104,13 +104,14 @@ def _losses(part: int, parts: int, argv: int, dt: Any) -> None:
     As (max − x_t) + log1p((e_t − 1) + Σ_{j≠t} e_j): e_t − 1 is exactly 0 when the target is the max,
     and otherwise the sum holds the max's own 1, so nothing cancels."""
     a, t, losses, _ = _arrays(argv, dt)
+    xw, cols = _x_where(a), a.cols
     ignore = a.ignore
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
         if tr == ignore:
             losses[r] = 0.0
         else:
-            xr = _x_row(a, r, dt)
+            xr = row_at(xw, r, cols, dt)
             m, et, others = _row_stats(xr, tr)
             losses[r] = (np.float64(m) - np.float64(widen(xr[tr]))) + math.log1p((et - 1.0) + others)
 
@@ -120,10 +121,11 @@ def _grad(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> None:
     """out[r] = (softmax(x[r]) − onehot(t[r]))·scales[r], zero where t[r] == ignore (targets pre-checked);
     at the target softmax_t − 1 = −Σ_{j≠t} e_j / Σ_j e_j, formed in f64. x of type dt, out of out_dt."""
     a, t, scales, out = _arrays(argv, out_dt)
+    xw, cols = _x_where(a), a.cols
     ignore = a.ignore
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
-        xr, o = _x_row(a, r, dt), out[r]
+        xr, o = row_at(xw, r, cols, dt), out[r]
         if tr == ignore:
             for j in range(xr.shape[0]):
                 o[j] = 0
@@ -159,10 +161,11 @@ def _grad_in_place(part: int, parts: int, argv: int, dt: Any, out_dt: Any) -> No
     """`_grad` for an out in the compute type (f32, or f64 for f64 rows): each exponential is computed
     once, stored, and scaled in place while the row is still in cache (one exp pass instead of two)."""
     a, t, scales, out = _arrays(argv, out_dt)
+    xw, cols = _x_where(a), a.cols
     ignore = a.ignore
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
         tr = t[r]
-        xr, o = _x_row(a, r, dt), out[r]
+        xr, o = row_at(xw, r, cols, dt), out[r]
         if tr == ignore:
             for j in range(xr.shape[0]):
                 o[j] = 0

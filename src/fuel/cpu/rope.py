@@ -55,12 +55,10 @@ def _rope_row(x: Any, c: Any, s: Any, o: Any, h: int) -> None:
 
 
 @njit(inline="always", cache=True)
-def _rows(a: Any, r: int, t: int, dt: Any) -> tuple[Any, Any, Any]:
-    """Row r of x and row t of cos and sin, each a contiguous [dim] array of type dt."""
-    d = a.dim
-    return (row_at(a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2, r, d, dt),
-            row_at(a.cos, a.c_s0, a.c_n1, a.c_s1, a.c_n2, a.c_s2, t, d, dt),
-            row_at(a.sin, a.s_s0, a.s_n1, a.s_s1, a.s_n2, a.s_s2, t, d, dt))
+def _where(a: Any) -> tuple[Any, Any, Any]:
+    """`row_at`'s `where` of x, cos and sin, read out of the record once, before a row loop."""
+    return ((a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2), (a.cos, a.c_s0, a.c_n1, a.c_s1, a.c_n2, a.c_s2),
+            (a.sin, a.s_s0, a.s_n1, a.s_s1, a.s_n2, a.s_s2))
 
 
 @njit(inline="always", cache=True, fastmath=FASTMATH)
@@ -69,9 +67,10 @@ def _rope_rows(part: int, parts: int, argv: int, dt: Any) -> None:
     a = record_at(argv, ROPE_ARGS)
     rows, d, seq = a.rows, a.dim, a.table_rows
     out = carray(pointer(a.out, dt), (rows, d))
+    xw, cw, sw = _where(a)
     for r in range(part * rows // parts, (part + 1) * rows // parts):
-        x, c, s = _rows(a, r, r % seq, dt)
-        _rope_row(x, c, s, out[r], d // 2)
+        t = r % seq
+        _rope_row(row_at(xw, r, d, dt), row_at(cw, t, d, dt), row_at(sw, t, d, dt), out[r], d // 2)
 
 
 @pool.task(fastmath=FASTMATH)
@@ -92,12 +91,14 @@ def _rope_bf16_part(part: int, parts: int, argv: int) -> None:
     rows, d, seq = a.rows, a.dim, a.table_rows
     h = d // 2
     out = carray(pointer(a.out, np.uint16), (rows, d))
+    xl, cl, sl = _where(a)
     xw = np.empty(d, np.float32)
     cw = np.empty(d, np.float32)
     sw = np.empty(d, np.float32)
     res = np.empty(d, np.float32)
     for r in range(part * rows // parts, (part + 1) * rows // parts):
-        x, c, s = _rows(a, r, r % seq, np.uint16)
+        t = r % seq
+        x, c, s = row_at(xl, r, d, np.uint16), row_at(cl, t, d, np.uint16), row_at(sl, t, d, np.uint16)
         for i in range(d):
             xw[i] = bf16_to_f32(x[i])
             cw[i] = bf16_to_f32(c[i])

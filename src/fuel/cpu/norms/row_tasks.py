@@ -50,21 +50,23 @@ def row_arrays(argv: int, dt: Any) -> tuple[Any, Any]:
 
 
 @njit(inline="always", cache=True)
-def row_at(base: int, s0: int, n1: int, s1: int, n2: int, s2: int, r: int, cols: int, dt: Any) -> Any:
-    """Row r of an input of `row_layout` (s0, n1, s1, n2, s2) as a contiguous [cols] array of type dt: the
-    same type a row of a C-contiguous [rows, cols] array has, so a row function compiles the same."""
+def row_at(where: Any, r: int, cols: int, dt: Any) -> Any:
+    """Row r of an input at `where` = (address, *its row_layout) as a contiguous [cols] array of type dt:
+    the same type a row of a C-contiguous [rows, cols] array has, so a row function compiles the same.
+    Rows of the innermost group (every row of a contiguous input) need no division. Callers read `where`
+    out of the record once, before their row loop: the loop's stores may alias the record, so fields read
+    inside it are loaded again at every row."""
+    base, s0, n1, s1, n2, s2 = where
+    if r < n2:
+        return carray(pointer(base + r * s2, dt), (cols,))
     q = r // n2
-    return carray(pointer(base + (q // n1) * s0 + (q % n1) * s1 + (r % n2) * s2, dt), (cols,))
+    return carray(pointer(base + (q // n1) * s0 + (q % n1) * s1 + (r - q * n2) * s2, dt), (cols,))
 
 
 @njit(inline="always", cache=True)
-def x_row(a: Any, r: int, dt: Any) -> Any:
-    return row_at(a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2, r, a.cols, dt)
-
-
-@njit(inline="always", cache=True)
-def g_row(a: Any, r: int, dt: Any) -> Any:
-    return row_at(a.g, a.g_s0, a.g_n1, a.g_s1, a.g_n2, a.g_s2, r, a.cols, dt)
+def _where(a: Any) -> tuple[Any, Any]:
+    """`row_at`'s `where` of x and of g."""
+    return ((a.x, a.x_s0, a.x_n1, a.x_s1, a.x_n2, a.x_s2), (a.g, a.g_s0, a.g_n1, a.g_s1, a.g_n2, a.g_s2))
 
 
 @njit(inline="always", cache=True)
@@ -73,10 +75,12 @@ def native_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) 
     a, out = row_arrays(argv, dt)
     one = dt(1)
     eps = dt(a.eps)
-    inv_n = one / dt(a.cols)
+    cols = a.cols
+    inv_n = one / dt(cols)
+    xw, gw = _where(a)
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
-        x = x_row(a, r, dt)
-        g = g_row(a, r, dt)
+        x = row_at(xw, r, cols, dt)
+        g = row_at(gw, r, cols, dt)
         if not row(x, g, out[r], eps, inv_n, one):
             redo(x, g, out[r], eps, inv_n, one)
 
@@ -90,15 +94,17 @@ def bf16_rows(part: int, parts: int, argv: int, dt: Any, row: Any, redo: Any) ->
     one = np.float32(1)
     eps = np.float32(a.eps)
     inv_n = one / np.float32(n)
+    two = a.inputs == 2
+    xw, gw = _where(a)
     wx = np.empty(n, np.uint32)
     wg = np.empty(n, np.uint32)
     res = np.empty(n, np.float32)
     fx = wx.view(np.float32)
-    fg = wg.view(np.float32) if a.inputs == 2 else fx
+    fg = wg.view(np.float32) if two else fx
     for r in range(part * a.rows // parts, (part + 1) * a.rows // parts):
-        widen_bf16_row(x_row(a, r, dt), wx)
-        if a.inputs == 2:
-            widen_bf16_row(g_row(a, r, dt), wg)
+        widen_bf16_row(row_at(xw, r, n, dt), wx)
+        if two:
+            widen_bf16_row(row_at(gw, r, n, dt), wg)
         if not row(fx, fg, res, eps, inv_n, one):
             redo(fx, fg, res, eps, inv_n, one)
         narrow_bf16_row(res.view(np.uint32), out[r])
