@@ -17,10 +17,17 @@ without SiLU), dx is this op on dz padded by K − 1 on both sides with w revers
 Σ_{b,t} dz·x[t + k], dbias Σ dz. Half types run the gradient in f32 and round each result once.
 
 The lowering is K shifted slices, multiplied by their tap and summed in tap order, plus the bias.
+
+Pattern: that sum as users write it, in any order and nesting: a bias `[C]` viewed as `[C, 1]` or
+`[1, C, 1]`, and for each tap k one product `x[:, :, k:k + seq] * w[:, :, k]` (the tap's weights any view
+of `w[:, :, k:k + 1]` that lines its channels up with x's), optionally through SiLU (`.silu()` or
+`y * y.sigmoid()`). x may be the caller's `pad(x, K − 1 zeros on the left)`. A hand matcher rather than a
+template: the slices' offsets are tap numbers, not fractions of the axis, and K varies.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +35,8 @@ import numpy as np
 from fuel.dtype import DType
 from fuel.errors import ParamError, ShapeError
 from fuel.graph.functions import concat, pad
-from fuel.graph.node import Shape
-from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.node import Node, Op, Shape
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.registry.common import float_like_first, operand_nodes
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, zeros
 
@@ -78,6 +85,101 @@ def decompose(inputs: list[Tensor], params: CausalConv1dParams) -> Tensor:
     for tap in range(k):
         y = y + x[:, :, tap:tap + seq] * w[:, :, tap:tap + 1].reshape(1, c, 1)
     return y.silu() if params.use_silu else y
+
+
+_RESHAPES = (Op.RESHAPE, Op.SQUEEZE, Op.UNSQUEEZE)
+
+
+def _channels(n: Node, c: int) -> Node | None:
+    """The C-element node behind `n` when `n` is it viewed as [C, 1] or [1, C, 1] (then perhaps broadcast),
+    so that channel c meets x's channel c."""
+    if n.op is Op.BROADCAST_TO:
+        n = n.inputs[0]
+    if n.shape not in ((c, 1), (1, c, 1)):
+        return None
+    while n.op in _RESHAPES:
+        n = n.inputs[0]
+    return n
+
+
+def _tap(n: Node, c: int) -> tuple[Node, int] | None:
+    """(w, k) when `n` views w[:, :, k:k + 1] of a w [C, 1, K] as channels."""
+    s = _channels(n, c)
+    if s is not None and s.op is not Op.SLICE and s.shape == (c, 1, 1):
+        return s, 0  # K = 1: the slice of the only tap is w itself
+    if s is None or s.op is not Op.SLICE or len(s.inputs[0].shape) != 3:
+        return None
+    w = s.inputs[0]
+    (c0, c1, cs), (o0, o1, os), (k0, k1, ks) = s.arg
+    if (c0, c1, cs) != (0, c, 1) or w.shape[:2] != (c, 1) or (o0, o1, os) != (0, 1, 1) or (k1, ks) != (k0 + 1, 1):
+        return None
+    return w, k0
+
+
+def _shifted(n: Node, shape: Shape) -> tuple[Node, int] | None:
+    """(x, k) when `n` is x[:, :, k:k + seq] (x itself at k = 0 when nothing is cut)."""
+    b, c, seq = shape
+    if n.op is not Op.SLICE:
+        return (n, 0) if len(n.shape) == 3 else None
+    x = n.inputs[0]
+    (b0, b1, bs), (c0, c1, cs), (k0, k1, ks) = n.arg
+    if (b0, b1, bs, c0, c1, cs) != (0, b, 1, 0, c, 1) or (k1, ks) != (k0 + seq, 1):
+        return None
+    return x, k0
+
+
+def _terms(n: Node, counts: Mapping[Node, int], out: list[Node]) -> None:
+    """The leaves of a sum: ADD nodes read only inside it are opened."""
+    if n.op is Op.ADD and counts[n] == 1:
+        for i in n.inputs:
+            _terms(i, counts, out)
+    else:
+        out.append(n)
+
+
+def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
+    """bias + Σ_k x[:, :, k:k + seq]·w[:, :, k] (any order), perhaps through SiLU."""
+    if len(node.shape) != 3 or not node.dtype.is_float:
+        return None
+    use_silu = False
+    y = node
+    if node.op is Op.SILU and counts[node.inputs[0]] == 1:
+        use_silu, y = True, node.inputs[0]
+    elif node.op is Op.MUL:
+        a, b = node.inputs
+        for u, sg in ((a, b), (b, a)):
+            if sg.op is Op.SIGMOID and sg.inputs[0] is u and counts[u] == 2 and counts[sg] == 1:
+                use_silu, y = True, u
+    if y.op is not Op.ADD:
+        return None
+    leaves: list[Node] = []
+    for i in y.inputs:
+        _terms(i, counts, leaves)
+    _, c, _ = y.shape
+    bias, x, w, taps = None, None, None, set()
+    for leaf in leaves:
+        found = None
+        if leaf.op is Op.MUL and counts[leaf] == 1:
+            for a, b in (leaf.inputs, leaf.inputs[::-1]):
+                t, xs = _tap(b, c), _shifted(a, y.shape)
+                if t is not None and xs is not None and t[1] == xs[1]:
+                    found = (xs[0], t[0], t[1])
+                    break
+        if found is None:
+            bn = _channels(leaf, c)
+            if bias is not None or bn is None or bn.shape != (c,):
+                return None
+            bias = bn
+            continue
+        if (x is not None and found[0] is not x) or (w is not None and found[1] is not w) or found[2] in taps:
+            return None
+        x, w = found[0], found[1]
+        taps.add(found[2])
+    if bias is None or x is None or w is None or taps != set(range(w.shape[2])):
+        return None
+    if x.shape[:2] != y.shape[:2] or x.shape[2] != y.shape[2] + w.shape[2] - 1:
+        return None
+    return Match((x, w, bias), CausalConv1dParams(use_silu))
 
 
 def vjp(inputs: list[Tensor], params: CausalConv1dParams, out: Tensor, grad_out: Tensor) -> list[Tensor | None]:
@@ -135,7 +237,7 @@ ENTRY = FusedOpEntry(
     # The inventory's metadata (v1 inference-only upstream); `vjp` below is exact.
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
-    pattern=None,
+    pattern=pattern,
     output_views=None,
     destructive_input=None,
 )
