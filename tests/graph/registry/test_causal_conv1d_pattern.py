@@ -77,7 +77,7 @@ def _case() -> tuple[Tensor, Tensor, Tensor, np.ndarray, np.ndarray, np.ndarray]
 def test_a_missing_or_misplaced_tap_stays_primitive() -> None:
     fx, fw, fb, x, w, b = _case()
     for kw in ({"missing": 2}, {"wrong": 1}):
-        y = _spelled(fx, fw, fb, [0, 1, 2, 3], 0, 0, **kw)  # type: ignore[arg-type]
+        y = _spelled(fx, fw, fb, [0, 1, 2, 3], 0, 0, **kw)
         (root,) = fuse([y.node], default_registry())
         assert root.op is not Op.FUSED, kw
     # the missing tap's value, checked against torch with that tap zeroed
