@@ -18,18 +18,24 @@ groups ride along as the batch axis), dBias a sum.
 
 The lowering is the im2col recipe: pad, one IndexSelect gathering every window (the index is baked
 when the graph is lowered), one batched MatMul with the group as a batch axis, the bias added.
+The pattern finds that recipe again wherever it is written (an unfold by a constant tap table, then a
+grouped matmul), reading stride and dilation off the table; a table of any other geometry stays
+primitive. A hand matcher: the table is a constant array, which a template cannot hold.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ShapeError
 from fuel.graph.functions import pad
-from fuel.graph.node import Shape
-from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.node import Node, Op, Shape
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.registry.common import operand_nodes
 from fuel.graph.registry.conv_geometry import (
     Padding,
@@ -120,6 +126,88 @@ def decompose(inputs: list[Tensor], params: Conv2DParams) -> Tensor:
     return out
 
 
+def _unbroadcast(n: Node) -> Node:
+    return n.inputs[0] if n.op is Op.BROADCAST_TO else n
+
+
+def _step(idx: np.ndarray, axis: int, unit: int) -> int | None:
+    """The distance (in units of `unit`) between the first two entries along `axis` of the tap table;
+    0 when that axis has one entry (then any step gives the same table)."""
+    if idx.shape[axis] < 2:
+        return 0
+    d = int(np.take(idx, 1, axis).reshape(-1)[0] - idx.reshape(-1)[0])
+    return d // unit if d > 0 and d % unit == 0 else None
+
+
+def _geometry(idx: Node, kernel: tuple[int, int], out: tuple[int, int], plane: tuple[int, int]
+              ) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """(stride, dilation) whose tap table is exactly the IndexSelect's constant index, or None. Where the
+    table does not fix one (one tap: dilation 1; one output: the least stride giving one output), the
+    canonical value."""
+    if idx.value is None or idx.dtype.is_float or idx.shape != (kernel[0] * kernel[1] * out[0] * out[1],):
+        return None
+    table = np.asarray(idx.value).reshape(*kernel, *out)
+    steps = [_step(table, a, u) for a, u in ((0, plane[1]), (1, 1), (2, plane[1]), (3, 1))]
+    if any(f is None for f in steps):
+        return None
+    dh, dw, sh, sw = (int(f) for f in steps if f is not None)
+    dh, dw = dh or 1, dw or 1
+    sh = sh or max(1, plane[0] - dh * (kernel[0] - 1))
+    sw = sw or max(1, plane[1] - dw * (kernel[1] - 1))
+    if not np.array_equal(tap_positions(kernel, out, plane[1], (sh, sw), (dh, dw)), idx.value):
+        return None
+    return (sh, sw), (dh, dw)
+
+
+def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
+    """The im2col lowering as `decompose` spells it: [pad,] reshape to planes, IndexSelect of the tap
+    table, reshape to (N, groups, Cin/groups·Kh·Kw, Ho·Wo), MATMUL by w as (groups, Cout/groups, ·),
+    reshape to NCHW [+ bias viewed as (1, Cout, 1, 1)]. Stride and dilation are read off the table and
+    must rebuild it exactly; the pad must be zeros on H and W only. Every interior node but the views of
+    w and bias is read only here."""
+    bias = None
+    core = node
+    if node.op is Op.ADD:
+        for a, b in (node.inputs, node.inputs[::-1]):
+            bv = _unbroadcast(b)
+            if bv.op is Op.RESHAPE and len(bv.shape) == 4 and bv.inputs[0].shape == (bv.shape[1],) \
+                    and bv.shape == (1, bv.shape[1], 1, 1):
+                bias, core = bv.inputs[0], a
+                break
+        if bias is None:
+            return None
+    if core.op is not Op.RESHAPE or len(core.shape) != 4 or core.inputs[0].op is not Op.MATMUL:
+        return None
+    mm = core.inputs[0]
+    wv, cols = _unbroadcast(mm.inputs[0]), mm.inputs[1]
+    if wv.op is not Op.RESHAPE or len(wv.inputs[0].shape) != 4 or cols.op is not Op.RESHAPE:
+        return None
+    w, sel = wv.inputs[0], cols.inputs[0]
+    if sel.op is not Op.INDEX_SELECT or sel.arg != 2 or sel.inputs[0].op is not Op.RESHAPE:
+        return None
+    planes = sel.inputs[0]
+    xp = planes.inputs[0]
+    if len(xp.shape) != 4:
+        return None
+    n, cout, ho, wo = core.shape
+    _, cg, kh, kw = w.shape
+    g = wv.shape[0]
+    if wv.shape != (g, cout // g, cg * kh * kw) or cols.shape != (n, g, cg * kh * kw, ho * wo):
+        return None
+    x, padding = xp, ((0, 0), (0, 0))
+    if xp.op is Op.PAD:
+        widths, value = xp.arg
+        if value != 0.0 or tuple(widths[:2]) != ((0, 0), (0, 0)):
+            return None
+        x, padding = xp.inputs[0], (tuple(widths[2]), tuple(widths[3]))
+    geometry = _geometry(sel.inputs[1], (kh, kw), (ho, wo), xp.shape[2:])
+    interior = [core, mm, cols, sel, planes] + ([xp] if xp is not x else []) + ([node] if bias is not None else [])
+    if geometry is None or any(counts[i] != 1 for i in interior if i is not node):
+        return None
+    params = Conv2DParams(geometry[0], padding, geometry[1], g)
+    return Match((x, w) if bias is None else (x, w, bias), params)
+
+
 def weight_grad(x: Tensor, g: Tensor, kernel: Pair, stride: Pair, padding: Padding, dilation: Pair,
                 groups: int) -> Tensor:
     """∂/∂w of a Conv2D `x` → `g` (x `[N, Cin, H, W]`, g `[N, Cout, Ho, Wo]`) as `[Cout, Cin/groups, Kh, Kw]`.
@@ -193,7 +281,7 @@ ENTRY = FusedOpEntry(
     # The inventory's metadata (the gradient is not one fused op); `vjp` below is exact.
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
-    pattern=None,
+    pattern=pattern,
     output_views=None,
     destructive_input=None,
 )
