@@ -158,8 +158,11 @@ def materialise(q: Tensor, k: Tensor, v: Tensor, alibi: Tensor | None, p: FlashA
         dist = np.abs(aq - np.arange(kl)[None, :]).astype(alibi.dtype.np)
         s = s + (alibi.reshape(hq, 1, 1) * tensor(-dist)).cast(q.dtype)
     ok = admissible_mask(sq, kl, p)
-    s = s + tensor(np.where(ok, 0.0, -np.inf).astype(q.dtype.np))
+    # A constant mask, and no zeroing where every row has a key: the spelling FlashAttn's pattern reads.
+    s = s + tensor(np.where(ok, 0.0, -np.inf).astype(q.dtype.np), const=True)
     probs = s.softmax(-1) if kl else s
+    if kl and ok.any(-1).all():
+        return Materialised(probs, capped, kr, repeat_heads(v[:, :, :kl], hq))
     any_key = tensor(ok.any(-1, keepdims=True).astype(np.uint8))
     return Materialised(where(any_key, probs, 0.0), capped, kr, repeat_heads(v[:, :, :kl], hq))
 
