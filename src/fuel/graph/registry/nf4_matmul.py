@@ -22,6 +22,7 @@ have none (fl.grad refuses a u8 wrt).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,8 +30,8 @@ import numpy as np
 from fuel.dtype import DType
 from fuel.errors import DTypeError, ParamError, ShapeError
 from fuel.graph.functions import concat
-from fuel.graph.node import Shape
-from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, fused_node
+from fuel.graph.node import Node, Op, Shape
+from fuel.graph.registry import NOT_DIFFERENTIABLE, FusedOpEntry, FusedOpFamily, FusedOps, Match, fused_node
 from fuel.graph.tensor import Tensor, TensorLike, as_tensor, tensor
 from fuel.quant.nf4 import NF4
 
@@ -113,6 +114,113 @@ def decompose(inputs: list[Tensor], params: Nf4MatmulParams) -> Tensor:
     return (act.cast(work) @ (deq if params.transpose else deq.T)).cast(act.dtype)
 
 
+def _below(n: Node, *ops: Op) -> Node:
+    """`n` with any chain of the given single-input ops peeled off."""
+    while n.op in ops:
+        n = n.inputs[0]
+    return n
+
+
+def _codes(n: Node) -> tuple[Node, list[Node]] | None:
+    """(w_packed, the nodes) when `n` is the k-ordered nibble stream of a u8 `[N, K/2]`:
+    concat([floor(b/16), b − 16·floor(b/16)] along a new last axis) with b = w_packed as f32."""
+    if n.op is not Op.CONCAT or len(n.inputs) != 2 or n.arg != len(n.shape) - 1 or n.shape[-1] != 2:
+        return None
+    hi_u, lo_u = n.inputs
+    if hi_u.op is not Op.UNSQUEEZE or lo_u.op is not Op.UNSQUEEZE:
+        return None
+    hi, lo = hi_u.inputs[0], lo_u.inputs[0]
+    if hi.op is not Op.FLOOR or hi.inputs[0].op is not Op.MUL_SCALAR or hi.inputs[0].arg != 0.0625:
+        return None
+    b = hi.inputs[0].inputs[0]
+    if lo.op is not Op.SUB or lo.inputs[0] is not b or lo.inputs[1].op is not Op.MUL_SCALAR:
+        return None
+    if lo.inputs[1].arg != 16.0 or lo.inputs[1].inputs[0] is not hi:
+        return None
+    if b.op is not Op.CAST or b.dtype is not DType.F32 or b.inputs[0].dtype is not DType.U8:
+        return None
+    return b.inputs[0], [n, hi_u, lo_u, hi, lo, hi.inputs[0], lo.inputs[1], b]
+
+
+def _dequantized(n: Node) -> tuple[Node, Node, int, list[Node]] | None:
+    """(w_packed, absmax, block_size, the nodes) when `n` is `dequantize(w_packed, absmax, ...)`."""
+    if n.op is not Op.RESHAPE or len(n.shape) != 2 or n.inputs[0].op is not Op.MUL:
+        return None
+    mul = n.inputs[0]
+    for values, scale in (mul.inputs, mul.inputs[::-1]):
+        if len(values.shape) != 3 or values.op is not Op.RESHAPE:
+            continue
+        rows, nb, bs = values.shape
+        sc = _below(scale, Op.BROADCAST_TO)
+        if sc.op is not Op.RESHAPE or sc.shape != (rows, nb, 1):
+            continue
+        absmax = _below(sc.inputs[0], Op.CAST)
+        sel = _below(values, Op.RESHAPE)
+        if sel.op is not Op.INDEX_SELECT or sel.arg != 0 or absmax.shape != (rows, nb):
+            continue
+        table, idx = sel.inputs
+        if table.value is None or not np.array_equal(np.asarray(table.value, np.float64), NF4.astype(np.float64)):
+            continue
+        if idx.op is not Op.CAST or idx.dtype is not DType.U32:
+            continue
+        found = _codes(_below(idx.inputs[0], Op.RESHAPE))
+        if found is None or found[0].shape != (rows, nb * bs // 2):
+            continue
+        chain = [*_chain(values, sel), *_chain(idx.inputs[0], found[1][0]), *_chain(scale, sc),
+                 *_chain(sc.inputs[0], absmax)]
+        return found[0], absmax, bs, [n, mul, sc, sel, idx, *chain, *found[1]]
+    return None
+
+
+def _chain(top: Node, bottom: Node) -> list[Node]:
+    """The single-input nodes from `top` down to (and without) `bottom`."""
+    out = []
+    while top is not bottom:
+        out.append(top)
+        top = top.inputs[0]
+    return out
+
+
+def _closed(root: Node, interior: list[Node], counts: Mapping[Node, int]) -> bool:
+    """No interior node but the root is read outside the match."""
+    inside = {id(n): n for n in interior}
+    uses: dict[int, int] = {}
+    for n in inside.values():
+        for i in n.inputs:
+            uses[id(i)] = uses.get(id(i), 0) + 1
+    return all(n is root or counts[n] == uses.get(k, 0) for k, n in inside.items())
+
+
+def pattern(node: Node, counts: Mapping[Node, int]) -> Match | None:
+    """The lowering: `act @ dequantize(w_packed, absmax)ᵀ` (or without the transpose), the nibbles split by
+    floor(b/16), looked up in the NF4 table and scaled per block; act cast to f32 (and the product back)
+    where it is a half type. A hand matcher: its reshapes carry N, K and the block size."""
+    root, act = node, None
+    if node.op is Op.CAST and node.inputs[0].op is Op.MATMUL:
+        node = node.inputs[0]
+        a = node.inputs[0]
+        if not (a.op is Op.CAST and a.dtype is DType.F32 and a.inputs[0].dtype is root.dtype and root.dtype.is_half):
+            return None
+        act = a.inputs[0]
+    if node.op is not Op.MATMUL or len(node.shape) < 2:
+        return None
+    a, b = node.inputs
+    act = a if act is None else act
+    bt = _below(b, Op.BROADCAST_TO)
+    transpose = bt.op is not Op.PERMUTE
+    deq = bt if transpose else bt.inputs[0]
+    if not transpose and tuple(bt.arg) != (1, 0):
+        return None
+    found = _dequantized(deq)
+    if found is None:
+        return None
+    w, absmax, bs, nodes = found
+    interior = [root, node, *_chain(b, deq), *_chain(a, act), *nodes]
+    if not _closed(root, interior, counts):
+        return None
+    return Match((act, w, absmax), Nf4MatmulParams(bs, transpose))
+
+
 def _rows(t: Tensor) -> Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
@@ -154,7 +262,7 @@ ENTRY = FusedOpEntry(
     # The inventory's metadata (upstream: frozen weights); `vjp` below is exact.
     backward=NOT_DIFFERENTIABLE,
     vjp=vjp,
-    pattern=None,
+    pattern=pattern,
     output_views=None,
     destructive_input=None,
 )
