@@ -16,6 +16,13 @@ from fuel.graph.registry import default_registry
 from fuel.inventory import inventory, to_markdown
 
 
+def test_every_entry_has_a_pattern_or_a_reason() -> None:
+    missing = [e.name for e in default_registry() if e.pattern is None and not e.no_pattern]
+    both = [e.name for e in default_registry() if e.pattern is not None and e.no_pattern]
+    assert not missing, f"no pattern and no reason: {missing}"
+    assert not both, f"a live pattern and a reason for having none: {both}"
+
+
 def test_inventory_reports_the_live_count_and_each_reason() -> None:
     records = inventory()
     text = to_markdown(records)
