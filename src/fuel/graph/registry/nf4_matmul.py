@@ -17,6 +17,11 @@ Gradients: act gets the other product (an Nf4Matmul with `transpose` flipped); a
 gradient `Σ_k∈block dW[n, k]·NF4[code(n, k)]` with `dW = gᵀ·act` (built lazily, so a QLoRA step that
 asks only for activation and adapter gradients never computes it); the packed codes are integers and
 have none (fl.grad refuses a u8 wrt).
+
+Pattern: the lowering wherever it is written, a QLoRA weight dequantised with primitives (bytes split by
+floor(b/16) into high then low nibble, looked up in the 16-entry NF4 table, scaled per block of absmax)
+then multiplied by the activations, its transpose or not; anything else (another nibble order or table, a
+dequantised weight read elsewhere) stays primitive.
 """
 
 from __future__ import annotations
