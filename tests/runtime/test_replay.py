@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
+from fuel.cpu.prims.gemv import GEMV_MAX_ROWS
 from fuel.cpu.quant import gguf_decode
 from fuel.cpu.quant import nf4_matmul as nf4_kernels
 from fuel.dtype import DType
@@ -357,11 +358,10 @@ def test_one_row_nf4_matmul_runs_natively(bs: int, shape: tuple[int, ...], monke
         assert_close_contraction(g, x64 @ deq.T, np.abs(x64) @ np.abs(deq).T, DType.F32)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
 def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A product of up to four rows with an f32 weight (the MATMUL kernel's gemv) as two native jobs, the
-    partial sums then their sum: the Python replay's bytes, and torch's float64 product; five rows go to
-    the BLAS, in Python."""
+    """A product of up to GEMV_MAX_ROWS rows with an f32 weight (the MATMUL kernel's gemv) as one native job:
+    the Python replay's bytes, and torch's float64 product; more rows go to the BLAS, in Python."""
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((96, 80)).astype(np.float32)
     xs = [rng.standard_normal((rows, 96)).astype(np.float32) for _ in range(3)]
@@ -372,7 +372,7 @@ def test_few_row_f32_products_run_natively(rows: int, monkeypatch: pytest.Monkey
     f, got = _native_against_python(fn, xs, monkeypatch)
     cap = f.capture_for(xs[0])
     assert cap is not None
-    assert (cap.native is not None and len(cap.native.program.jobs) == 2) == (rows <= 4)
+    assert (cap.native is not None and len(cap.native.program.jobs) == 1) == (rows <= GEMV_MAX_ROWS)
     for x, g in zip(xs, got, strict=True):
         ref = (torch.from_numpy(x.astype(np.float64)) @ torch.from_numpy(w.astype(np.float64))).numpy()
         assert_close_contraction(g, ref, np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)), DType.F32)
