@@ -32,19 +32,19 @@ from tokenizers import Tokenizer, pre_tokenizers
 from fuel.errors import FuelError
 from fuel.io.gguf import bundled_gguf, open_gguf
 from fuel.models.tokenizer import GEMMA3_CHAT_TEMPLATE, GGUFTokenizer, TokenizerError
-
-TEXTS = [
-    "Hello, world!", "The quick brown fox jumps over the lazy dog.", "  leading spaces", "trailing spaces   ",
-    "a  b   c    d", "tabs\tand\t\ttabs  \t x", "line1\nline2\n\n\nline5\r\nwindows\r\n", "end with spaces \n  ",
-    "x  1", "a 1  22   333", "3.14159 + 2 = 5.14159; 1234567890", "12,345.67 ²³ ½", "1 2  3   4\n5\n\n6", "x\n 1",
-    "emoji 😀👍🏽🇫🇷 family 👨‍👩‍👧", "中文字符 日本語のテキスト 한국어", "café naïve résumé Ångström straße",
-    "Ελληνικά русский עברית العربية", "def f(x):\n    return x**2  # comment\n\n\tpass\n", "    indented\n        more",
-    "<|im_start|>user\nhi<|im_end|>\n", "<start_of_turn>model\nok<end_of_turn>", "<bos>text<eos>",
-    "rare: 𓀀 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 \u200b\ufeff zero-width \x00\x01 ctrl", "<table><tr><td>x</td></tr></table>",
-    "I'm don't WE'LL they've", "https://example.com/a?b=c&d=e", "a\u00a0nbsp", "▁already▁marked",
-    "<0x41> <unk> [multimodal]", "", " ", "\n",
-    "Tokenizers split text into pieces; a model reads their ids. " * 8,
-]
+from tests.models import llama_cpp_golden as golden
+from tests.models.tokenizer_files import (
+    LLAMA3_SPECIALS,
+    PRE_ALPHABET,
+    PRE_CASES,
+    PRE_TEXTS,
+    SPM_PIECES,
+    SPM_TEXTS,
+    TEXTS,
+    vocabulary_hash,
+    write_spm_gguf,
+    write_tokenizer_gguf,
+)
 
 # SmolLM2 ids from llama.cpp (see the module docstring), where transformers' GGUF loader splits digits differently.
 SMOLLM2_LLAMA_CPP = {
@@ -238,123 +238,79 @@ def test_template_errors_are_tokenizer_errors() -> None:
 
 
 # --- Byte-level pre-tokenizers of the new architectures' files (Qwen2/2.5/3: "qwen2"; Llama-3: "llama-bpe") ----
-# SmolLM2's vocabulary and merges written into a GGUF with another `tokenizer.ggml.pre`: a realistic vocabulary split
-# by another regex. Two independent oracles read the same file: transformers' GGUF tokenizer loader and llama.cpp
-# (llama-cpp-python, vocab_only), whose llm_tokenizer_bpe the regexes come from.
-
-PRE_CASES = {"qwen2": ("qwen2", "qwen2"), "llama-bpe": ("llama", "llama-bpe")}
-PRE_TEXTS = [*TEXTS, "12345678 1,234,567 x2024y", "I'M HE'S 'tis o'clock", "a\r\n\r\n  b\n \n", "  \t\n x  ",
-             "ﬁ ẞ ǅ 𝟘𝟙 ١٢٣ ½¼", "what's it? don't!", "foo...bar,,,baz!!!", "\u3000全角\u3000スペース"]
-
-
-def _write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...] = (), extra_type: int = 1,
-                          eos: int = 2) -> None:
-    import gguf
-
-    md = open_gguf(bundled_gguf("smollm2")).metadata
-    w = gguf.GGUFWriter(str(path), arch)
-    # the hyperparameters llama.cpp reads before a vocab_only load; no tensors
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list([*md["tokenizer.ggml.tokens"], *extra])
-    w.add_token_types([int(t) for t in md["tokenizer.ggml.token_type"]] + [extra_type] * len(extra))
-    w.add_token_merges(list(md["tokenizer.ggml.merges"]))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(eos)  # no add_bos_token: each pre-tokenizer's default applies
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+# SmolLM2's vocabulary and merges under another `tokenizer.ggml.pre` (tests/models/tokenizer_files.py). Two
+# independent oracles: transformers' GGUF tokenizer loader, live, and llama.cpp (whose llm_tokenizer_bpe the
+# regexes come from), whose answers are recorded (tests/models/llama_cpp_golden.py: llama-cpp-python is built only
+# by `make bench-env`) for the fixed texts and a seeded sample of random ones.
 
 
 class PrePair:
-    def __init__(self, ours: GGUFTokenizer, hf: Any, cpp: Any) -> None:
-        self.ours, self.hf, self.cpp = ours, hf, cpp
+    def __init__(self, case: str, ours: GGUFTokenizer, hf: Any, cpp: Any = None) -> None:
+        self.case, self.ours, self.hf, self.cpp = case, ours, hf, cpp
 
-    def cpp_ids(self, text: str) -> list[int]:
-        return list(self.cpp.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+def recorded(kind: str, case: str, path: Any) -> dict[str, Any]:
+    """llama.cpp's recorded answers for `case`, after checking they were made on the vocabulary at `path`."""
+    found: dict[str, Any] = golden.load()[kind][case] if case else golden.load()[kind]
+    assert found["vocabulary"] == vocabulary_hash(path), (
+        f"{kind} {case}: the file's vocabulary is not the recorded one; "
+        "re-record: python -m tests.models.llama_cpp_golden")
+    return found
 
 
 @pytest.fixture(scope="module", params=sorted(PRE_CASES))
 def pre_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> PrePair:
-    import llama_cpp
-
     arch, pre = PRE_CASES[request.param]
     path = tmp_path_factory.mktemp(request.param) / "tok.gguf"
-    _write_tokenizer_gguf(path, arch, pre)
+    write_tokenizer_gguf(path, arch, pre)
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    return PrePair(GGUFTokenizer.from_gguf(path), hf, cpp)
+    return PrePair(request.param, GGUFTokenizer.from_gguf(path), hf, recorded("pre", request.param, path))
 
 
 def test_pre_tokenizer_matches_transformers_and_llama_cpp(pre_pair: PrePair) -> None:
     for text in PRE_TEXTS:
         ours = pre_pair.ours.encode(text, add_bos=False)
         assert ours == pre_pair.hf.encode(text, add_special_tokens=False), text
-        assert ours == pre_pair.cpp_ids(text), text
         assert pre_pair.ours.decode(ours) == text, text
-
-
-PRE_ALPHABET = list("aZé中1234567890 '\n\r\t.,!?-_sStTdDmMlLvVeErR😀\u00a0\u3000")
+    cpp = pre_pair.cpp
+    assert cpp["texts"][:len(PRE_TEXTS)] == PRE_TEXTS and cpp["texts"] == golden.pre_texts()
+    for text, ids in zip(cpp["texts"], cpp["ids"], strict=True):
+        assert pre_pair.ours.encode(text, add_bos=False) == ids, text
 
 
 @settings(max_examples=150)
 @given(st.text(alphabet=st.sampled_from(PRE_ALPHABET), max_size=40))
 def test_pre_tokenizer_random_text(pre_pair: PrePair, text: str) -> None:
-    ours = pre_pair.ours.encode(text, add_bos=False)
-    assert ours == pre_pair.hf.encode(text, add_special_tokens=False)
-    assert ours == pre_pair.cpp_ids(text)
+    assert pre_pair.ours.encode(text, add_bos=False) == pre_pair.hf.encode(text, add_special_tokens=False)
 
 
 def test_pre_tokenizer_bos_default_follows_llama_cpp(pre_pair: PrePair) -> None:
     """A Llama-3 file without add_bos_token gets BOS (llama.cpp's default for llama-bpe); a Qwen2 file does not."""
-    import llama_cpp
-
-    want = bool(llama_cpp.llama_vocab_get_add_bos(llama_cpp.llama_model_get_vocab(pre_pair.cpp.model)))
-    assert pre_pair.ours.add_bos == want
-    assert pre_pair.ours.encode("Hi")[:1] == pre_pair.cpp.tokenize(b"Hi", add_bos=True, special=True)[:1]
+    cpp = pre_pair.cpp
+    assert pre_pair.ours.add_bos == cpp["add_bos"] == (pre_pair.case == "llama-bpe")
+    assert pre_pair.ours.encode("Hi")[:1] == cpp["hi_with_bos"][:1]
 
 
 @pytest.mark.parametrize("case", sorted(PRE_CASES))
 def test_llama3_looks_whole_words_up_before_merging(case: str, tmp_path: Any) -> None:
     """A vocabulary word no merge builds: llama.cpp's llama-bpe takes it whole (Llama-3's "ignore_merges"), its
     qwen2 builds it from merges. Transformers' GGUF loader does not know ignore_merges, so llama.cpp is the oracle."""
-    import llama_cpp
-
     arch, pre = PRE_CASES[case]
     path = tmp_path / "tok.gguf"
-    _write_tokenizer_gguf(path, arch, pre, extra=("Ġquuxzz",))
-    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    write_tokenizer_gguf(path, arch, pre, extra=("Ġquuxzz",))
+    want = recorded("whole_word", case, path)["ids"]
     ours = GGUFTokenizer.from_gguf(path)
-    text = "a quuxzz b quuxzzy"
-    want = list(cpp.tokenize(text.encode("utf-8"), add_bos=False, special=True))
-    assert ours.encode(text, add_bos=False) == want
+    assert ours.encode(golden.WHOLE_WORD_TEXT, add_bos=False) == want
     assert (ours.token_to_id("Ġquuxzz") in want) == (pre == "llama-bpe")
 
 
 def test_generation_stops_where_llama_cpp_does(tmp_path: Any) -> None:
     """eos_ids is llama.cpp's end-of-generation set for a Llama-3-style file (eos <|eot_id|>): it also stops at
-    <|end_of_text|>, <|eom_id|> and the ChatML markers SmolLM2's vocabulary has."""
-    import llama_cpp
-
-    path = tmp_path / "tok.gguf"
-    n = len(open_gguf(bundled_gguf("smollm2")).metadata["tokenizer.ggml.tokens"])
-    _write_tokenizer_gguf(path, "llama", "llama-bpe", extra=tuple(LLAMA3_SPECIALS), extra_type=3,
-                          eos=n + LLAMA3_SPECIALS.index("<|eot_id|>"))
-    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    vocab = llama_cpp.llama_model_get_vocab(cpp.model)
+    <|end_of_text|>, <|eom_id|> and the ChatML markers SmolLM2's vocabulary has (llama.cpp's fill-in-the-middle
+    separators, which chat does not use, are left out of the recording)."""
+    path = golden.eog_file(tmp_path / "tok.gguf")
     ours = GGUFTokenizer.from_gguf(path)
-    # llama.cpp also stops at fill-in-the-middle separators (SmolLM2's <reponame>, <file_sep>); chat does not use them
-    fim = {f(vocab) for f in (llama_cpp.llama_vocab_fim_pad, llama_cpp.llama_vocab_fim_rep,
-                              llama_cpp.llama_vocab_fim_sep)}
-    assert ours.eos_ids == {i for i in range(ours.vocab_size) if llama_cpp.llama_vocab_is_eog(vocab, i)} - fim
+    assert ours.eos_ids == set(recorded("eog", "", path)["ids"])
     assert ours.token_to_id("<|end_of_text|>") in ours.eos_ids
 
 
@@ -370,8 +326,6 @@ def test_unknown_pre_tokenizer_names_it_and_the_known_ones() -> None:
 # "llama3": a Llama-3-style directory: BOS from the post-processor only, no add_bos_token, a list of named templates,
 # eos ids from generation_config.json.
 
-LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                   "<|eom_id|>", "<|eot_id|>"]
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
                    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
@@ -482,91 +436,38 @@ def test_hf_dir_errors_name_the_file_and_key(tmp_path: Any) -> None:
 
 
 # --- SentencePiece `llama` files without Gemma's quirks: Mistral (arch llama) and Phi-3 -----------------------------
-# A SentencePiece BPE vocabulary trained in-test with `tokenizers` and laid out as Mistral's and Phi-3's files are:
-# <unk> (type 2), <s>, </s>, the 256 <0xNN> byte tokens (type 6), then the pieces scored by merge order, no
-# add_space_prefix key (llama.cpp's default: true). llama.cpp is the oracle for both architectures; transformers'
-# GGUF loader too for phi3 (for arch llama it builds a Metaspace pre-tokenizer, which drops the extra ▁ SentencePiece
-# and llama.cpp give to text that starts with a space or follows a special token).
-
-SPM_CORPUS = [t for t in TEXTS if "<" not in t and "\x00" not in t] + [
-    "The history of natural language processing generally started in the 1950s, although work can be found from "
-    "earlier periods. In 1950, Alan Turing published an article titled Computing Machinery and Intelligence.",
-    "Tokenization is the process of splitting text into tokens; subword tokenizers such as byte pair encoding "
-    "merge the most frequent pairs of symbols, one merge at a time, until the vocabulary is full.",
-    "def tokenize(text):\n    return [piece for piece in text.split() if piece]\n\nprint(tokenize('a b  c'))\n",
-    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14159; dates 2024-05-01; prices $12.99 and €7,50.",
-] * 4
-
-
-def _write_spm_gguf(path: Any, arch: str) -> None:
-    import gguf
-    from tokenizers import SentencePieceBPETokenizer
-
-    sp = SentencePieceBPETokenizer()
-    sp.train_from_iterator(SPM_CORPUS, vocab_size=1200, min_frequency=2, show_progress=False, limit_alphabet=300)
-    vocab = sp.get_vocab()
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types, scores = [2, 3, 3] + [6] * 256, [0.0] * len(tokens)
-    for rank, piece in enumerate(sorted(vocab, key=vocab.__getitem__)):
-        if piece not in tokens:
-            tokens.append(piece)
-            types.append(1)
-            scores.append(-float(rank))
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_dimension_count(16)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_scores(scores)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+# The vocabulary of tests/models/tokenizer_files.py. llama.cpp (recorded) is the oracle for both architectures;
+# transformers' GGUF loader too for phi3, live (for arch llama it builds a Metaspace pre-tokenizer, which drops the
+# extra ▁ SentencePiece and llama.cpp give to text that starts with a space or follows a special token).
 
 
 @pytest.fixture(scope="module", params=["llama", "phi3"])
-def spm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PrePair]:
-    import llama_cpp
-
+def spm_pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, PrePair, Any]:
     path = tmp_path_factory.mktemp(f"spm-{request.param}") / "tok.gguf"
-    _write_spm_gguf(path, request.param)
+    write_spm_gguf(path, request.param)
     hf = transformers.PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
-    cpp = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
-    return request.param, PrePair(GGUFTokenizer.from_gguf(path), hf, cpp)
+    cpp = recorded("spm", request.param, path)
+    return request.param, PrePair(request.param, GGUFTokenizer.from_gguf(path), hf), cpp
 
 
-SPM_TEXTS = [*TEXTS, " hi", "  hi", "x<s>y", "a </s> b", "<unk>x", "zzzqqq ÿ ☃ 🤖", "\n\nA"]
-
-
-def test_sentencepiece_llama_and_phi3_match_llama_cpp(spm_pair: tuple[str, PrePair]) -> None:
-    arch, p = spm_pair
+def test_sentencepiece_llama_and_phi3_match_llama_cpp(spm_pair: tuple[str, PrePair, Any]) -> None:
+    arch, p, cpp = spm_pair
     assert p.ours.add_bos and p.ours.bos_id == 1 and p.ours.eos_id == 2
-    for text in SPM_TEXTS:
+    assert cpp["texts"][:len(SPM_TEXTS)] == SPM_TEXTS and cpp["texts"] == golden.spm_texts()
+    for text, ids, with_bos in zip(cpp["texts"], cpp["ids"], cpp["ids_with_bos"], strict=True):
         ours = p.ours.encode(text, add_bos=False)
-        assert ours == p.cpp_ids(text), text
-        if arch == "phi3":
+        assert ours == ids, text
+        assert p.ours.encode(text) == with_bos, text
+    if arch == "phi3":
+        for text in SPM_TEXTS:
+            ours = p.ours.encode(text, add_bos=False)
             assert ours == p.hf.encode(text, add_special_tokens=False), text
             assert p.ours.decode(ours) == p.hf.decode(ours), text
-        assert p.ours.encode(text) == list(p.cpp.tokenize(text.encode("utf-8"), add_bos=True, special=True)), text
-
-
-SPM_PIECES = ["the", "The", " ", "  ", "\n", "\t", "token", "izer", "19", "7", ".", ",", "'", "<s>", "</s>", "<unk>",
-              "<", ">", "😀", "ÿ", "zq", "▁"]
 
 
 @settings(max_examples=100)
 @given(st.lists(st.sampled_from(SPM_PIECES), max_size=12).map("".join))
-def test_sentencepiece_random_text(spm_pair: tuple[str, PrePair], text: str) -> None:
-    _, p = spm_pair
-    assert p.ours.encode(text, add_bos=False) == p.cpp_ids(text)
+def test_sentencepiece_random_text_matches_transformers_on_phi3(spm_pair: tuple[str, PrePair, Any], text: str) -> None:
+    arch, p, _ = spm_pair
+    if arch == "phi3":  # arch llama's random texts are llama.cpp's recorded sample, above
+        assert p.ours.encode(text, add_bos=False) == p.hf.encode(text, add_special_tokens=False)
