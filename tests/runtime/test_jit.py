@@ -396,3 +396,15 @@ def test_a_non_integer_dynamic_scalar_is_a_param_error_naming_it(bad: object) ->
                      f"array), got {bad!r} ({type(bad).__name__})")
     with pytest.raises(fl.ParamError, match=want):
         step(q, q, q, cache, cache.copy(), pos=2, k_len=bad)
+
+
+def test_a_traced_replay_hands_out_arrays_for_0d_results() -> None:
+    """Under fl.trace() every call of a capture runs its steps in Python; a NumPy scalar a primitive returns for a
+    0-d result (a division of two 0-d values) is made an array there too, as the first call does."""
+    x = np.arange(4, dtype=np.float32)
+    f = fl.jit(lambda t: (t * 2).sum() / fl.tensor(np.float32(2.0)))
+    for _ in range(3):
+        with fl.trace():
+            y = f(x)
+        got = y.numpy()
+        assert isinstance(got, np.ndarray) and got.shape == () and float(got) == float((x * 2).sum() / 2)

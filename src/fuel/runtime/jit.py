@@ -172,7 +172,7 @@ class Capture:
                 xs = [slots[i] for i in step.inputs]
                 if step.prim is not None:
                     res = step.prim(xs, executor.prim_spec(step, env) if step.dyn_fields else step.spec, r.out)
-                    if first:
+                    if first or tracers:  # a traced replay runs here too: NumPy's 0-d results become arrays
                         res = executor.checked(step, res)
                     copies = 0
                 else:
