@@ -24,6 +24,13 @@ def test_lowerings_within_their_bounds_pass(capsys: pytest.CaptureFixture[str]) 
     assert "QMatMul[cpu:f32,u32,f32]" in out and "1 passed, 0 failed" in out
 
 
+def test_rms_norm_backward_lowering_of_one_element_rows() -> None:
+    """A row of one element: the general form's g·x² − x·(g·x) cancels to rounding noise (2x the f64 kernel's
+    bound); the lowering takes the kernel's closed form g·eps/den^1.5 there."""
+    results = verify_decomposed(["RmsNormLastDimBackward"])
+    assert len(results) == 4 and all(r.ok and r.worst <= 1.0 for r in results), results
+
+
 def test_a_wrong_lowering_is_reported(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Q4_K's values scaled by 1.001: the kernel disagrees far past the bound, the line says FAIL, exit 1."""
     right = lowering.dequantize

@@ -26,6 +26,8 @@ def decompose(inputs: list[Tensor], params: RmsNormLastDimBackwardParams) -> Ten
     x, g = inputs
     n = float(x.shape[-1])
     den = (x * x).mean(-1, keepdim=True).add(params.eps)
+    if x.shape[-1] == 1:  # g·x² cancels x·(g·x) to rounding noise; one element's gradient is g·eps/den^1.5
+        return den.rsqrt() * g * (params.eps / den)
     return den.rsqrt() * (g - x * (g * x).sum(-1, keepdim=True) / (den * n))
 
 
