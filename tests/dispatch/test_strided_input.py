@@ -22,40 +22,16 @@ from fuel.cpu.fused_softmax_cross_entropy import cross_entropy_grad
 from fuel.dtype import DType
 from fuel.graph.registry.fused_softmax_cross_entropy import FusedSoftmaxCrossEntropyParams
 from fuel.testing.oracle import assert_close_rowwise
-
-EPS = 1e-5
-T = torch.Tensor
-
-
-def _grad_of(f: Callable[[T], T]) -> Callable[[T, T], T]:
-    def backward(x: T, g: T) -> T:
-        x = x.clone().requires_grad_(True)
-        (dx,) = torch.autograd.grad(f(x), [x], g)
-        return dx
-
-    return backward
-
-
-def _rms(x: T) -> T:
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, EPS)
-
-
-def _ln(x: T) -> T:
-    return torch.nn.functional.layer_norm(x, (x.shape[-1],), None, None, EPS)
-
-
-def _softmax_backward(y: T, g: T) -> T:
-    return y * (g - (g * y).sum(-1, keepdim=True))
-
+from tests.torch_rows import EPS, T, grad_of, ln, rms, softmax_backward
 
 # entry name -> (fuel op over (x, g), torch float64 oracle over the same inputs, arity, is a backward)
 ROW_KERNELS: dict[str, tuple[Callable[..., fl.Tensor], Callable[..., T], int, bool]] = {
     "SoftmaxLastDim": (lambda x: fl.ops.softmax_last_dim(x), lambda x: torch.softmax(x, -1), 1, False),
-    "SoftmaxLastDimBackward": (fl.ops.softmax_last_dim_backward, _softmax_backward, 2, True),
-    "RmsNormLastDim": (lambda x: fl.ops.rms_norm_last_dim(x, EPS), _rms, 1, False),
-    "RmsNormLastDimBackward": (lambda x, g: fl.ops.rms_norm_last_dim_backward(x, g, EPS), _grad_of(_rms), 2, True),
-    "LayerNormLastDim": (lambda x: fl.ops.layer_norm_last_dim(x, EPS), _ln, 1, False),
-    "LayerNormLastDimBackward": (lambda x, g: fl.ops.layer_norm_last_dim_backward(x, g, EPS), _grad_of(_ln), 2,
+    "SoftmaxLastDimBackward": (fl.ops.softmax_last_dim_backward, softmax_backward, 2, True),
+    "RmsNormLastDim": (lambda x: fl.ops.rms_norm_last_dim(x, EPS), rms, 1, False),
+    "RmsNormLastDimBackward": (lambda x, g: fl.ops.rms_norm_last_dim_backward(x, g, EPS), grad_of(rms), 2, True),
+    "LayerNormLastDim": (lambda x: fl.ops.layer_norm_last_dim(x, EPS), ln, 1, False),
+    "LayerNormLastDimBackward": (lambda x, g: fl.ops.layer_norm_last_dim_backward(x, g, EPS), grad_of(ln), 2,
                                  True),
 }
 DTYPES = [DType.F32, DType.F64, DType.BF16, DType.F16]

@@ -27,18 +27,11 @@ TEXTS = [
 # SmolLM2's vocabulary and merges written into a GGUF with another `tokenizer.ggml.pre`: a realistic vocabulary split
 # by another regex.
 
-PRE_CASES = {"qwen2": ("qwen2", "qwen2"), "llama-bpe": ("llama", "llama-bpe")}
-PRE_TEXTS = [*TEXTS, "12345678 1,234,567 x2024y", "I'M HE'S 'tis o'clock", "a\r\n\r\n  b\n \n", "  \t\n x  ",
-             "ﬁ ẞ ǅ 𝟘𝟙 ١٢٣ ½¼", "what's it? don't!", "foo...bar,,,baz!!!", "\u3000全角\u3000スペース"]
-
-
-def write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...] = (), extra_type: int = 1,
-                          eos: int = 2) -> None:
+def vocab_only_writer(path: Any, arch: str) -> Any:
+    """A GGUF writer holding the hyperparameters llama.cpp reads before a vocab_only load (no tensors follow)."""
     import gguf
 
-    md = open_gguf(bundled_gguf("smollm2")).metadata
     w = gguf.GGUFWriter(str(path), arch)
-    # the hyperparameters llama.cpp reads before a vocab_only load; no tensors
     w.add_block_count(1)
     w.add_context_length(64)
     w.add_embedding_length(64)
@@ -46,6 +39,19 @@ def write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...] 
     w.add_head_count(4)
     w.add_head_count_kv(4)
     w.add_layer_norm_rms_eps(1e-6)
+    return w
+
+
+PRE_CASES = {"qwen2": ("qwen2", "qwen2"), "llama-bpe": ("llama", "llama-bpe")}
+PRE_TEXTS = [*TEXTS, "12345678 1,234,567 x2024y", "I'M HE'S 'tis o'clock", "a\r\n\r\n  b\n \n", "  \t\n x  ",
+             "ﬁ ẞ ǅ 𝟘𝟙 ١٢٣ ½¼", "what's it? don't!", "foo...bar,,,baz!!!", "\u3000全角\u3000スペース"]
+
+
+def write_tokenizer_gguf(path: Any, arch: str, pre: str, extra: tuple[str, ...] = (), extra_type: int = 1,
+                          eos: int = 2) -> None:
+
+    md = open_gguf(bundled_gguf("smollm2")).metadata
+    w = vocab_only_writer(path, arch)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list([*md["tokenizer.ggml.tokens"], *extra])
@@ -81,7 +87,6 @@ SPM_CORPUS = [t for t in TEXTS if "<" not in t and "\x00" not in t] + [
 
 
 def write_spm_gguf(path: Any, arch: str) -> None:
-    import gguf
     from tokenizers import SentencePieceBPETokenizer
 
     sp = SentencePieceBPETokenizer()
@@ -94,14 +99,7 @@ def write_spm_gguf(path: Any, arch: str) -> None:
             tokens.append(piece)
             types.append(1)
             scores.append(-float(rank))
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(4)
-    w.add_layer_norm_rms_eps(1e-6)
+    w = vocab_only_writer(path, arch)
     w.add_rope_dimension_count(16)
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")

@@ -22,42 +22,18 @@ from fuel.graph.registry.layer_norm_last_dim import LayerNormLastDimParams
 from fuel.graph.registry.rms_norm_last_dim import RmsNormLastDimParams
 from fuel.runtime import jobs, pool
 from fuel.testing.oracle import assert_close_rowwise
-
-EPS = 1e-5
-T = torch.Tensor
-
-
-def _grad_of(f: Callable[[T], T]) -> Callable[[T, T], T]:
-    def backward(x: T, g: T) -> T:
-        x = x.clone().requires_grad_(True)
-        (dx,) = torch.autograd.grad(f(x), [x], g)
-        return dx
-
-    return backward
-
-
-def _rms(x: T) -> T:
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), None, EPS)
-
-
-def _ln(x: T) -> T:
-    return torch.nn.functional.layer_norm(x, (x.shape[-1],), None, None, EPS)
-
-
-def _softmax_backward(y: T, g: T) -> T:
-    return y * (g - (g * y).sum(-1, keepdim=True))
-
+from tests.torch_rows import EPS, T, grad_of, ln, rms, softmax_backward
 
 # (job builder, params, inputs, torch float64 oracle, is a backward)
 CASES: dict[str, tuple[Any, Any, int, Callable[..., T], bool]] = {
     "softmax": (softmax_last_dim.softmax_job, None, 1, lambda x: torch.softmax(x, -1), False),
-    "softmax_backward": (softmax_last_dim.softmax_backward_job, None, 2, _softmax_backward, True),
-    "rms_norm": (rms_norm_last_dim.rms_norm_job, RmsNormLastDimParams(EPS), 1, _rms, False),
-    "rms_norm_backward": (rms_norm_last_dim.rms_norm_backward_job, RmsNormLastDimParams(EPS), 2, _grad_of(_rms),
+    "softmax_backward": (softmax_last_dim.softmax_backward_job, None, 2, softmax_backward, True),
+    "rms_norm": (rms_norm_last_dim.rms_norm_job, RmsNormLastDimParams(EPS), 1, rms, False),
+    "rms_norm_backward": (rms_norm_last_dim.rms_norm_backward_job, RmsNormLastDimParams(EPS), 2, grad_of(rms),
                           True),
-    "layer_norm": (layer_norm_last_dim.layer_norm_job, LayerNormLastDimParams(EPS), 1, _ln, False),
+    "layer_norm": (layer_norm_last_dim.layer_norm_job, LayerNormLastDimParams(EPS), 1, ln, False),
     "layer_norm_backward": (layer_norm_last_dim.layer_norm_backward_job, LayerNormLastDimParams(EPS), 2,
-                            _grad_of(_ln), True),
+                            grad_of(ln), True),
 }
 DTYPES = [DType.F32, DType.F64, DType.BF16]
 
