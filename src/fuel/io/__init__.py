@@ -1,4 +1,5 @@
-"""Reading model files: GGUF (`fuel.io.gguf`)."""
+"""Reading model files: GGUF (`fuel.io.gguf`), and Hugging Face directories seen as the GGUF file of the same
+model (`fuel.io.hf`: `open_source` takes either)."""
 
 from fuel.io.gguf import (
     GGUFError,
@@ -10,14 +11,20 @@ from fuel.io.gguf import (
     bundled_gguf,
     open_gguf,
 )
+from fuel.io.hf import HFError, HFModelDir, open_source
+from fuel.io.source import ModelSource
 
 __all__ = [
     "GGUFError",
     "GGUFFile",
     "GGUFNotFound",
     "GGUFTensor",
+    "HFError",
+    "HFModelDir",
     "MissingDependency",
+    "ModelSource",
     "UnsupportedTensorType",
     "bundled_gguf",
     "open_gguf",
+    "open_source",
 ]
