@@ -29,8 +29,7 @@ from typing import Any
 import numpy as np
 from numba import carray
 
-from fuel.cpu.prims.gemv import GEMV_MAX_ROWS, gemv
-from fuel.cpu.prims.gemv import TASKS as GEMV_TASKS
+from fuel.cpu.prims.gemv import gemv, takes
 from fuel.cpu.simd import row_blocks
 from fuel.cpu.simd.half import bits, narrow_bf16_row, widened
 from fuel.dispatch.impls import (
@@ -119,8 +118,7 @@ def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) 
     if b.ndim > 2 and all(d == 1 or st == 0 for d, st in zip(b.shape[:-2], b.strides[:-2], strict=True)):
         b = b[(0,) * (b.ndim - 2)]  # one weight for every batch entry: one product over all rows, as MATMUL's
     va, vb, vo = _operands(a, b, out)
-    if (vb.ndim == 2 and va.ndim == 2 and va.shape[0] <= GEMV_MAX_ROWS and vb.flags.c_contiguous
-            and vb.dtype in GEMV_TASKS and va.dtype == vb.dtype == vo.dtype):
+    if va.ndim == 2 and takes(va.shape[0], va, vb) and vo.dtype == va.dtype:
         gemv(va, vb, vo)
         np.add(vo, bias, out=vo)
         return

@@ -124,6 +124,13 @@ def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dic
     return task
 
 
+def takes(rows: int, a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a product of `rows` rows of a with the 2-D weight b runs here: the one rule MATMUL and
+    FusedLinear share, so a row's bytes are the same whichever of them computes it."""
+    return (rows <= GEMV_MAX_ROWS and b.ndim == 2 and b.flags.c_contiguous and b.dtype in TASKS
+            and a.dtype == b.dtype)
+
+
 def gemv_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv") -> jobs.Job:
     """The job of out [M, N] <- a [M, K] @ b [K, N], all C-contiguous and of one dtype of `TASKS` (else a
     KernelError naming `op`); it keeps its scratch alive."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from fuel.cpu.prims.bits import BIT_KERNELS
 from fuel.cpu.prims.erf import erf_into
-from fuel.cpu.prims.gemv import GEMV_MAX_ROWS, TASKS, gemv
+from fuel.cpu.prims.gemv import gemv, takes
 from fuel.cpu.prims.index_copy import index_copy_kernel
 from fuel.cpu.prims.logistic import sigmoid_f32, silu_f32
 from fuel.cpu.simd import row_blocks
@@ -237,7 +237,7 @@ def _matmul(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarr
     if b.ndim == 2 and a.ndim >= 2:
         rows = math.prod(a.shape[:-1])
         flat = None if direct is None else direct.reshape(rows, b.shape[1])
-        if rows <= GEMV_MAX_ROWS and b.flags.c_contiguous and b.dtype in TASKS and a.dtype == b.dtype:
+        if takes(rows, a, b):
             if flat is None:
                 flat = np.empty((rows, b.shape[1]), b.dtype)
             gemv(a.reshape(rows, a.shape[-1]), b, flat)
