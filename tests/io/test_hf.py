@@ -279,7 +279,7 @@ def test_shapes_against_the_config(arch: str, change: dict[str, Any], match: str
 def test_bad_safetensors_file(dirs: dict[str, Path], tmp_path: Path) -> None:
     d = _copy_dir(dirs["llama"], tmp_path / "m")
     (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
-    with pytest.raises(HFError, match="not a safetensors file: its header is not JSON"):
+    with pytest.raises(HFError, match=r"not a safetensors file that can be read: .*JSON"):
         open_source(d)
     save_file({"model.embed_tokens.weight": np.zeros((2, 2), np.int32)}, d / "model.safetensors")
     with pytest.raises(HFError, match=r"'model.embed_tokens.weight' has dtype I32; read are F32, F16, BF16"):

@@ -13,11 +13,12 @@ norm weights stored as 1 + w, Mamba's A as -exp(A_log). The tokenizer is `tokeni
 `GGUFTokenizer.from_hf_dir`; the metadata holds no `tokenizer.*` keys.
 
 **Weights.** Safetensors files (`model.safetensors`, or the shards `model.safetensors.index.json` lists,
-or every `*.safetensors` of the directory) are mapped read-only; a tensor is a zero-copy view of its file
-unless the converter transforms it. 2-D tensors keep their dtype (F32, BF16, F16); 1-D ones (norms, biases)
-and transformed ones are float32, as the converter writes them. `quantize="q8_0"` quantises each layer's
-2-D projections and the output head through `gguf.quants` when first read (rows whose length is not a
-multiple of 32 stay float, as the converter leaves them); the token embedding stays float.
+or every `*.safetensors` of the directory) are read through the `safetensors` library: the headers when the
+directory is opened, each tensor's values when the model first reads it. 2-D tensors keep their dtype (F32,
+BF16, F16); 1-D ones (norms, biases) and transformed ones are float32, as the converter writes them.
+`quantize="q8_0"` quantises each layer's 2-D projections and the output head through `gguf.quants` when
+first read (rows whose length is not a multiple of 32 stay float, as the converter leaves them); the token
+embedding stays float.
 
 **Checks.** Every checkpoint tensor must fall under a rule of its architecture's table, with the shape
 `config.json`'s sizes give it, and every rule's tensor must be present, for every layer the config declares;
@@ -33,13 +34,13 @@ import functools
 import json
 import math
 import os
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from fuel.errors import ParamError
 from fuel.io.gguf import GGUFFile, GGUFTensor, open_gguf
@@ -48,7 +49,7 @@ from fuel.io.hf_config import Config, HFError, decoder_metadata, mamba_metadata
 from fuel.io.hf_names import TABLES, Rule, ignored, match
 from fuel.io.source import ModelSource
 
-__all__ = ["QUANTIZE_CHOICES", "HFError", "HFModelDir", "HFTensor", "open_source", "read_safetensors"]
+__all__ = ["QUANTIZE_CHOICES", "HFError", "HFModelDir", "HFTensor", "StoredTensor", "open_source", "read_safetensors"]
 
 QUANTIZE_CHOICES = ("q8_0",)
 # safetensors dtype -> (NumPy dtype, ggml type id)
@@ -59,36 +60,33 @@ _DTYPES_BY_GGML = {t: dt for dt, t in _DTYPES.values()}
 Q8_0, Q8_BLOCK, Q8_BYTES = 8, 32, 34
 
 
-def read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """The tensors of one safetensors file as read-only zero-copy views of its map, by name."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        if n < 2 or 8 + n > size:
-            raise HFError(f"hf: {path} is not a safetensors file (header length {n}, file of {size} bytes)")
-        try:
-            header = json.loads(fh.read(n))
-        except ValueError as e:
-            raise HFError(f"hf: {path} is not a safetensors file: its header is not JSON ({e})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r") if size > 8 + n else np.zeros(0, np.uint8)
-    out: dict[str, np.ndarray] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, shape, (start, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+class StoredTensor:
+    """One tensor of a safetensors file, read through the `safetensors` library when first asked for: its
+    name, file, dtype and shape come from the file's header alone."""
+
+    def __init__(self, handle: Any, name: str, file: Path) -> None:
+        stored = handle.get_slice(name)
+        dtype = stored.get_dtype()
         if dtype not in _DTYPES:
-            raise HFError(f"hf: {path}: tensor {name!r} has dtype {dtype}; read are {', '.join(_DTYPES)}")
-        dt = _DTYPES[dtype][0]
-        if end - start != math.prod(shape) * dt.itemsize or 8 + n + end > size:
-            raise HFError(f"hf: {path}: tensor {name!r} ({dtype} {list(shape)}) has bytes {start}..{end}, "
-                          f"which do not fit its shape or the file ({size} bytes)")
-        raw = data[8 + n + start:8 + n + end]
-        arr = raw.view(dt) if (8 + n + start) % dt.itemsize == 0 else raw.copy().view(dt)
-        arr = arr.reshape(shape)
-        arr.flags.writeable = False
-        out[name] = arr
-    return out
+            raise HFError(f"hf: {file}: tensor {name!r} has dtype {dtype}; read are {', '.join(_DTYPES)}")
+        self.name, self.file, self._handle = name, file, handle
+        self.dtype = _DTYPES[dtype][0]
+        self.shape = tuple(int(d) for d in stored.get_shape())
+        self.ndim = len(self.shape)
+
+    def load(self) -> np.ndarray:
+        """The tensor's values, read from the file now."""
+        arr = np.asarray(self._handle.get_tensor(self.name))
+        return arr.view(self.dtype).reshape(self.shape)
+
+
+def read_safetensors(path: Path) -> dict[str, StoredTensor]:
+    """The tensors of one safetensors file by name, each read when first loaded."""
+    try:
+        handle = safe_open(str(path), framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise HFError(f"hf: {path} is not a safetensors file that can be read: {e}") from None
+    return {name: StoredTensor(handle, name, path) for name in handle.keys()}  # noqa: SIM118 (safe_open is not iterable)
 
 
 class HFTensor(GGUFTensor):
@@ -187,9 +185,9 @@ class HFModelDir(ModelSource[HFTensor]):
             raise HFError(f"hf: {self.path} has no *.safetensors file (nor model.safetensors.index.json)")
         return files
 
-    def _checkpoint(self) -> dict[str, tuple[np.ndarray, Path]]:
+    def _checkpoint(self) -> dict[str, tuple[StoredTensor, Path]]:
         """Every checkpoint tensor by name, with its file."""
-        found: dict[str, tuple[np.ndarray, Path]] = {}
+        found: dict[str, tuple[StoredTensor, Path]] = {}
         for file in self._files():
             for name, arr in read_safetensors(file).items():
                 if name in found:
@@ -204,7 +202,7 @@ class HFModelDir(ModelSource[HFTensor]):
                     raise HFError(f"hf: the index puts tensor {name!r} in {file_name}, which does not hold it")
         return found
 
-    def _map(self, found: dict[str, tuple[np.ndarray, Path]]) -> None:
+    def _map(self, found: dict[str, tuple[StoredTensor, Path]]) -> None:
         table, cfg = self.table, self.config
         tied = bool(cfg.get("tie_word_embeddings", default=table.tie_default))
         seen: set[tuple[str, int | None]] = set()
@@ -234,28 +232,29 @@ class HFModelDir(ModelSource[HFTensor]):
                     hf, gname = (n.replace("{i}", str(layer)) for n in (rule.hf, rule.gguf))
                     raise HFError(f"hf: {self.path} has no tensor {hf!r} (GGUF {gname!r}) in its safetensors files")
 
-    def _tensor(self, gname: str, rule: Rule, arr: np.ndarray) -> HFTensor:
-        """The GGUF tensor of checkpoint array `arr` under `rule`."""
+    def _tensor(self, gname: str, rule: Rule, stored: StoredTensor) -> HFTensor:
+        """The GGUF tensor of checkpoint tensor `stored` under `rule`, read from its file when first used."""
         t, md, a = rule.transform, self.metadata, self.table.arch
-        if t == "squeeze":
-            arr = arr.reshape(arr.shape[0], arr.shape[2])
-        shape = arr.shape
-        if t in ("plus_one", "neg_exp") or arr.ndim == 1:
+        shape = (stored.shape[0], stored.shape[2]) if t == "squeeze" else stored.shape
+
+        def values() -> np.ndarray:
+            return stored.load().reshape(shape)
+        if t in ("plus_one", "neg_exp") or len(shape) == 1:
             def make() -> np.ndarray:
-                x = arr.astype(np.float32)
+                x = values().astype(np.float32)
                 return x + 1 if t == "plus_one" else -np.exp(x) if t == "neg_exp" else x
             return HFTensor(self, gname, shape, 0, make)
         heads = 0 if not t.startswith("permute") else md[f"{a}.attention.head_count" if t == "permute_q"
                                                           else f"{a}.attention.head_count_kv"]
 
         def view() -> np.ndarray:
-            return _permute(arr, heads) if heads else arr
-        if self.quantize == "q8_0" and rule.projection and arr.ndim == 2 and shape[1] % Q8_BLOCK == 0:
+            return _permute(values(), heads) if heads else values()
+        if self.quantize == "q8_0" and rule.projection and len(shape) == 2 and shape[1] % Q8_BLOCK == 0:
             def quantized() -> np.ndarray:
                 gguf = need_gguf("quantize")
                 return np.asarray(gguf.quants.quantize(view().astype(np.float32), gguf.GGMLQuantizationType.Q8_0))
             return HFTensor(self, gname, shape, Q8_0, quantized)
-        return HFTensor(self, gname, shape, _GGML_OF[arr.dtype], view)
+        return HFTensor(self, gname, shape, _GGML_OF[stored.dtype], view)
 
     # -- the GGUFFile interface --------------------------------------------------------------------
 
