@@ -34,6 +34,7 @@ import numpy as np
 
 from fuel.errors import ParamError
 from fuel.quant import QuantType
+from fuel.testing.gguf_files import finish
 from fuel.testing.reference.qmatmul import random_weight
 
 VOCAB = 4096
@@ -192,6 +193,23 @@ def _smollm2_tokenizer() -> dict[str, Any]:
             "merges": merges, "template": md["tokenizer.chat_template"]}
 
 
+def add_smollm2_tokenizer(w: gguf.GGUFWriter) -> None:
+    """The first VOCAB tokens of SmolLM2's tokenizer, its merges among them and its chat template, as the
+    writer's `tokenizer.*` metadata."""
+    tok = _smollm2_tokenizer()
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tok["template"])
+
+
 def _to_gguf(a: ArchFile, w: dict[str, np.ndarray], flip: str | None) -> dict[str, np.ndarray]:
     """The converter's transforms of HF weights (module doc), one of them undone or changed by `flip`."""
     out = dict(w)
@@ -278,23 +296,9 @@ def write_arch_gguf(path: Path, name: str, qtype: str = "F32", *, flip: str | No
         orig = rope["original_max_position_embeddings"]
         wr.add_rope_scaling_orig_ctx_len(orig)
         wr.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(a.context / orig) / math.log(orig)))
-    tok = _smollm2_tokenizer()
-    wr.add_tokenizer_model("gpt2")
-    wr.add_tokenizer_pre("smollm")
-    wr.add_token_list(tok["tokens"])
-    wr.add_token_types(tok["types"])
-    wr.add_token_merges(tok["merges"])
-    wr.add_bos_token_id(1)
-    wr.add_eos_token_id(2)
-    wr.add_unk_token_id(0)
-    wr.add_pad_token_id(2)
-    wr.add_add_bos_token(False)
-    wr.add_chat_template(tok["template"])
+    add_smollm2_tokenizer(wr)
     rng = np.random.default_rng(seed + 1)
     for tname, x in tensors.items():
         _write_tensor(wr, tname, x, qtype, rng)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
+    finish(wr)
     return path

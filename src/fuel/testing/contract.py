@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -128,17 +128,25 @@ def verify_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0, repeats: 
     return VerifyResult(entry.name, impl.name, n, worst, not unstable, "", unstable)
 
 
-def verify(names: Sequence[str] = (), seed: int = 0) -> list[VerifyResult]:
-    """Every impl of every (named) entry against its reference, with bit-stability over calls and threads."""
+def verify_each(check: Callable[[FusedOpEntry, BackendImpl, int], VerifyResult], names: Sequence[str] = (),
+                seed: int = 0, needs_decompose: bool = False) -> list[VerifyResult]:
+    """`check(entry, impl, seed)` for every impl of every (named) entry; an entry it cannot check gets one
+    passing row saying why (no decomposition when `needs_decompose`, no impl, no reference)."""
     kernels = default_kernel_registry()
     results = []
     for entry in default_registry():
         if names and entry.name not in names:
             continue
         impls = kernels.impls(entry.id)
-        if not impls or not has_reference(entry.name):
-            results.append(VerifyResult(entry.name, "-", 0, 0.0, True,
-                                        "no impl" if not impls else "no reference"))
+        why = ("no decomposition" if needs_decompose and entry.decompose is None else "no impl" if not impls
+               else "no reference" if not has_reference(entry.name) else "")
+        if why:
+            results.append(VerifyResult(entry.name, "-", 0, 0.0, True, why))
             continue
-        results.extend(verify_impl(entry, impl, seed) for impl in impls)
+        results.extend(check(entry, impl, seed) for impl in impls)
     return results
+
+
+def verify(names: Sequence[str] = (), seed: int = 0) -> list[VerifyResult]:
+    """Every impl of every (named) entry against its reference, with bit-stability over calls and threads."""
+    return verify_each(verify_impl, names, seed)

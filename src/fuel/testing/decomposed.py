@@ -17,12 +17,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from fuel.dispatch.impls import BackendImpl, default_kernel_registry
+from fuel.dispatch.impls import BackendImpl
 from fuel.errors import NoDecomposition
-from fuel.graph.registry import FusedOpEntry, default_registry
+from fuel.graph.registry import FusedOpEntry
 from fuel.testing.check import as64
-from fuel.testing.contract import VerifyResult, output_for, precision_excess
-from fuel.testing.reference import cases, has_reference, reference, scale
+from fuel.testing.contract import VerifyResult, output_for, precision_excess, verify_each
+from fuel.testing.reference import cases, reference, scale
 
 
 def _is_float(a: np.ndarray) -> bool:
@@ -81,15 +81,4 @@ def verify_decomposed_impl(entry: FusedOpEntry, impl: BackendImpl, seed: int = 0
 
 def verify_decomposed(names: Sequence[str] = (), seed: int = 0) -> list[VerifyResult]:
     """The lowering of every (named) entry against each of its kernels."""
-    kernels = default_kernel_registry()
-    results = []
-    for entry in default_registry():
-        if names and entry.name not in names:
-            continue
-        impls = kernels.impls(entry.id)
-        if entry.decompose is None or not impls or not has_reference(entry.name):
-            why = "no decomposition" if entry.decompose is None else "no impl" if not impls else "no reference"
-            results.append(VerifyResult(entry.name, "-", 0, 0.0, True, why))
-            continue
-        results.extend(verify_decomposed_impl(entry, impl, seed) for impl in impls)
-    return results
+    return verify_each(verify_decomposed_impl, names, seed, needs_decompose=True)

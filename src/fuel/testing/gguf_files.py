@@ -26,11 +26,16 @@ def write_gguf(path: Path, tensors: list[tuple[str, np.ndarray, GT | None]], kv:
         w.add_key_value(key, val, vtype, sub)
     for name, arr, raw_dtype in tensors:
         w.add_tensor(name, arr, raw_dtype=raw_dtype)
+    finish(w)
+    return path
+
+
+def finish(w: gguf.GGUFWriter) -> None:
+    """Write out and close a GGUF writer whose metadata and tensors are all added."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 def q8_0_weight(rng: np.random.Generator, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:

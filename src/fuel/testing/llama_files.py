@@ -18,6 +18,7 @@ from typing import Any
 import gguf
 import numpy as np
 
+from fuel.testing.gguf_files import finish
 from fuel.train.export import byte_symbols
 
 TINY_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -76,8 +77,5 @@ def tiny_llama_gguf(path: Path, *, arch: str = "llama", context: int = 64, token
             w.add_tensor(name, raw, raw_dtype=qtype)
         else:
             w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path

@@ -28,7 +28,8 @@ import gguf
 import numpy as np
 
 from fuel.quant import QuantType
-from fuel.testing.arch_files import _smollm2_tokenizer
+from fuel.testing.arch_files import _smollm2_tokenizer, add_smollm2_tokenizer
+from fuel.testing.gguf_files import finish
 from fuel.testing.reference.qmatmul import K_SCALE_FIELDS, random_weight
 
 QUANTIZED = ("ssm_in.weight", "ssm_out.weight", "token_embd.weight", "output.weight")
@@ -127,17 +128,7 @@ def tiny_mamba_gguf(path: Path, *, qtype: str = "F32", layers: int = 2, hidden: 
     for key, add, value in kv:
         if f"{arch}.{key}" not in drop:
             add(over.get(key, value))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["types"])
-    w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_pad_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(tok["template"])
+    add_smollm2_tokenizer(w)
     for name, a in (weights | dict(extra or {})).items():
         if name in drop:
             continue
@@ -146,8 +137,5 @@ def tiny_mamba_gguf(path: Path, *, qtype: str = "F32", layers: int = 2, hidden: 
             w.add_tensor(name, raw, raw_dtype=gt)
         else:
             w.add_tensor(name, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
