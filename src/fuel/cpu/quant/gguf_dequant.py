@@ -29,7 +29,7 @@ from fuel.cpu.quant.gguf_kquants import f16_bytes as f16_bytes  # re-exported, f
 from fuel.cpu.quant.weight_tiles import (
     claim_slot,
     multiply_tile,
-    part_tiles,
+    next_tile,
     release_slot,
     tile_args,
     tile_of,
@@ -170,17 +170,21 @@ def dequant_rows(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv:
 
 @njit(inline="always", cache=True)
 def dequant_tiles(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv: int) -> None:
-    """Part `part` of a tile job (`weight_tiles`): its tiles of W rows, each dequantised row by row into the
-    part's scratch slot, then multiplied. W's own fields: its raw rows (`weight`) and their bytes
+    """Part `part` of a tile job (`weight_tiles`): tiles of W rows claimed one at a time (`next_tile`, so the
+    threads end at most a tile apart), each dequantised row by row into the part's scratch slot, then
+    multiplied. W's own fields: its raw rows (`weight`) and their bytes
     (`weight_cols`)."""
     v = tile_args(argv)
     raw = carray(pointer(v.weight, np.uint8), (v.n, v.weight_cols))
+    i = next_tile(v)
+    if i >= v.tiles:
+        return
     slot = claim_slot(v)
     tile = tile_of(v, slot)
-    i0, i1 = part_tiles(v, part, parts)
-    for i in range(i0, i1):
+    while i < v.tiles:
         r0, r1 = tile_span(v, i)
         for r in range(r0, r1):
             dequant_row(block_fn, blk, bpb, raw[r], tile[r - r0])
         multiply_tile(v, slot, r0, r1)
+        i = next_tile(v)
     release_slot(v, slot)

@@ -286,13 +286,6 @@ def multiply_tile(v: Any, slot: int, r0: int, r1: int) -> None:
 
 
 @njit(inline="always", cache=True)
-def part_tiles(v: Any, part: int, parts: int) -> tuple[int, int]:
-    """The tiles [i0, i1) of part `part` of `parts` as a fixed share (a task that does not claim its tiles
-    by `next_tile`; the bytes never depend on the split)."""
-    return part * v.tiles // parts, (part + 1) * v.tiles // parts
-
-
-@njit(inline="always", cache=True)
 def tile_span(v: Any, i: int) -> tuple[int, int]:
     """The W rows [r0, r1) of tile i."""
     return i * v.tile, min(v.n, (i + 1) * v.tile)
