@@ -51,6 +51,7 @@ SMOLLM2_LLAMA_CPP = {
     "x  1": [104, 256, 33],
     "a 1  22   333": [81, 216, 33, 256, 34, 34, 333, 35, 35, 35],
     "x\n 1": [104, 3805, 33],
+    "a\x06b": [81, 82],  # SmolLM2's byte-level vocabulary has no token for byte 0x06: llama.cpp drops it
 }
 
 CHATS: list[list[dict[str, str]]] = [
@@ -119,6 +120,17 @@ def ours_for(name: str) -> GGUFTokenizer:
 def test_smollm2_digits_follow_llama_cpp() -> None:
     for text, ids in SMOLLM2_LLAMA_CPP.items():
         assert ours_for("smollm2").encode(text, add_bos=False) == ids, text
+
+
+def test_bytes_without_a_token_as_the_oracle(pair: Pair) -> None:
+    """A control byte the vocabulary cannot spell (SmolLM2 has no token for 0x06; Gemma falls back to <0x06>)
+    is what the oracle makes of it: dropped by SmolLM2's, as by llama.cpp (SMOLLM2_LLAMA_CPP)."""
+    for text in ("\x06", "a\x06b", "\x06\x07\x1b[0m"):
+        ids = pair.ours.encode(text, add_bos=False)
+        assert ids == pair.oracle_ids(text), text
+        assert pair.ours.decode(ids) == pair.oracle.decode(ids), text
+    assert ours_for("smollm2").encode("\x06", add_bos=False) == []
+    assert ours_for("gemma3").encode("\x06", add_bos=False)
 
 
 def test_decode_matches_oracle_and_round_trips(pair: Pair) -> None:
