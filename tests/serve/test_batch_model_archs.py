@@ -1,5 +1,7 @@
 """The batched serving step on the new architectures' details: Qwen2's Q/K/V biases, Gemma 2's attention-logit
-and final softcaps, query scale and even-layer sliding window (16 keys, passed here). Each row's logits match
+and final softcaps, query scale and even-layer sliding window (16 keys, passed here), Phi-3's fused Q/K/V and
+gate/up weights (the step's own products read each projection's rows of them) and Qwen3's per-head q/k norms
+(over the step's rows of heads). Each row's logits match
 `LlamaModel`'s own steps on the same tokens (FlashAttn over a contiguous cache, which
 tests/models/test_arch_oracle.py checks against transformers), and a sequence's rows are the same bytes whether
 or not another sequence shares its steps: in Q8_0 files (QMatMul's rows) and in an F32 file (the dense products
@@ -49,7 +51,8 @@ def close(got: np.ndarray, want: np.ndarray) -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))  # per row
 
 
-@pytest.mark.parametrize(("name", "qtype"), [("qwen2", "Q8_0"), ("gemma2", "Q8_0"), ("qwen2", "F32")])
+@pytest.mark.parametrize(("name", "qtype"), [("qwen2", "Q8_0"), ("gemma2", "Q8_0"), ("qwen2", "F32"), ("phi3", "Q8_0"),
+                                           ("qwen3", "Q8_0")])
 def test_batched_rows_equal_the_model_and_each_other(tmp_path: Path, name: str, qtype: str) -> None:
     model = LlamaModel.load(write_arch_gguf(tmp_path / f"{name}.gguf", name, qtype), capacity=32)
     rng = np.random.default_rng(7)

@@ -112,11 +112,7 @@ class DecoderGraph:
         sequences of S rows): biases added, per-head norms, rope applied with the layer's tables (row s of the
         tables is position s's)."""
         cfg = self.cfg
-        p = lw["qkv"](h, joined=None if self.adapter is not None else ("q", "k"))
-        if self.adapter is not None:
-            p = {n: self.project(lw, n, h, p[n]) for n in ("q", "k", "v")}
-        if "bias" in lw:
-            p = {n: y + fl.tensor(lw["bias"][n]) for n, y in p.items()}
+        p = self._qkv_products(lw, h, None if self.adapter is not None else ("q", "k"))
         cos, sin = tables[cfg.rope_name(i)]
         if "q+k" in p and not cfg.spec.qk_norm:  # one rope over Q's and K's heads: one step less per layer
             qk = fl.ops.rope(self._heads(p["q+k"], cfg.heads + cfg.kv_heads, batch), cos, sin)
@@ -128,6 +124,36 @@ class DecoderGraph:
                 q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
             q, k = fl.ops.rope(q, cos, sin), fl.ops.rope(k, cos, sin)
         return q, k, v
+
+    def _qkv_products(self, lw: dict[str, Any], h: Tensor, joined: tuple[str, str] | None,
+                      linears: dict[str, _Linear] | None = None) -> dict[str, Tensor]:
+        """The q, k and v products of the rows h (with `joined`, also "q+k": their columns as one slice where
+        one product gave both), adapter terms and biases added; with `linears` (`_Projections.parts()`),
+        each from its own weight, so each output is C-contiguous."""
+        p = lw["qkv"](h, joined=joined) if linears is None else {n: linears[n](h) for n in ("q", "k", "v")}
+        if self.adapter is not None:
+            p = {n: self.project(lw, n, h, p[n]) for n in ("q", "k", "v")}
+        if "bias" in lw:
+            p = {n: y + fl.tensor(lw["bias"][n]) for n, y in p.items()}
+        return p
+
+    def row_qkv(self, i: int, lw: dict[str, Any], h: Tensor, tables: dict[str, tuple[Tensor, ...]],
+                linears: dict[str, _Linear]) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer i's queries `[M, heads, D]`, keys and values `[M, kv_heads, D]` of M normed rows h `[M, hidden]`,
+        each row at a position of its own (the serving step, `fuel.serve.batch_model`). Each projection is its
+        own product (`linears`: the layer's `_Projections.parts()`) and rope runs over rows: `tables[name]` is
+        (cos, sin) for q's rows `[M·heads, D]`, then for k's `[M·kv_heads, D]`, row r·heads + j holding row r's
+        position. So every result is C-contiguous, what the cache writes and PagedAttn read, and each element
+        is computed as `qkv` computes it."""
+        cfg = self.cfg
+        m, d = h.shape[0], cfg.head_dim
+        p = self._qkv_products(lw, h, None, linears)
+        q, k = p["q"].reshape(m * cfg.heads, d), p["k"].reshape(m * cfg.kv_heads, d)
+        if cfg.spec.qk_norm:
+            q, k = self._norm(q, lw["attn_q_norm"]), self._norm(k, lw["attn_k_norm"])
+        q_cos, q_sin, k_cos, k_sin = tables[cfg.rope_name(i)]
+        q, k = fl.ops.rope(q, q_cos, q_sin), fl.ops.rope(k, k_cos, k_sin)
+        return q.reshape(m, cfg.heads, d), k.reshape(m, cfg.kv_heads, d), p["v"].reshape(m, cfg.kv_heads, d)
 
     def attention(self, i: int, q: Tensor, k: Tensor, v: Tensor, k_len: str | None = None) -> Tensor:
         """Layer i's causal attention `[B, heads, S, D]` of the queries over keys/values (a KV cache ending
@@ -143,13 +169,15 @@ class DecoderGraph:
         rows = a.permute(0, 2, 1, 3).reshape(b * s, heads * d)
         return self.project(lw, "o", rows, lw["o"](rows))
 
-    def after_attention(self, lw: dict[str, Any], x: Tensor, a: Tensor) -> Tensor:
+    def after_attention(self, lw: dict[str, Any], x: Tensor, a: Tensor,
+                        linears: dict[str, _Linear] | None = None) -> Tensor:
         """The rest of a layer: the residual x `[S, hidden]` plus the projected attention a, then the gated
-        FFN and its residual (post-norms on both where the spec has them)."""
+        FFN and its residual (post-norms on both where the spec has them). With `linears` (the layer's
+        `_Projections.parts()`), gate and up are each their own product, so each is C-contiguous."""
         spec = self.cfg.spec
         x = x + (self._norm(a, lw["post_attention_norm"]) if spec.post_norms else a)
         h = self._norm(x, lw["ffn_norm"])
-        p = lw["gate_up"](h)
+        p = lw["gate_up"](h) if linears is None else {n: linears[n](h) for n in ("gate", "up")}
         gate, up = self.project(lw, "gate", h, p["gate"]), self.project(lw, "up", h, p["up"])
         act = (gelu_tanh(gate) if spec.activation == "gelu_tanh" else gate.silu()) * up
         d = self.project(lw, "down", act, lw["down"](act))

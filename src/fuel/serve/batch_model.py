@@ -20,8 +20,20 @@ are the same bytes whatever else shares its steps, and the engine never runs mor
 **Captures.** The step is one `fl.jit` function; each (rows, logit rows) shape is its own capture, traced on
 first use. The caches are `[num_blocks·block_size, kv_heads, D]` float32 arrays per layer, written in place.
 
+**A contiguous layout: every step native.** Native replay posts a step's job only where its kernel reads its
+arrays as they lie; a step over a strided view runs in Python, at every layer (`fuel.runtime.replay`). So at
+M > 1 rows every operand is laid out as its reader wants it (`LlamaModel.row_qkv`): Q, K and V, and gate and
+up, are each their own QMatMul (the stacked weight's rows of that projection, a view), not column slices of
+one product; rope runs over rows `[M·heads, D]` with tables whose row r·heads + j is row r's position (`step`
+repeats them per head), so q is PagedAttn's `[M, heads, 1, D]` and k, v are the cache rows `[M, kv_heads, D]`
+as they come. Each element is computed as the stacked layout computes it (QMatMul's rows and rope are per
+element), so the bytes are the same. One row keeps the decode step's layout (`LlamaModel.qkv`), whose slices
+are contiguous already and whose stacked products are fewer jobs. The logits live in the capture's arena
+(`reuse_outputs`): a fresh output past `replay.OUT_STAGE_MAX_BYTES` (a 49 152-token vocabulary at two rows)
+would keep the head's product in Python; `step` returns a copy.
+
 **Architectures.** The step does the model's math for every architecture it runs (`fuel.models.architectures`):
-biases and per-head q/k norms come through `model.qkv`, post-norms and the activation through
+biases and per-head q/k norms come through `model.qkv` / `row_qkv`, post-norms and the activation through
 `after_attention`, the final softcap through `model.logits`; PagedAttn gets the model's query scale, its
 attention-logit softcap and each layer's left window (`cfg.window_left`, as `LlamaModel` gives FlashAttn:
 Mistral's and Phi-3's every layer, Gemma 2's even layers, Gemma 3's five of six), so sequences hold the
@@ -58,7 +70,10 @@ class BatchedLlama:
         # would be paged in as blocks are first used, so RSS would climb for as long as new blocks come)
         self.k_cache = [np.full(slots, 0.0, np.float32) for _ in range(cfg.layers)]
         self.v_cache = [np.full(slots, 0.0, np.float32) for _ in range(cfg.layers)]
-        self._step = fl.jit(self._forward)
+        # each layer's projections, each its own weight (views of the stacked rows): M > 1's layout (module doc)
+        self.linears = [lw["qkv"].parts() | lw["gate_up"].parts() for lw in model.layers]
+        # the logits live in the capture's arena, so the head runs natively at any row count (module doc)
+        self._step = fl.jit(self._forward, reuse_outputs=True)
         self._fill = fl.jit(self._fill_forward)
 
     @staticmethod
@@ -80,20 +95,25 @@ class BatchedLlama:
         its cache writes, and a one-element read of each cache keeps the writes in the graph."""
         model, cfg = self.model, self.cfg
         m, hd = x.shape[0], cfg.head_dim
-        names = list(model.rope)
-        rope = {n: (tables[2 * j], tables[2 * j + 1]) for j, n in enumerate(names)}
+        per = len(tables) // len(model.rope)  # tables per rope name: (cos, sin), or those of q's and k's rows
+        rope = {n: tables[per * j:per * j + per] for j, n in enumerate(model.rope)}
         cache_shape = (self.num_blocks, self.block_size, cfg.kv_heads, hd)
         x = model.scaled_input(x)
         for i, lw in enumerate(model.layers):
-            q, k, v = model.qkv(i, lw, model._norm(x, lw["attn_norm"]), rope)  # [1, heads, M, D]
-            kc = fl.index_copy(fl.tensor(self.k_cache[i]), slots, k.permute(0, 2, 1, 3).reshape(m, cfg.kv_heads, hd))
-            vc = fl.index_copy(fl.tensor(self.v_cache[i]), slots, v.permute(0, 2, 1, 3).reshape(m, cfg.kv_heads, hd))
+            h = model._norm(x, lw["attn_norm"])
+            if m == 1:  # the decode step's own layout: its slices of stacked products are contiguous already
+                pairs = {n: (t[0], t[1]) for n, t in rope.items()}
+                q, k, v = (t.reshape(1, t.shape[1], hd) for t in model.qkv(i, lw, h, pairs))
+            else:
+                q, k, v = model.row_qkv(i, lw, h, rope, self.linears[i])
+            kc = fl.index_copy(fl.tensor(self.k_cache[i]), slots, k)
+            vc = fl.index_copy(fl.tensor(self.v_cache[i]), slots, v)
             if logit_rows is None and i == cfg.layers - 1:
                 return kc[:1, :1, :1] + vc[:1, :1, :1]
-            a = fl.ops.paged_attn(q.permute(2, 1, 0, 3), kc.reshape(*cache_shape), vc.reshape(*cache_shape),
+            a = fl.ops.paged_attn(q.reshape(m, cfg.heads, 1, hd), kc.reshape(*cache_shape), vc.reshape(*cache_shape),
                                   block_table, context_lens, softmax_scale=cfg.attn_scale, softcap=cfg.attn_softcap,
                                   window_size=cfg.window_left(i))  # [M, heads, 1, D]
-            x = model.after_attention(lw, x, lw["o"](a.reshape(m, cfg.heads * hd)))
+            x = model.after_attention(lw, x, lw["o"](a.reshape(m, cfg.heads * hd)), self.linears[i] if m > 1 else None)
         assert logit_rows is not None
         return model.logits(x.index_select(0, logit_rows))
 
@@ -109,14 +129,16 @@ class BatchedLlama:
             raise ParamError(f"batched step: 0 to {m} logit rows, got {len(logit_rows)}")
         model = self.model
         x = model.embed(tokens.tolist())
-        tables = [t[positions] for pair in model.rope.values() for t in pair]
+        cfg = model.cfg
+        repeats = (cfg.heads, cfg.kv_heads) if m > 1 else (1,)  # rope over rows: each row's table row per head
+        tables = [np.repeat(t[positions], r, 0) for pair in model.rope.values() for r in repeats for t in pair]
         args = (x, slots.astype(np.int64), block_tables.astype(np.uint32), (positions + 1).astype(np.uint32))
         with model.lock:
             if not len(logit_rows):
                 self._fill(*args, *tables)
                 return np.empty((0, model.cfg.vocab), np.float32)
             out = self._step(*args, logit_rows.astype(np.int64), *tables)
-        return np.asarray(out.numpy())
+            return np.array(out.numpy())  # a copy, taken before another step overwrites the arena's
 
     def warm(self, shapes: Sequence[tuple[int, int]], blocks: list[int]) -> None:
         """Capture the step for each (rows, logit rows) in `shapes` (a first call traces and plans it),
