@@ -132,7 +132,7 @@ def test_a_decode_block_runs_natively_with_the_python_replays_bytes(monkeypatch:
     assert cap is not None and cap.native is not None
     python_steps = [item for item in cap.native.items if len(item) != 2]
     # every step is native, the last writing the fresh output into a buffer of the capture's, copied out
-    assert len(cap.native.program.jobs) == cap.n_steps and not python_steps and cap.native.copied
+    assert cap.native.step_count == cap.n_steps and not python_steps and cap.native.copied
     assert set(cap.native.program.names) == {"pos", "k_len"}
 
 
@@ -199,7 +199,7 @@ def test_reused_outputs_come_from_native_steps() -> None:
         want = fl.realize(f.__wrapped__(fl.tensor(a), fl.tensor(b)))[0].numpy()
         assert got.tobytes() == want.tobytes()
     cap = f.capture_for(a, b)
-    assert cap is not None and cap.native is not None and len(cap.native.program.jobs) == cap.n_steps - 1
+    assert cap is not None and cap.native is not None and cap.native.step_count == cap.n_steps - 1
     assert not [item for item in cap.native.items if len(item) != 2]  # b broadcast once, from its staged copy
 
 
@@ -409,5 +409,5 @@ def test_a_stretch_wakes_sleeping_workers_and_goes_on(monkeypatch: pytest.Monkey
     finally:
         fl.set_num_threads(saved)
     cap = f.capture_for(x)
-    assert cap is not None and cap.native is not None and len(cap.native.program.jobs) == 5  # 256 KiB out: staged
+    assert cap is not None and cap.native is not None and cap.native.step_count == 5  # 256 KiB out: staged
     assert woken and not any(taken)  # a stretch found them asleep and Python woke them before joining

@@ -39,11 +39,13 @@ from fuel.dispatch.plan import Step
 from fuel.graph.node import DynScalar, Op, OpSpec
 from fuel.graph.prims import MAY_ALIAS
 from fuel.runtime import pool
+from fuel.runtime.fusion import Entry, chain_form, native_chains
 from fuel.runtime.jobs import Job, Jobs, builder_of
 
 PrimBuilder = Callable[[list[np.ndarray], OpSpec, np.ndarray, Any], Jobs | None]
 _PRIMS: dict[Op, PrimBuilder] = {}
 PRIM_MODULE = "fuel.cpu.prims.prim_tasks"  # registers the primitives' builders when imported
+CHAINS = True  # runs of elementwise steps run as one job each (`fuel.runtime.fusion`); False: a job a step
 
 
 def prim_job(*ops: Op) -> Callable[[PrimBuilder], PrimBuilder]:
@@ -154,6 +156,8 @@ class Native:
     # The bytes it allocated beside the capture's arena (staged arguments and outputs, the scratch its jobs
     # keep), counted against `fl.jit`'s `max_arena_bytes` with the arena.
     own_bytes: int = 0
+    chained: int = 0  # the steps run inside elementwise chains (`fuel.runtime.fusion`)
+    chain_jobs: int = 0  # the chain jobs that run them
 
     def enter(self, slots: list[Any]) -> None:
         for s, buf in self.stage:
@@ -181,11 +185,8 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
     own: dict[int, np.ndarray] = {s: v for s, v in enumerate(template) if isinstance(v, np.ndarray)}
     own.update(stage)
     own_bytes = sum(b.nbytes for b in stage.values())
-    posted: list[Job] = []
-    items: list[tuple[Any, ...]] = []
+    entries: list[tuple[Entry, tuple[Any, ...]]] = []
     fixed: list[tuple[int, np.ndarray]] = []
-    watch: dict[int, np.ndarray] = {}
-    start = step_count = 0
     for step, entry in zip(steps, fast, strict=True):
         found = [own.get(s) for s in step.inputs]
         xs = [x for x in found if x is not None]
@@ -207,17 +208,29 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
             jobs = jobs_of(step, xs, out)
         if out is not None:
             own[step.output] = out
-        if jobs is None:
+        entries.append((Entry(step, found, out, jobs, chain_form(step, found, out) if CHAINS else None), entry))
+    # Runs of elementwise steps as one job each (`fuel.runtime.fusion`): step k's jobs, None for a member
+    # that its group's first step runs.
+    chains = native_chains([e for e, _ in entries], frozenset(outputs),
+                           [own[s] for s in outputs if s in own]) if CHAINS else {}
+    posted: list[Job] = []
+    items: list[tuple[Any, ...]] = []
+    watch: dict[int, np.ndarray] = {}
+    start = step_count = 0
+    for k, (e, entry) in enumerate(entries):
+        if k not in chains and e.jobs is None:
             if len(posted) > start:
                 items.append((start, len(posted)))
                 start = len(posted)
             items.append(entry)
-            if out is not None:
-                watch[step.output] = out
+            if e.out is not None:
+                watch[e.step.output] = e.out
             continue
-        assert out is not None  # a job writes it
-        posted.extend((jobs,) if isinstance(jobs, Job) else jobs)  # a Job is a tuple too
-        fixed.append((step.output, out))
+        jobs = chains.get(k, e.jobs)
+        if jobs is not None:
+            posted.extend((jobs,) if isinstance(jobs, Job) else jobs)  # a Job is a tuple too
+        assert e.out is not None  # a job writes it
+        fixed.append((e.step.output, e.out))
         step_count += 1
     if not posted:
         return None
@@ -227,18 +240,21 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
     copied = frozenset(s for s in outputs if isinstance(own.get(s), np.ndarray)
                        and any(np.may_share_memory(own[s], a) for a in staged))
     own_bytes += sum(k.nbytes for f in posted for k in f.keep)
-    return Native(program(posted), items, list(stage.items()), fixed, watch, step_count, copied, own_bytes)
+    return Native(program(posted), items, list(stage.items()), fixed, watch, step_count, copied, own_bytes,
+                  len(chains), sum(j is not None for j in chains.values()))
 
 
 def stage_output(step: Step, xs: list[np.ndarray]) -> tuple[np.ndarray | None, Jobs | None]:
-    """(a buffer for a fresh output's step, its job writing it), or (None, None) where the output is over
-    `OUT_STAGE_MAX_BYTES` or the step has no job. The copy out is a memcpy; the Python step it spares
-    costs the replay's loop, the kernel's entry and its checks (docs/performance/runtime.md, "replay"). A
-    fresh output's step is
-    never a view, a destructive step nor a multi-output one: those own no buffer (`jit._arena`)."""
+    """(a buffer for a fresh output's step, its job writing it: None where it can join a chain), or (None,
+    None) where the output is over `OUT_STAGE_MAX_BYTES` or the step has no job. The copy out is a memcpy;
+    the Python step it spares costs the replay's loop, the kernel's entry and its checks
+    (docs/performance/runtime.md, "replay"). A fresh output's step is never a view, a destructive step nor
+    a multi-output one: those own no buffer (`jit._arena`)."""
     nbytes = math.prod(step.spec.shape) * step.spec.dtype.np.itemsize
     if nbytes > OUT_STAGE_MAX_BYTES:
         return None, None
     out = np.empty(step.spec.shape, step.spec.dtype.np)
     jobs = jobs_of(step, xs, out)
-    return (None, None) if jobs is None else (out, jobs)
+    if jobs is None and not (CHAINS and chain_form(step, list(xs), out) is not None):
+        return None, None
+    return out, jobs
