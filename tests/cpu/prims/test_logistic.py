@@ -1,5 +1,5 @@
-"""SIGMOID and SILU against torch's float64 sigmoid and silu (the oracle, of the values fuel sees): every
-dtype, special values, layouts and `fl.jit` arenas."""
+"""SIGMOID, SILU and TANH against torch's float64 sigmoid, silu and tanh (the oracle, of the values fuel
+sees): every dtype, special values, layouts and `fl.jit` arenas."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from fuel.testing.contract import thread_counts
 ULPS = {DType.F32: 3.0, DType.F64: 4.0, DType.BF16: 1.0, DType.F16: 1.0}
 SPECIAL = [0.0, -0.0, 1e-30, -1e-38, 1e-45, 0.25, -0.5, 1.0, -1.0, 10.0, -10.0, 17.0, -17.0, 30.0, -30.0,
            80.0, -80.0, 87.0, -87.0, 88.0, 1e4, 1e30, np.inf, np.nan]
-ORACLES = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu}
+ORACLES = {"sigmoid": torch.sigmoid, "silu": torch.nn.functional.silu, "tanh": torch.tanh}
+NAMES = list(ORACLES)
 
 
 def oracle(name: str, x: np.ndarray) -> np.ndarray:
@@ -31,7 +32,7 @@ def values(dt: DType) -> np.ndarray:
         return x.astype(dt.np)
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dt", FLOAT_DTYPES, ids=lambda d: d.value)
 def test_matches_torch_float64(dt: DType, name: str) -> None:
     xd = values(dt)
@@ -61,7 +62,19 @@ def test_special_values(dt: DType) -> None:
     assert np.isnan(oracle("silu", np.array([-np.inf])))[0]  # torch agrees: -inf·sigmoid(-inf) = -inf·0
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+def test_tanh_f32_within_one_and_a_half_ulp_over_a_sweep_of_bit_patterns() -> None:
+    """Every 251st positive f32 bit pattern and its negation (both branches, the switch at 0.625, the range
+    where tanh rounds to ±1), and the special values: -0 stays -0, ±inf gives ±1, NaN stays NaN."""
+    pos = np.arange(0, 0x7F800000, 251, dtype=np.uint32).view(np.float32)
+    x = np.concatenate([pos, -pos, np.array([0.625, np.nextafter(np.float32(0.625), np.float32(0))], np.float32)])
+    got = fl.tensor(x).tanh().numpy()
+    assert ulp_error(got, oracle("tanh", x), DType.F32) <= 1.5
+    special = fl.tensor(np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45], np.float32)).tanh().numpy()
+    assert special[:4].tolist() == [0.0, 0.0, 1.0, -1.0] and np.signbit(special[1]) and not np.signbit(special[0])
+    assert np.isnan(special[4]) and special[5:].tolist() == [np.float32(1e-45), np.float32(-1e-45)]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_layouts_and_sizes(name: str) -> None:
     rng = np.random.default_rng(1)
     base = (rng.standard_normal((5, 7)) * 6).astype(np.float32)
@@ -75,7 +88,7 @@ def test_layouts_and_sizes(name: str) -> None:
         assert ulp_error(got, oracle(name, np.asarray(x)), DType.F32) <= ULPS[DType.F32]
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+@pytest.mark.parametrize("name", NAMES)
 def test_input_not_mutated_and_jit_replays_into_the_arena(name: str) -> None:
     rng = np.random.default_rng(2)
     x = (rng.standard_normal((3, 64)) * 5).astype(np.float32)
@@ -90,7 +103,7 @@ def test_input_not_mutated_and_jit_replays_into_the_arena(name: str) -> None:
     np.testing.assert_array_equal(second, eager[1])
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("shape", [(1, 50000), (96, 1536)], ids=str)
 def test_large_tensors_split_over_threads_give_the_same_bytes(name: str, shape: tuple[int, int]) -> None:
     """A prefill-sized tensor runs on the spinning pool, by rows (here a stacked projection's strided
@@ -109,7 +122,7 @@ def test_large_tensors_split_over_threads_give_the_same_bytes(name: str, shape: 
     assert ulp_error(outs[-1], oracle(name, x), DType.F32) <= ULPS[DType.F32]
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+@pytest.mark.parametrize("name", NAMES)
 def test_a_nan_gives_itself_bit_for_bit_eager_and_replayed(name: str) -> None:
     """Every NaN (either sign, any payload, signalling too) comes out as its own bits, from the eager kernel
     and from the native replay's task alike (two compiled copies, which had ordered a NaN product's operands
@@ -128,7 +141,7 @@ def test_a_nan_gives_itself_bit_for_bit_eager_and_replayed(name: str) -> None:
         assert f(x).numpy().tobytes() == eager.tobytes()
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "silu"])
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize(("x", "out"), [
     (np.ones((64, 4096), np.float64), None),  # many rows: the pool's task would read f64 as f32
     (np.ones((64, 4096), np.float16), np.zeros((64, 4096), np.float16)),

@@ -6,7 +6,7 @@ does, else None (the step stays in Python):
   takes it): one IEEE operation per element. Each operand is read as `[rows, cols]` with a row stride of
   cols, 1 or 0 and a column stride of 1 or 0 (a whole operand, a row vector broadcast down the rows, a
   column broadcast along them, or one value), which covers a norm's weight, a residual and a scalar.
-- SILU of f32: `logistic`'s own task.
+- SILU and TANH of f32: `logistic`'s own tasks.
 - MATMUL of a few f32 rows with a weight: `gemv`'s partial sums, then their sum, as two jobs.
 - CACHE_WRITE: the rows copied into the cache at the offset, a DynScalar offset bound at each call.
 - INDEX_COPY: `index_copy`'s check and write, the index read afresh at each call.
@@ -158,15 +158,16 @@ def scalar_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -
     return _binary(x, one, out, _CODES[spec.op], True)
 
 
-@prim_job(Op.SILU)
-def silu_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
+@prim_job(Op.SILU, Op.TANH)
+def logistic_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
     x = xs[0]
     if x.dtype != F32 or out.dtype != F32 or not out.flags.c_contiguous or np.may_share_memory(x, out):
         return None
     flat, rows, cols, stride = logistic.rows_of(x)
     if flat.ctypes.data != x.ctypes.data or x.size == 0:  # a contiguous copy: not x's own memory
         return None
-    return logistic.silu_job(flat, rows, cols, stride, out)
+    make = logistic.silu_job if spec.op is Op.SILU else logistic.tanh_job
+    return make(flat, rows, cols, stride, out)
 
 
 @prim_job(Op.MATMUL)

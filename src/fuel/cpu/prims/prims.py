@@ -17,7 +17,7 @@ from fuel.cpu.prims.bits import BIT_KERNELS
 from fuel.cpu.prims.erf import erf_into
 from fuel.cpu.prims.gemv import gemv, takes
 from fuel.cpu.prims.index_copy import index_copy_kernel
-from fuel.cpu.prims.logistic import sigmoid_f32, silu_f32
+from fuel.cpu.prims.logistic import sigmoid_f32, silu_f32, tanh_f32
 from fuel.cpu.simd import row_blocks
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
@@ -62,6 +62,12 @@ def _silu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     return np.divide(x, d, out=d)
 
 
+def _tanh(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    if x.dtype == np.float32 and (out is None or out.flags.c_contiguous):
+        return tanh_f32(x, out)
+    return np.tanh(x) if out is None else np.tanh(x, out=out)
+
+
 _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
     Op.NEG: np.negative,
     Op.ABS: np.abs,
@@ -71,7 +77,7 @@ _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
     Op.RECIP: lambda x: 1 / x,
     Op.EXP: np.exp,
     Op.LOG: np.log,
-    Op.TANH: np.tanh,
+    Op.TANH: _tanh,
     Op.SIN: np.sin,
     Op.COS: np.cos,
     Op.SIGMOID: _sigmoid,
@@ -90,13 +96,17 @@ _BINARY: dict[Op, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
 }
 
 
-def _silu_kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
-    """SiLU straight into `out` where it can: a prefill's [128, 1536] no longer allocates a temporary and
-    copies it."""
-    x = xs[0]
-    if out is None or n.dtype.is_half or x.dtype != out.dtype or np.may_share_memory(x, out):
-        return _copy_into(_store(_silu(_work(x, n.dtype)), n), out)
-    return _silu(x, out)
+def _straight(f: Callable[..., np.ndarray]) -> PrimKernel:
+    """A logistic-family kernel (`f(x, out)`) straight into `out` where it can: a prefill's [128, 1536] no
+    longer allocates a temporary and copies it."""
+
+    def kernel(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+        x = xs[0]
+        if out is None or n.dtype.is_half or x.dtype != out.dtype or np.may_share_memory(x, out):
+            return _copy_into(_store(f(_work(x, n.dtype)), n), out)
+        return f(x, out)
+
+    return kernel
 
 
 def _unary(op: Op) -> PrimKernel:
@@ -345,7 +355,8 @@ def _contiguize(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.n
 
 PRIM_KERNELS: dict[Op, PrimKernel] = {
     **{op: _unary(op) for op in _UNARY},
-    Op.SILU: _silu_kernel,
+    Op.SILU: _straight(_silu),
+    Op.TANH: _straight(_tanh),
     **{op: _binary(op) for op in _BINARY},
     Op.ERF: _erf,
     Op.WHERE: _into(lambda xs, n: np.where(xs[0] != 0, xs[1], xs[2])),
