@@ -4,14 +4,24 @@ At decode sizes a matrix product streams a weight `[K, N]` from memory to make o
 Run through OpenBLAS, each call pays its thread hand-off, which costs more than the product at these sizes
 (docs/performance/runtime.md, "gemv"), and BLAS's blocking makes a row's bytes depend on how many rows come
 with it. Here every row's arithmetic is its own: each output value is `a[i, k] * b[k, j]` accumulated over k
-in order within each of K_SPLIT fixed row ranges of the weight (in the working type: f32, or f64 for f64), the
-partial sums added in order. So a value's bytes depend neither on the thread count, nor on which part
-computed its column tile, nor on the other rows: a served request's rows are the same bytes alone or in a
-batch (docs/kernels.md, "Batch invariance"). The work is cut into column tiles, each weight row read once
-for all M rows of a tile; the parts take whole tiles.
+in order, one fused multiply-add per k (in the working type: f32, or f64 for f64), within each of K_SPLIT
+fixed row ranges of the weight, the partial sums added in order. So a value's bytes depend neither on the
+thread count, nor on which part computed its column tile, nor on the other rows, nor on which loop below
+computed it: a served request's rows are the same bytes alone or in a batch (docs/kernels.md, "Batch
+invariance").
+
+The work is cut into column tiles; the parts take whole tiles. Within a tile, each weight row range is
+walked in chunks of `CHUNK_ROWS` weight rows:
+- rows four at a time (`_block`): for a column block of COLUMN_VECTORS 64-byte vectors, the 4 x 4
+  accumulators stay in registers over the chunk, each weight vector loaded once for the 4 rows; between
+  chunks they pause in a scratch `acc` [M, N];
+- the one to three rows left (`_sweep`): each weight row read whole for all of them, the partial sums in
+  `acc`. One or two rows alone read the weight in its memory order, which streams from memory faster than
+  the blocks' short runs of many rows (docs/performance/runtime.md, "gemv");
+- columns past the last block narrower than a vector (`_narrow`), for the block rows: one value at a time.
 
 Only the dtypes in `TASKS` have a kernel: the tasks read raw addresses as that type, so any other dtype
-would be read as the wrong type and written past the scratch. The MATMUL primitive routes by `TASKS`
+would be read as the wrong type and written past the arrays. The MATMUL primitive routes by `TASKS`
 (other dtypes take NumPy's matmul) and every entry point checks it, raising KernelError.
 """
 
@@ -22,6 +32,7 @@ from typing import Any
 import numpy as np
 from numba import carray, njit
 
+from fuel.cpu.simd.vec64 import fma1, fmas, vadd, vload, vstore, vzero
 from fuel.errors import KernelError
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
@@ -31,14 +42,17 @@ from fuel.runtime.threads import SERIAL_BYTES_PER_SECOND
 GEMV_MAX_ROWS = 16  # up to this many rows a MATMUL with a 2-D weight runs here: each row's bytes as alone
 SUM_SECONDS_PER_VALUE = 0.4e-9  # one core, adding the partial sums
 K_SPLIT = 8  # fixed row ranges of the weight, each summed on its own, then added in order
-TILE_VALUES = 8192  # M x the columns of a tile: a tile's two partial-sum blocks stay in the first-level cache,
-# and one row's tile reads long runs of each weight row
+TILE_VALUES = 8192  # M x the columns of a tile: one row's tile reads long runs of each weight row
 MIN_TILE = 256
-MOST_PARTS = 16  # parts a job may be cut into (each owns a scratch of two partial-sum tiles)
+BLOCK_ROWS = 4  # rows of a register block (`_block`)
+COLUMN_VECTORS = 4  # 64-byte vectors of a column block: 4 rows x 4 accumulators stay in registers
+CHUNK_ROWS = 16  # weight rows a block runs over between pauses: the tile's chunk stays in L2 for the sweep
+MOST_PARTS = 16  # parts a job may be cut into
 
-# a [m, k] @ b [k, n] into out [m, n], by column tiles of `tile` columns; `scratch` holds MOST_PARTS x 2 blocks
-# [m, tile]
-GEMV_ARGS = jobs.record(a=ADDRESS, b=ADDRESS, out=ADDRESS, scratch=ADDRESS, m=INT, k=INT, n=INT, tile=INT)
+# a [m, k] @ b [k, n] into out [m, n], by column tiles of `tile` columns, weight rows `chunk` at a time; `acc`
+# [m, n] holds the partial sums between chunks
+GEMV_ARGS = jobs.record(a=ADDRESS, b=ADDRESS, out=ADDRESS, acc=ADDRESS, m=INT, k=INT, n=INT, tile=INT,
+                        chunk=INT)
 
 
 def column_tile(m: int) -> int:
@@ -47,49 +61,159 @@ def column_tile(m: int) -> int:
     return max(MIN_TILE, TILE_VALUES // max(1, m) // 64 * 64)
 
 
-@njit(inline="always", cache=True, fastmath={"contract"})
-def _rows(a: Any, b: Any, acc: Any, k0: int, k1: int, j0: int, j1: int) -> None:
-    """acc [M, j1 - j0] <- a[:, k0:k1] @ b[k0:k1, j0:j1]: each weight row read once for all M rows, k in
-    order, every row's arithmetic its own (the same at any M)."""
-    m = a.shape[0]
-    acc[:] = 0
+@njit(inline="always", cache=True)
+def _offsets(j: int, j1: int, lanes: int) -> tuple[int, int, int, int]:
+    """The COLUMN_VECTORS vector offsets of the column block at j of a tile ending at j1 (j1 - j >= lanes):
+    those that would pass j1 end at j1 instead, so they overlap the block's others, which only recomputes a
+    column with the same arithmetic."""
+    last = j1 - lanes
+    return min(j, last), min(j + lanes, last), min(j + 2 * lanes, last), min(j + 3 * lanes, last)
+
+
+@njit(inline="always", cache=True)
+def _weights(b: Any, at: int, o: tuple[int, int, int, int]) -> Any:
+    return vload(b, at + o[0]), vload(b, at + o[1]), vload(b, at + o[2]), vload(b, at + o[3])
+
+
+@njit(inline="always", cache=True)
+def _step(s: Any, w: Any, c: Any) -> Any:
+    """One k step of one row's block: c + s · w, fused, vector by vector."""
+    return fmas(s, w[0], c[0]), fmas(s, w[1], c[1]), fmas(s, w[2], c[2]), fmas(s, w[3], c[3])
+
+
+@njit(inline="always", cache=True)
+def _put(out: Any, at: int, o: tuple[int, int, int, int], c: Any, first: bool) -> None:
+    """out's block at row offset `at` <- c (the first partial sum) or out + c. Every load comes before the
+    first store: overlapping vectors then add c once."""
+    if first:
+        vstore(out, at + o[0], c[0])
+        vstore(out, at + o[1], c[1])
+        vstore(out, at + o[2], c[2])
+        vstore(out, at + o[3], c[3])
+    else:
+        t0, t1 = vadd(vload(out, at + o[0]), c[0]), vadd(vload(out, at + o[1]), c[1])
+        t2, t3 = vadd(vload(out, at + o[2]), c[2]), vadd(vload(out, at + o[3]), c[3])
+        vstore(out, at + o[0], t0)
+        vstore(out, at + o[1], t1)
+        vstore(out, at + o[2], t2)
+        vstore(out, at + o[3], t3)
+
+
+@njit(inline="always", cache=True)
+def _resume(acc: Any, at: int, o: tuple[int, int, int, int], start: bool) -> Any:
+    """A row's block of partial sums: zero at the start of a weight row range, else as `_pause` left it."""
+    if start:
+        z = vzero(acc)
+        return z, z, z, z
+    return _weights(acc, at, o)
+
+
+@njit(inline="always", cache=True)
+def _pause(acc: Any, at: int, o: tuple[int, int, int, int], c: Any) -> None:
+    vstore(acc, at + o[0], c[0])
+    vstore(acc, at + o[1], c[1])
+    vstore(acc, at + o[2], c[2])
+    vstore(acc, at + o[3], c[3])
+
+
+@njit(inline="always", cache=True)
+def _block(a: Any, b: Any, out: Any, acc: Any, i: int, k0: int, k1: int, o: tuple[int, int, int, int], start: bool,
+           end: bool, first: bool) -> None:
+    """Rows i .. i + 4 of one column block over the weight rows [k0, k1): each of the 16 accumulators a
+    register, each weight vector loaded once for the 4 rows, k in order. The partial sums pause in `acc`
+    between chunks of k (`start`: the first chunk of a weight row range, `end`: its last) and land in `out`
+    at the range's end."""
+    n = b.shape[1]
+    c0, c1 = _resume(acc, i * n, o, start), _resume(acc, (i + 1) * n, o, start)
+    c2, c3 = _resume(acc, (i + 2) * n, o, start), _resume(acc, (i + 3) * n, o, start)
+    for kk in range(k0, k1):
+        w = _weights(b, kk * n, o)
+        c0 = _step(a[i, kk], w, c0)
+        c1 = _step(a[i + 1, kk], w, c1)
+        c2 = _step(a[i + 2, kk], w, c2)
+        c3 = _step(a[i + 3, kk], w, c3)
+    if end:
+        _put(out, i * n, o, c0, first)
+        _put(out, (i + 1) * n, o, c1, first)
+        _put(out, (i + 2) * n, o, c2, first)
+        _put(out, (i + 3) * n, o, c3, first)
+    else:
+        _pause(acc, i * n, o, c0)
+        _pause(acc, (i + 1) * n, o, c1)
+        _pause(acc, (i + 2) * n, o, c2)
+        _pause(acc, (i + 3) * n, o, c3)
+
+
+@njit(inline="always", cache=True)
+def _sweep(a: Any, b: Any, out: Any, acc: Any, i0: int, k0: int, k1: int, j0: int, j1: int, start: bool, end: bool,
+           first: bool) -> None:
+    """Rows [i0, M) (fewer than a block's) over the weight rows [k0, k1) and the columns [j0, j1), their
+    partial sums in `acc`, k in order: the weight read in its memory order, one stream, which streams from
+    memory faster than blocks do at so few rows."""
+    if start:
+        acc[i0:, j0:j1] = 0
     for kk in range(k0, k1):
         brow = b[kk, j0:j1]
-        for i in range(m):
-            av = a[i, kk]
-            y = acc[i]
+        for i in range(i0, a.shape[0]):
+            s, y = a[i, kk], acc[i, j0:j1]
             for j in range(brow.shape[0]):
-                y[j] += av * brow[j]
+                y[j] = fma1(s, brow[j], y[j])
+    if end:
+        if first:
+            out[i0:, j0:j1] = acc[i0:, j0:j1]
+        else:
+            out[i0:, j0:j1] += acc[i0:, j0:j1]
+
+
+@njit(inline="always", cache=True)
+def _narrow(a: Any, b: Any, out: Any, k0: int, k1: int, j0: int, j1: int, first: bool, zero: Any, rows: int) -> None:
+    """`_block`'s arithmetic, one value at a time, for the first `rows` rows of the columns past the blocks."""
+    for i in range(rows):
+        for j in range(j0, j1):
+            acc = zero
+            for kk in range(k0, k1):
+                acc = fma1(a[i, kk], b[kk, j], acc)
+            out[i, j] = acc if first else out[i, j] + acc
 
 
 @njit(inline="always", cache=True)
 def _part(argv: int, part: int, parts: int, dtype: Any) -> None:
-    """Column tiles [part·tiles/parts, (part + 1)·tiles/parts): each tile's K_SPLIT partial sums over fixed
-    row ranges of the weight, added in order, so a value's bytes never depend on the parts or on M."""
+    """Column tiles [part·tiles/parts, (part + 1)·tiles/parts): each value's K_SPLIT partial sums over fixed
+    row ranges of the weight, added in order in `out`, so its bytes never depend on the parts or on M."""
     r = record_at(argv, GEMV_ARGS)
     m, k, n = r.m, r.k, r.n
     a = carray(pointer(r.a, dtype), (m, k))
     b = carray(pointer(r.b, dtype), (k, n))
     out = carray(pointer(r.out, dtype), (m, n))
+    acc = carray(pointer(r.acc, dtype), (m, n))
+    lanes = 64 // b.itemsize
     tile = r.tile
-    scratch = carray(pointer(r.scratch, dtype), (parts, 2, m, tile))
     tiles = (n + tile - 1) // tile
     for t in range(part * tiles // parts, (part + 1) * tiles // parts):
         j0, j1 = t * tile, min(n, (t + 1) * tile)
-        total, partial = scratch[part, 0, :, :j1 - j0], scratch[part, 1, :, :j1 - j0]
-        _rows(a, b, total, 0, k // K_SPLIT, j0, j1)
-        for s in range(1, K_SPLIT):
-            _rows(a, b, partial, s * k // K_SPLIT, (s + 1) * k // K_SPLIT, j0, j1)
-            total += partial
-        out[:, j0:j1] = total
+        sliver = (j1 - j0) % (COLUMN_VECTORS * lanes)
+        jv = j1 - (sliver if sliver < lanes else 0)  # vector blocks cover [j0, jv), no vector past them
+        for s in range(K_SPLIT):
+            k0, k1 = s * k // K_SPLIT, (s + 1) * k // K_SPLIT
+            for c0 in range(k0, max(k0 + 1, k1), r.chunk):
+                c1 = min(k1, c0 + r.chunk)
+                for j in range(j0, jv, COLUMN_VECTORS * lanes):
+                    o = _offsets(j, jv, lanes)
+                    i = 0
+                    while i + BLOCK_ROWS <= m:
+                        _block(a, b, out, acc, i, c0, c1, o, c0 == k0, c1 == k1, s == 0)
+                        i += BLOCK_ROWS
+                if m % BLOCK_ROWS:
+                    _sweep(a, b, out, acc, m - m % BLOCK_ROWS, c0, c1, j0, j1, c0 == k0, c1 == k1, s == 0)
+            _narrow(a, b, out, k0, k1, jv, j1, s == 0, dtype(0), m - m % BLOCK_ROWS)
 
 
-@pool.task(fastmath={"contract"})
+@pool.task()
 def _gemv_f32(part: int, parts: int, argv: int) -> None:
     _part(argv, part, parts, np.float32)
 
 
-@pool.task(fastmath={"contract"})
+@pool.task()
 def _gemv_f64(part: int, parts: int, argv: int) -> None:
     _part(argv, part, parts, np.float64)
 
@@ -99,10 +223,10 @@ TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _gemv_f32, np.dty
 
 
 @njit(cache=True)
-def _fill(a: Any, b: Any, out: Any, scratch: Any, argv: Any) -> None:
+def _fill(a: Any, b: Any, out: Any, acc: Any, tile: int, chunk: int, argv: Any) -> None:
     r = argv[0]
-    r.a, r.b, r.out, r.scratch = a.ctypes.data, b.ctypes.data, out.ctypes.data, scratch.ctypes.data
-    r.m, r.k, r.n, r.tile = a.shape[0], a.shape[1], b.shape[1], scratch.shape[3]
+    r.a, r.b, r.out, r.acc = a.ctypes.data, b.ctypes.data, out.ctypes.data, acc.ctypes.data
+    r.m, r.k, r.n, r.tile, r.chunk = a.shape[0], a.shape[1], b.shape[1], tile, chunk
 
 
 def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dict[np.dtype[Any], pool.Task],
@@ -133,15 +257,16 @@ def takes(rows: int, a: np.ndarray, b: np.ndarray) -> bool:
 
 def gemv_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv") -> jobs.Job:
     """The job of out [M, N] <- a [M, K] @ b [K, N], all C-contiguous and of one dtype of `TASKS` (else a
-    KernelError naming `op`); it keeps its scratch alive."""
+    KernelError naming `op`)."""
     task = _task_for(op, a, b, out, TASKS, out_raw=True)
     tile = column_tile(a.shape[0])
     most = max(1, min(MOST_PARTS, -(-b.shape[1] // tile)))
-    scratch = np.empty((most, 2, a.shape[0], tile), out.dtype)
     argv = jobs.argv_of(GEMV_ARGS)
-    _fill(a, b, out, scratch, argv)
+    acc = np.empty(out.shape, out.dtype)
+    chunk = CHUNK_ROWS if a.shape[0] >= BLOCK_ROWS else max(1, a.shape[1])  # a sweep alone needs no chunks
+    _fill(a, b, out, acc, tile, chunk, argv)
     seconds = b.nbytes / SERIAL_BYTES_PER_SECOND + out.size * K_SPLIT * SUM_SECONDS_PER_VALUE
-    return jobs.job(task, argv, seconds, most, keep=(scratch,))
+    return jobs.job(task, argv, seconds, most, keep=(acc,))
 
 
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
