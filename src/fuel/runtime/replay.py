@@ -18,6 +18,9 @@ What makes a step native:
   of the call, where its step has a job; a larger one, or what a step allocates outside the arena,
   keeps the steps that touch it in Python.
 A replayed job is the one the eager kernel runs (same task, same record), so the bytes are the same.
+Runs of consecutive elementwise steps of one shape run as one chain job instead (`fuel.runtime.fusion`,
+`CHAINS`), which applies the steps' own operations in their order to each element, so the bytes are the
+same again; a step whose only job is a chain's (SQRT, a transposed operand) joins one too.
 
 DynScalars: a job names the argv words that take a DynScalar's value (`Job.dyn`) with the range the
 value must lie in; a call whose values fall outside any range runs in Python, whose kernels raise the

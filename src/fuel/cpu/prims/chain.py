@@ -1,19 +1,22 @@
 """An elementwise chain as one task: the steps of a group (`fuel.runtime.fusion`) applied in order to each
-chunk of elements, so each operand is read and each kept value written once per element.
+tile of elements, so each operand is read and each kept value written once per element.
 
-The program is a list of instructions over registers, each register a chunk of up to `TILE_COLS` values
-held in scratch of the part's own (L1-resident):
-- LOAD r, k: operand k's values at the chunk's elements into r (operand k: an address with a row and a
+The elements are seen as `[rows, cols]` (the shape split before one axis, the same for every operand), and
+the work items are fixed tiles of `tile_rows` rows by `tile_cols` columns (`TILE_VALUES` values; 32
+columns where an operand's columns are strided, so a transposed operand's cache lines serve a tile's rows).
+The program is a list of instructions over registers, each a tile of values in scratch of the part's own
+(L1-resident):
+- LOAD r, k: operand k's values at the tile's elements into r (operand k: an address with a row and a
   column stride in elements, each >= 0: a whole array, a transposed one, a broadcast row, column or value);
-- STORE r, k: r into operand k at the chunk's elements;
+- STORE r, k: r into operand k at the tile's elements;
 - an op: r <- a op b (ADD, SUB, MUL, DIV) or r <- op a (NEG, ABS, SQR, SQRT, RECIP, RSQRT).
 Every op is the one IEEE operation (two for RSQRT: 1 / sqrt) NumPy's kernel of the primitive performs on
-the element, in the element's dtype (f32 or f64), so the chain writes the bytes the separate primitives
-write (`prims.py`; the scalar of ADD_SCALAR and MUL_SCALAR rounded to the dtype first, as NumPy takes it).
-
-The elements are seen as `[rows, cols]` (the shape split before one axis, the same for every operand); the
-work items are fixed tiles of `tile_rows` rows by up to `TILE_COLS` columns, so a part's bytes never depend
-on the part count, and elements are independent: which part computes one never changes it.
+the element, in the element's dtype (f32 or f64), with no contraction or reassociation, so the chain
+writes the bytes the separate primitives write (`prims.py`; the scalar of ADD_SCALAR and MUL_SCALAR
+rounded to the dtype first, as NumPy takes it). The one exception is not a value: where both operands of
+an op are NaNs, which one's payload the result carries is unspecified (NumPy's own loops differ there
+between their vector body and their tail). A part's tiles are a fixed share of the list, and elements are
+independent, so the bytes never depend on the part count or on which part computes an element.
 """
 
 from __future__ import annotations
