@@ -284,3 +284,19 @@ def test_a_training_step_with_chains_is_the_same_bytes(name: str, monkeypatch: p
     elementwise = {"ADD", "SUB", "MUL", "DIV", "ADD_SCALAR", "MUL_SCALAR", "SQRT", "CACHE_WRITE"}
     assert not {o.name for o in ops if o is not None} & elementwise
     assert native.chain_jobs > 0
+
+
+def test_a_fresh_output_whose_chain_does_not_form_is_handed_out_as_a_copy() -> None:
+    """y reversed in 3-D has no [rows, cols] split: its step runs in Python, into the buffer the capture staged
+    for it as a chain member; each call still hands out an array of its own."""
+    rng = np.random.default_rng(8)
+    calls = [(rng.standard_normal((3, 4, 5)).astype(np.float32), rng.standard_normal(4).astype(np.float32))
+             for _ in range(4)]
+    f = fl.jit(lambda y, x: (y.permute(2, 1, 0) * 2.0, x + 1.0))
+    outs, kept = [], []
+    for y, x in calls:
+        out = f(y, x)[0].numpy()
+        outs.append(out)
+        kept.append(out.copy())
+        assert out.tobytes() == (y.transpose(2, 1, 0) * np.float32(2)).tobytes()
+    assert [o.tobytes() for o in outs] == [k.tobytes() for k in kept]

@@ -239,7 +239,8 @@ def prepare(steps: Sequence[Step], fast: Sequence[tuple[Any, ...]], template: li
         return None
     if len(posted) > start:
         items.append((start, len(posted)))
-    staged = [a for s, a in fixed if s in fresh]
+    # outputs in the capture's own buffers: a native step's, or a Python step's whose chain did not form
+    staged = [a for s, a in [*fixed, *watch.items()] if s in fresh]
     copied = frozenset(s for s in outputs if isinstance(own.get(s), np.ndarray)
                        and any(np.may_share_memory(own[s], a) for a in staged))
     own_bytes += sum(k.nbytes for f in posted for k in f.keep)
