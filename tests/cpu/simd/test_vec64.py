@@ -44,11 +44,11 @@ def _rounded(value: Fraction, dtype: type) -> float:
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: d.__name__)
 def test_lanes_are_single_roundings_of_exact_values(dtype: type, rng: np.random.Generator) -> None:
     lanes = 64 // np.dtype(dtype).itemsize
-    x = rng.standard_normal(lanes + 1).astype(dtype)
-    y = (rng.standard_normal(lanes + 1) * 1e-3).astype(dtype)
+    x: np.ndarray = rng.standard_normal(lanes + 1).astype(dtype)
+    y: np.ndarray = (rng.standard_normal(lanes + 1) * 1e-3).astype(dtype)
     x[2], y[2] = 1 + 2.0**-12, -(1 + 2.0**-11)  # (1 + 2^-12)^2 - (1 + 2^-11) = 2^-24: kept only when fused
     s = 1 + 2.0**-12
-    out = np.full(3 * lanes, 7, dtype)
+    out: np.ndarray = np.full(3 * lanes, 7, dtype)
     _lanes(dtype(s), x, y, out)
     fx, fy = [Fraction(float(v)) for v in x[1:]], [Fraction(float(v)) for v in y[1:]]
     fused = [_rounded(Fraction(float(dtype(s))) * p + q, dtype) for p, q in zip(fx, fy, strict=True)]
