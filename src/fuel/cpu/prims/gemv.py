@@ -46,7 +46,8 @@ TILE_VALUES = 8192  # M x the columns of a tile: one row's tile reads long runs 
 MIN_TILE = 256
 BLOCK_ROWS = 4  # rows of a register block (`_block`)
 COLUMN_VECTORS = 4  # 64-byte vectors of a column block: 4 rows x 4 accumulators stay in registers
-CHUNK_ROWS = 16  # weight rows a block runs over between pauses: the tile's chunk stays in L2 for the sweep
+CHUNK_ROWS = 16  # weight rows a block runs over between pauses (docs/performance/runtime.md, "gemv"); a
+# tile's chunk stays in L2 for the sweep of the rows left after the blocks
 MOST_PARTS = 16  # parts a job may be cut into
 
 # a [m, k] @ b [k, n] into out [m, n], by column tiles of `tile` columns, weight rows `chunk` at a time; `acc`
@@ -195,6 +196,7 @@ def _part(argv: int, part: int, parts: int, dtype: Any) -> None:
         jv = j1 - (sliver if sliver < lanes else 0)  # vector blocks cover [j0, jv), no vector past them
         for s in range(K_SPLIT):
             k0, k1 = s * k // K_SPLIT, (s + 1) * k // K_SPLIT
+            # an empty row range (K < K_SPLIT) still adds its zero partial sum, as the contract's chain does
             for c0 in range(k0, max(k0 + 1, k1), r.chunk):
                 c1 = min(k1, c0 + r.chunk)
                 for j in range(j0, jv, COLUMN_VECTORS * lanes):
