@@ -3,8 +3,8 @@
 An optimizer update (and many a forward and backward stretch) is a run of elementwise primitives, each of
 which, as its own job, reads and writes whole tensors: AdamW's is 14 passes over every parameter plus the
 assign copies. `native_chains` finds such runs among a capture's prepared steps and gives each group one
-job (`fuel.cpu.prims.chain`) that walks the elements in chunks, applies the group's ops in order to each
-chunk and writes only the values read outside the group: its kept values, the capture's outputs and the
+job (`fuel.cpu.prims.chain`) that walks the elements in tiles, applies the group's ops in order to each
+tile and writes only the values read outside the group: its kept values, the capture's outputs and the
 assigns' targets. Each element sees the same operations in the same order as the separate steps, so the
 bytes are the same.
 
@@ -17,8 +17,9 @@ The rules that make one pass over the elements equal to the steps one after anot
   that wrote the whole buffer of what it reads (arena buffers are written whole) made the value it reads.
 - Elements are independent only where no operand read from memory overlaps a buffer the group writes with
   another element mapping (a broadcast, transposed or shifted read of it), and no two writes overlap with
-  different mappings: element e of one would meet element e' != e of the other across chunks. Such a pair
-  cuts the group between its two steps (a step at odds with itself runs alone, as its own job or in Python).
+  different mappings: element e of one would meet element e' != e of the other across tiles. Such a pair
+  cuts the group between its two steps (a step at odds with itself runs alone, as its own job or in Python);
+  so does a step whose arrays share no `[rows, cols]` split with those of the steps before it.
 """
 
 from __future__ import annotations
