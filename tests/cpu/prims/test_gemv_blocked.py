@@ -135,3 +135,32 @@ def test_signed_zeros_infinities_and_nans_follow_the_fused_chain(rng: np.random.
     assert np.isnan(want[:, 66]).all() and np.isnan(want[[2, 5], 5]).all() and np.isinf(want[0, [5, 20]]).all()
     zeros = np.delete(out[[2, 5]], [5, 20, 66], axis=1)
     assert not zeros.any() and not np.signbit(zeros).any()
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 16])
+def test_row_ranges_as_items_keep_the_bytes(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A narrow weight of a MB or more (one or two column tiles) runs its (tile, row range) items on the pool
+    and adds their partial sums in a second job: the contract's bytes (f32, against the oracle), and the very
+    bytes of one job taking whole tiles (f32 and f64), at one and two threads."""
+    from fuel.cpu.prims import gemv as gemv_module
+    from fuel.testing.contract import fuel_threads
+
+    rng = np.random.default_rng(m)
+    for dtype, k in ((np.float32, 1100), (np.float64, 600)):
+        a = rng.standard_normal((m, k)).astype(dtype)
+        b = rng.standard_normal((k, 300)).astype(dtype)
+        out = np.zeros((m, 300), dtype)
+        assert isinstance(gemv_module.gemv_job(a, b, out), tuple), "the split path did not run"
+        got = []
+        for threads in (1, 2):
+            with fuel_threads(threads):
+                gemv(a, b, out)
+                got.append(out.copy())
+        with monkeypatch.context() as patch:
+            patch.setattr(gemv_module, "SPLIT_MIN_BYTES", 1 << 62)
+            whole = np.zeros_like(out)
+            gemv(a, b, whole)
+        for g in got:
+            _assert_same_bits(g, whole)
+        if dtype == np.float32:
+            _assert_same_bits(got[0], _contract(a, b))

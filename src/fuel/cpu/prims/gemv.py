@@ -10,8 +10,9 @@ thread count, nor on which part computed its column tile, nor on the other rows,
 computed it: a served request's rows are the same bytes alone or in a batch (docs/kernels.md, "Batch
 invariance").
 
-The work is cut into column tiles; the parts take whole tiles. Within a tile, each weight row range is
-walked in chunks of `CHUNK_ROWS` weight rows:
+The work is cut into column tiles; the parts take whole tiles, or, where a few rows of a narrow weight make
+fewer tiles than threads could share, (tile, row range) items whose partial sums a second job adds in order.
+Within a tile, each weight row range is walked in chunks of `CHUNK_ROWS` weight rows:
 - rows four at a time (`_block`): for a column block of COLUMN_VECTORS 64-byte vectors, the 4 x 4
   accumulators stay in registers over the chunk, each weight vector loaded once for the 4 rows; between
   chunks they pause in a scratch `acc` [M, N];
@@ -50,10 +51,17 @@ CHUNK_ROWS = 16  # weight rows a block runs over between pauses (docs/performanc
 # tile's chunk stays in L2 for the sweep of the rows left after the blocks
 MOST_PARTS = 16  # parts a job may be cut into
 
+SPLIT_BELOW_TILES = 4  # fewer column tiles than this (and a weight of SPLIT_MIN_BYTES): the row ranges are items
+SPLIT_MIN_BYTES = 1 << 20
+SUM_PIECE = 4096  # values a part of the partial sums' addition holds at least
+
 # a [m, k] @ b [k, n] into out [m, n], by column tiles of `tile` columns, weight rows `chunk` at a time; `acc`
-# [m, n] holds the partial sums between chunks
+# [m, n] holds the partial sums between chunks. `split` 1: the items are (tile, row range) pairs, each range's
+# partial sums left in its own plane of `acc` [K_SPLIT, m, n] for `SUM_ARGS`' job to add in order into out
 GEMV_ARGS = jobs.record(a=ADDRESS, b=ADDRESS, out=ADDRESS, acc=ADDRESS, m=INT, k=INT, n=INT, tile=INT,
-                        chunk=INT)
+                        chunk=INT, split=INT)
+# out [size] <- acc[0] + acc[1] + ... + acc[K_SPLIT - 1], added in that order, over `size` values
+SUM_ARGS = jobs.record(acc=ADDRESS, out=ADDRESS, size=INT)
 
 
 def column_tile(m: int) -> int:
@@ -178,36 +186,64 @@ def _narrow(a: Any, b: Any, out: Any, k0: int, k1: int, j0: int, j1: int, first:
 
 
 @njit(inline="always", cache=True)
+def _range(a: Any, b: Any, out: Any, acc: Any, j0: int, j1: int, s: int, chunk: int, first: bool) -> None:
+    """Weight row range s of the columns [j0, j1): its partial sums put in out (`first`) or added to it."""
+    m, k = a.shape
+    lanes = 64 // b.itemsize
+    sliver = (j1 - j0) % (COLUMN_VECTORS * lanes)
+    jv = j1 - (sliver if sliver < lanes else 0)  # vector blocks cover [j0, jv), no vector past them
+    k0, k1 = s * k // K_SPLIT, (s + 1) * k // K_SPLIT
+    # an empty row range (K < K_SPLIT) still adds its zero partial sum, as the contract's chain does
+    for c0 in range(k0, max(k0 + 1, k1), chunk):
+        c1 = min(k1, c0 + chunk)
+        for j in range(j0, jv, COLUMN_VECTORS * lanes):
+            o = _offsets(j, jv, lanes)
+            i = 0
+            while i + BLOCK_ROWS <= m:
+                _block(a, b, out, acc, i, c0, c1, o, c0 == k0, c1 == k1, first)
+                i += BLOCK_ROWS
+        if m % BLOCK_ROWS:
+            _sweep(a, b, out, acc, m - m % BLOCK_ROWS, c0, c1, j0, j1, c0 == k0, c1 == k1, first)
+    _narrow(a, b, out, k0, k1, jv, j1, first, a.dtype.type(0), m - m % BLOCK_ROWS)
+
+
+@njit(inline="always", cache=True)
 def _part(argv: int, part: int, parts: int, dtype: Any) -> None:
-    """Column tiles [part·tiles/parts, (part + 1)·tiles/parts): each value's K_SPLIT partial sums over fixed
-    row ranges of the weight, added in order in `out`, so its bytes never depend on the parts or on M."""
+    """Column tiles [part·tiles/parts, (part + 1)·tiles/parts), each value's K_SPLIT partial sums over fixed
+    row ranges of the weight added in order in `out`; or, split, the (tile, range) items of the part, each
+    range's partial sums in its plane of `acc` (the sum job adds them in the same order). Either way a value's
+    bytes never depend on the parts or on M."""
     r = record_at(argv, GEMV_ARGS)
     m, k, n = r.m, r.k, r.n
     a = carray(pointer(r.a, dtype), (m, k))
     b = carray(pointer(r.b, dtype), (k, n))
     out = carray(pointer(r.out, dtype), (m, n))
-    acc = carray(pointer(r.acc, dtype), (m, n))
-    lanes = 64 // b.itemsize
     tile = r.tile
     tiles = (n + tile - 1) // tile
+    if r.split:
+        planes = carray(pointer(r.acc, dtype), (K_SPLIT, m, n))
+        for item in range(part * tiles * K_SPLIT // parts, (part + 1) * tiles * K_SPLIT // parts):
+            t, s = item // K_SPLIT, item % K_SPLIT
+            _range(a, b, planes[s], planes[s], t * tile, min(n, (t + 1) * tile), s, r.chunk, True)
+        return
+    acc = carray(pointer(r.acc, dtype), (m, n))
     for t in range(part * tiles // parts, (part + 1) * tiles // parts):
-        j0, j1 = t * tile, min(n, (t + 1) * tile)
-        sliver = (j1 - j0) % (COLUMN_VECTORS * lanes)
-        jv = j1 - (sliver if sliver < lanes else 0)  # vector blocks cover [j0, jv), no vector past them
         for s in range(K_SPLIT):
-            k0, k1 = s * k // K_SPLIT, (s + 1) * k // K_SPLIT
-            # an empty row range (K < K_SPLIT) still adds its zero partial sum, as the contract's chain does
-            for c0 in range(k0, max(k0 + 1, k1), r.chunk):
-                c1 = min(k1, c0 + r.chunk)
-                for j in range(j0, jv, COLUMN_VECTORS * lanes):
-                    o = _offsets(j, jv, lanes)
-                    i = 0
-                    while i + BLOCK_ROWS <= m:
-                        _block(a, b, out, acc, i, c0, c1, o, c0 == k0, c1 == k1, s == 0)
-                        i += BLOCK_ROWS
-                if m % BLOCK_ROWS:
-                    _sweep(a, b, out, acc, m - m % BLOCK_ROWS, c0, c1, j0, j1, c0 == k0, c1 == k1, s == 0)
-            _narrow(a, b, out, k0, k1, jv, j1, s == 0, dtype(0), m - m % BLOCK_ROWS)
+            _range(a, b, out, acc, t * tile, min(n, (t + 1) * tile), s, r.chunk, s == 0)
+
+
+@njit(inline="always", cache=True)
+def _sum(argv: int, part: int, parts: int, dtype: Any) -> None:
+    """Values [part·size/parts, (part + 1)·size/parts) of out <- the K_SPLIT planes of acc, added in order."""
+    r = record_at(argv, SUM_ARGS)
+    size = r.size
+    planes = carray(pointer(r.acc, dtype), (K_SPLIT, size))
+    out = carray(pointer(r.out, dtype), (size,))
+    for i in range(part * size // parts, (part + 1) * size // parts):
+        v = planes[0, i]
+        for s in range(1, K_SPLIT):
+            v = v + planes[s, i]
+        out[i] = v
 
 
 @pool.task()
@@ -220,15 +256,26 @@ def _gemv_f64(part: int, parts: int, argv: int) -> None:
     _part(argv, part, parts, np.float64)
 
 
+@pool.task()
+def _sum_f32(part: int, parts: int, argv: int) -> None:
+    _sum(argv, part, parts, np.float32)
+
+
+@pool.task()
+def _sum_f64(part: int, parts: int, argv: int) -> None:
+    _sum(argv, part, parts, np.float64)
+
+
 # The dtypes gemv has a kernel for (a, b and out all of one of them).
 TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _gemv_f32, np.dtype(np.float64): _gemv_f64}
+SUM_TASKS: dict[np.dtype[Any], pool.Task] = {np.dtype(np.float32): _sum_f32, np.dtype(np.float64): _sum_f64}
 
 
 @njit(cache=True)
-def _fill(a: Any, b: Any, out: Any, acc: Any, tile: int, chunk: int, argv: Any) -> None:
+def _fill(a: Any, b: Any, out: Any, acc: Any, tile: int, chunk: int, split: int, argv: Any) -> None:
     r = argv[0]
     r.a, r.b, r.out, r.acc = a.ctypes.data, b.ctypes.data, out.ctypes.data, acc.ctypes.data
-    r.m, r.k, r.n, r.tile, r.chunk = a.shape[0], a.shape[1], b.shape[1], tile, chunk
+    r.m, r.k, r.n, r.tile, r.chunk, r.split = a.shape[0], a.shape[1], b.shape[1], tile, chunk, split
 
 
 def _task_for(op: str, a: np.ndarray, b: np.ndarray, out: np.ndarray, tasks: dict[np.dtype[Any], pool.Task],
@@ -257,18 +304,28 @@ def takes(rows: int, a: np.ndarray, b: np.ndarray) -> bool:
             and a.dtype == b.dtype)
 
 
-def gemv_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv") -> jobs.Job:
+def gemv_job(a: np.ndarray, b: np.ndarray, out: np.ndarray, op: str = "gemv") -> jobs.Jobs:
     """The job of out [M, N] <- a [M, K] @ b [K, N], all C-contiguous and of one dtype of `TASKS` (else a
-    KernelError naming `op`)."""
+    KernelError naming `op`). A weight of at least SPLIT_MIN_BYTES in fewer than SPLIT_BELOW_TILES column
+    tiles (a few rows of a narrow weight: one tile would be one thread) is two jobs: the (tile, row range)
+    items, then their partial sums added in order, the very additions one job makes."""
     task = _task_for(op, a, b, out, TASKS, out_raw=True)
-    tile = column_tile(a.shape[0])
-    most = max(1, min(MOST_PARTS, -(-b.shape[1] // tile)))
+    m, n = out.shape
+    tile = column_tile(m)
+    tiles = -(-n // tile)
+    split = int(tiles < SPLIT_BELOW_TILES and b.nbytes >= SPLIT_MIN_BYTES)
     argv = jobs.argv_of(GEMV_ARGS)
-    acc = np.empty(out.shape, out.dtype)
-    chunk = CHUNK_ROWS if a.shape[0] >= BLOCK_ROWS else max(1, a.shape[1])  # a sweep alone needs no chunks
-    _fill(a, b, out, acc, tile, chunk, argv)
-    seconds = b.nbytes / SERIAL_BYTES_PER_SECOND + out.size * K_SPLIT * SUM_SECONDS_PER_VALUE
-    return jobs.job(task, argv, seconds, most, keep=(acc,))
+    acc = np.empty((K_SPLIT, m, n) if split else (m, n), out.dtype)
+    chunk = CHUNK_ROWS if m >= BLOCK_ROWS else max(1, a.shape[1])  # a sweep alone needs no chunks
+    _fill(a, b, out, acc, tile, chunk, split, argv)
+    sums = out.size * K_SPLIT * SUM_SECONDS_PER_VALUE
+    seconds = b.nbytes / SERIAL_BYTES_PER_SECOND
+    if not split:
+        return jobs.job(task, argv, seconds + sums, max(1, min(MOST_PARTS, tiles)), keep=(acc,))
+    sum_argv = jobs.argv_of(SUM_ARGS)
+    sum_argv[0] = (acc.ctypes.data, out.ctypes.data, out.size)
+    return (jobs.job(task, argv, seconds, min(MOST_PARTS, tiles * K_SPLIT), keep=(acc,)),
+            jobs.job(SUM_TASKS[out.dtype], sum_argv, sums, max(1, out.size // SUM_PIECE), keep=(acc,)))
 
 
 def gemv(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

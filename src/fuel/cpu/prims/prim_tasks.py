@@ -7,7 +7,7 @@ does, else None (the step stays in Python):
   cols, 1 or 0 and a column stride of 1 or 0 (a whole operand, a row vector broadcast down the rows, a
   column broadcast along them, or one value), which covers a norm's weight, a residual and a scalar.
 - SILU and TANH of f32: `logistic`'s own tasks.
-- MATMUL of a few f32 rows with a weight: `gemv`'s partial sums, then their sum, as two jobs.
+- MATMUL of a few f32 rows with a weight: `gemv`'s job (two where its row ranges are the items).
 - CACHE_WRITE: the rows copied into the cache at the offset, a DynScalar offset bound at each call.
 - INDEX_COPY: `index_copy`'s check and write, the index read afresh at each call.
 - INDEX_SELECT: `index_select`'s check and gather, likewise.
@@ -26,7 +26,7 @@ from fuel.cpu.prims import gemv, index_copy, index_select, logistic
 from fuel.graph.node import Op, OpSpec
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
-from fuel.runtime.jobs import ADDRESS, INT, Job, job, record_at
+from fuel.runtime.jobs import ADDRESS, INT, Job, Jobs, job, record_at
 from fuel.runtime.replay import dyn_name, prim_job
 
 SECONDS_PER_VALUE = 0.4e-9  # one core, an f32 operation streamed from cache
@@ -171,7 +171,7 @@ def logistic_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any)
 
 
 @prim_job(Op.MATMUL)
-def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Job | None:
+def matmul_form(xs: list[np.ndarray], spec: OpSpec, out: np.ndarray, arg: Any) -> Jobs | None:
     """An f32 product of a few rows with a 2-D weight, which the MATMUL kernel runs as `gemv`: its job."""
     a, b = xs
     if b.ndim > 2 and all(s == 0 for s in b.strides[:-2]):
