@@ -27,7 +27,7 @@ from numba import carray, njit
 from fuel.cpu.quant.gguf_kquants import Emit, block_intrinsic, ir_q2k, ir_q3k, ir_q4k, ir_q5k, ir_q6k
 from fuel.cpu.quant.gguf_kquants import f16_bytes as f16_bytes  # re-exported, for kernels reading scales
 from fuel.cpu.quant.weight_tiles import (
-    claim_slot,
+    first_claim,
     multiply_tile,
     next_tile,
     release_slot,
@@ -176,10 +176,9 @@ def dequant_tiles(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv
     (`weight_cols`)."""
     v = tile_args(argv)
     raw = carray(pointer(v.weight, np.uint8), (v.n, v.weight_cols))
-    i = next_tile(v)
-    if i >= v.tiles:
+    i, slot = first_claim(v)
+    if slot < 0:
         return
-    slot = claim_slot(v)
     tile = tile_of(v, slot)
     while i < v.tiles:
         r0, r1 = tile_span(v, i)

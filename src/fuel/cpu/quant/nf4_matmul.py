@@ -44,7 +44,7 @@ from fuel.cpu.quant.nf4_intrinsics import DOT_MAX_ROWS, dequant_blocks, dot1, do
 from fuel.cpu.quant.nf4_table import DECODE_ARGS, WEIGHTS_PER_SECOND, fill_decode, table_jobs
 from fuel.cpu.quant.nibble_tables import LUT32
 from fuel.cpu.quant.weight_tiles import (
-    claim_slot,
+    first_claim,
     multiply_tile,
     next_tile,
     release_slot,
@@ -180,10 +180,9 @@ def _tiles(part: int, parts: int, argv: int) -> None:
     w = carray(pointer(v.weight, np.uint8), (n, kh))
     absmax = carray(pointer(v.scales, np.float32), (n, nb))
     lut = carray(pointer(v.table, np.float32), (16,))
-    i = next_tile(v)
-    if i >= v.tiles:
+    i, slot = first_claim(v)
+    if slot < 0:
         return
-    slot = claim_slot(v)
     tile = tile_of(v, slot)
     while i < v.tiles:
         r0, r1 = tile_span(v, i)

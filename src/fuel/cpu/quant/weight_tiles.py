@@ -248,6 +248,16 @@ def next_tile(v: Any) -> int:
 
 
 @njit(inline="always", cache=True)
+def first_claim(v: Any) -> tuple[int, int]:
+    """(the first tile a part claims, the scratch slot it then holds), or (a tile past the last, -1): a part
+    that finds no tile left takes no slot. Its later tiles come from `next_tile`; `release_slot` at the end."""
+    i = next_tile(v)
+    if i >= v.tiles:
+        return i, -1
+    return i, claim_slot(v)
+
+
+@njit(inline="always", cache=True)
 def claim_slot(v: Any) -> int:
     """A scratch slot no other running part holds."""
     return claim(v.claims, v.slots)
