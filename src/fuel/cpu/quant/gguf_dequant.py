@@ -32,7 +32,6 @@ from fuel.cpu.quant.weight_tiles import (
     next_tile,
     release_slot,
     tile_args,
-    tile_of,
     tile_span,
 )
 from fuel.runtime import jobs
@@ -176,10 +175,9 @@ def dequant_tiles(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv
     (`weight_cols`)."""
     v = tile_args(argv)
     raw = carray(pointer(v.weight, np.uint8), (v.n, v.weight_cols))
-    i, slot = first_claim(v)
+    i, slot, tile = first_claim(v)
     if slot < 0:
         return
-    tile = tile_of(v, slot)
     while i < v.tiles:
         r0, r1 = tile_span(v, i)
         for r in range(r0, r1):

@@ -50,7 +50,6 @@ from fuel.cpu.quant.weight_tiles import (
     release_slot,
     run_tiles,
     tile_args,
-    tile_of,
     tile_span,
     tiled_product,
     tiles_jobs,
@@ -180,10 +179,9 @@ def _tiles(part: int, parts: int, argv: int) -> None:
     w = carray(pointer(v.weight, np.uint8), (n, kh))
     absmax = carray(pointer(v.scales, np.float32), (n, nb))
     lut = carray(pointer(v.table, np.float32), (16,))
-    i, slot = first_claim(v)
+    i, slot, tile = first_claim(v)
     if slot < 0:
         return
-    tile = tile_of(v, slot)
     while i < v.tiles:
         r0, r1 = tile_span(v, i)
         _dequant_tile(w, absmax, lut, 2 * kh // nb, r0, r1, 0, nb, tile)

@@ -248,13 +248,15 @@ def next_tile(v: Any) -> int:
 
 
 @njit(inline="always", cache=True)
-def first_claim(v: Any) -> tuple[int, int]:
-    """(the first tile a part claims, the scratch slot it then holds), or (a tile past the last, -1): a part
-    that finds no tile left takes no slot. Its later tiles come from `next_tile`; `release_slot` at the end."""
+def first_claim(v: Any) -> tuple[int, int, Any]:
+    """(the first tile a part claims, the scratch slot it then holds, that slot's f32 tile), or (a tile past the
+    last, -1, slot 0's tile, unused): a part that finds no tile left takes no slot. Its later tiles come from
+    `next_tile`; `release_slot` at the end."""
     i = next_tile(v)
     if i >= v.tiles:
-        return i, -1
-    return i, claim_slot(v)
+        return i, -1, tile_of(v, 0)
+    slot = claim_slot(v)
+    return i, slot, tile_of(v, slot)
 
 
 @njit(inline="always", cache=True)
