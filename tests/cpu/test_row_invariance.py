@@ -1,8 +1,10 @@
 """Batch invariance (issue 43): every kernel the server's batched step runs gives each output row the same
-bytes whatever the number of rows M (1..ROW_INVARIANT_ROWS), the row's position and the other rows: row r of
-the batch equals that row computed alone, bit for bit, so a request's tokens never depend on what else is
-in the batch. The values themselves are checked against float64 references (gguf-py's dequantisation,
-torch), per element or per row, so that no test passes on a wrong answer shared by both sides."""
+bytes whatever the number of rows M, the row's position and the other rows, within each kind of step: a
+decode step (1..ROW_INVARIANT_ROWS rows: row r equals that row computed alone, bit for bit) and a prompt
+step (ROW_INVARIANT_ROWS + 1..PROMPT_ROWS rows: QMatMul's tile path, row r the same bytes at any such row
+count), so a request's tokens never depend on what else is in the batch. The values themselves are checked
+against float64 references (gguf-py's dequantisation, torch), per element or per row, so that no test passes
+on a wrong answer shared by both sides."""
 
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from fuel.cpu.quant import gguf_kernels as gk
 from fuel.cpu.quant.qmatmul import ROW_INVARIANT_ROWS
 from fuel.dtype import DType
 from fuel.quant import QuantType, dequantize_rows_into
+from fuel.serve.batch_model import PROMPT_ROWS
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import random_weight
 
 M = st.integers(2, ROW_INVARIANT_ROWS)
+STEP_M = st.integers(2, 40) | st.just(PROMPT_ROWS)  # either kind of step's rows, for the per-row kernels
 
 # ---- QMatMul: each host's decode kernels, forced on any host ----------------------------------------------
 
@@ -94,6 +98,36 @@ def test_qmatmul_rows_are_the_one_row_bytes(qt: QuantType, way: str, m: int, n: 
                              DType.F32)
 
 
+@pytest.mark.parametrize("qt", list(QuantType), ids=lambda q: q.ggml_name)
+@settings(max_examples=3, deadline=None)
+@given(m=st.integers(ROW_INVARIANT_ROWS + 1, PROMPT_ROWS), n=st.integers(1, 40), blocks=st.integers(1, 3),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_qmatmul_prompt_step_rows_are_the_same_bytes_at_any_row_count(qt: QuantType, m: int, n: int, blocks: int,
+                                                                      seed: int, data: st.DataObject) -> None:
+    """Past ROW_INVARIANT_ROWS (the tile path, up to PROMPT_ROWS): a row's bytes are the same at any other
+    prompt-step row count and position, whatever the other rows; and within the contraction bound of float64
+    gguf-py."""
+    k = blocks * (256 if qt.block_elements == 256 else 64)
+    rng = np.random.default_rng(seed)
+    raw = random_weight(rng, qt, n, k)
+    words = np.zeros(-(-raw.size // 4), np.uint32)
+    words.view(np.uint8)[:raw.size] = raw.reshape(-1)
+
+    def product(a: np.ndarray) -> np.ndarray:
+        return fl.ops.qmatmul(fl.tensor(a), fl.tensor(words), qt.ggml_name, k, n).numpy()
+
+    a = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 50.0], (m, 1))).astype(np.float32)
+    batch = product(a)
+    m2 = data.draw(st.integers(ROW_INVARIANT_ROWS + 1, PROMPT_ROWS), "other row count")
+    r, at = data.draw(st.integers(0, m - 1), "row"), data.draw(st.integers(0, m2 - 1), "position")
+    other = rng.standard_normal((m2, k)).astype(np.float32)
+    other[at] = a[r]
+    assert product(other)[at].tobytes() == batch[r].tobytes()
+    w64 = gguf_f64(raw, qt)
+    assert_close_contraction(batch, a.astype(np.float64) @ w64.T, np.abs(a.astype(np.float64)) @ np.abs(w64).T,
+                             DType.F32)
+
+
 def test_row_invariant_rows_is_the_decode_bound() -> None:
     from fuel.cpu.quant.gguf_gemv import DECODE_ROWS
 
@@ -119,7 +153,7 @@ WIDTH = st.sampled_from([8, 37, 64, 576])  # a tail shorter than a vector, odd, 
 
 
 @settings(max_examples=25)
-@given(m=M, d=WIDTH, seed=st.integers(0, 2**16))
+@given(m=STEP_M, d=WIDTH, seed=st.integers(0, 2**16))
 def test_rms_norm_rows(m: int, d: int, seed: int) -> None:
     x = np.random.default_rng(seed).standard_normal((m, d)).astype(np.float32) * 3
 
@@ -133,7 +167,7 @@ def test_rms_norm_rows(m: int, d: int, seed: int) -> None:
 
 
 @settings(max_examples=25)
-@given(m=M, d=WIDTH, seed=st.integers(0, 2**16))
+@given(m=STEP_M, d=WIDTH, seed=st.integers(0, 2**16))
 def test_elementwise_prims_rows(m: int, d: int, seed: int) -> None:
     """Llama's SwiGLU (silu(g)·u + residual) and Gemma's tanh-GELU, as the models spell them."""
     rng = np.random.default_rng(seed)
@@ -154,7 +188,7 @@ def test_elementwise_prims_rows(m: int, d: int, seed: int) -> None:
 
 
 @settings(max_examples=20)
-@given(m=M, heads=st.sampled_from([1, 3, 9]), d=st.sampled_from([8, 64, 96]), seed=st.integers(0, 2**16))
+@given(m=STEP_M, heads=st.sampled_from([1, 3, 9]), d=st.sampled_from([8, 64, 96]), seed=st.integers(0, 2**16))
 def test_rope_rows(m: int, heads: int, d: int, seed: int) -> None:
     """Rows as decode tokens [m, heads, 1, D] (one table row for all) and as a chunk [1, heads, m, D] (a
     table row per token), against torch's rotate-half in float64."""
@@ -179,7 +213,7 @@ def test_rope_rows(m: int, heads: int, d: int, seed: int) -> None:
 
 
 @settings(max_examples=25)
-@given(m=M, vocab=st.integers(1, 50), d=WIDTH, seed=st.integers(0, 2**16))
+@given(m=STEP_M, vocab=st.integers(1, 50), d=WIDTH, seed=st.integers(0, 2**16))
 def test_index_select_rows(m: int, vocab: int, d: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     table = rng.standard_normal((vocab, d)).astype(np.float32)
@@ -194,7 +228,7 @@ def test_index_select_rows(m: int, vocab: int, d: int, seed: int) -> None:
 
 
 @settings(max_examples=15)
-@given(m=M, qt=st.sampled_from(list(QuantType)), seed=st.integers(0, 2**16))
+@given(m=STEP_M, qt=st.sampled_from(list(QuantType)), seed=st.integers(0, 2**16))
 def test_embedding_rows_of_quantized_tables(m: int, qt: QuantType, seed: int) -> None:
     """`fuel.quant.dequantize_rows_into` of a token's row, alone or among m consecutive rows: gguf-py's values."""
     rng = np.random.default_rng(seed)
@@ -215,8 +249,8 @@ def paged(q: np.ndarray, kc: np.ndarray, vc: np.ndarray, bt: np.ndarray, cl: np.
 
 
 @settings(max_examples=20)
-@given(m=M, hkv=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]), d=st.sampled_from([16, 24, 64]),
-       bs=st.sampled_from([4, 16]), seed=st.integers(0, 2**16))
+@given(m=st.integers(2, 40), hkv=st.sampled_from([1, 3]), group=st.sampled_from([1, 3]),
+       d=st.sampled_from([16, 24, 64]), bs=st.sampled_from([4, 16]), seed=st.integers(0, 2**16))
 def test_paged_attn_decode_rows(m: int, hkv: int, group: int, d: int, bs: int, seed: int) -> None:
     """q [m, Hq, 1, D], every row its own sequence (block table, context length): each row's bytes as that
     sequence alone, and torch float64 attention over its gathered keys."""

@@ -9,7 +9,7 @@ import pytest
 from fuel.errors import ParamError
 from fuel.models.generate import LLM, load
 from fuel.models.sampling import Sampler
-from fuel.serve.batch_model import MAX_ROWS
+from fuel.serve.batch_model import DECODE_ROWS
 from fuel.serve.engine import Done, Engine, Piece, QueueFull, Request
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
@@ -66,8 +66,8 @@ def test_batched_logits_match_the_one_sequence_model_per_row(llm: LLM, engine: E
         got = []
         pos = 0
         toks = list(ids)
-        chunks = [toks[:5]] + [toks[j:j + MAX_ROWS] for j in range(5, len(toks), MAX_ROWS)]
-        for chunk in chunks:  # prefill chunks of the step's sizes, then three decode steps
+        assert len(toks) - 5 > DECODE_ROWS
+        for chunk in (toks[:5], toks[5:]):  # a decode-sized chunk, a prompt step's (tile path), three decode steps
             n = len(chunk)
             p = np.arange(pos, pos + n)
             out = bm.step(np.array(chunk), p, np.array([blocks[q // bs] * bs + q % bs for q in p]),
@@ -113,6 +113,23 @@ def test_a_repeated_prompt_reads_its_prefix_from_the_cache(llm: LLM, engine: Eng
     assert first[0] == second[0] and first[3] == second[3]
 
 
+def test_a_continued_conversation_gives_what_it_gives_on_a_cold_cache(llm: LLM, engine: Engine) -> None:
+    """A prompt holding an earlier answer: that answer's K/V came from decode steps, which round differently
+    from the prompt steps that read it now, so its blocks are never sealed; the request reuses the earlier
+    prompt's blocks only, and its tokens are those of a fresh engine that never saw the first request."""
+    first_ids = _ids(llm, "Name three rivers of Europe.")
+    answer = _run(engine.submit(_greedy(first_ids, 20)))[0]
+    ids = first_ids + answer + llm.tokenizer.encode(" And two more?", add_bos=False)
+    warm = _run(engine.submit(_greedy(ids, 8)))
+    assert warm[2].cached_tokens == len(first_ids) // 16 * 16  # the first prompt's whole blocks, none after
+    fresh = Engine(llm, slots=1, block_size=16)
+    try:
+        cold = _run(fresh.submit(_greedy(ids, 8)))
+    finally:
+        fresh.close()
+    assert cold[2].cached_tokens == 0 and warm[0] == cold[0] and warm[3] == cold[3]
+
+
 def test_stop_strings_are_cut_and_never_sent(llm: LLM, engine: Engine) -> None:
     ids = _ids(llm, "Count from 1 to 10, separated by commas.")
     full = _run(engine.submit(_greedy(ids, 24)))[1]
@@ -138,7 +155,10 @@ def test_cancelled_streams_free_their_blocks(llm: LLM, engine: Engine) -> None:
 def test_the_queue_bound_and_bad_requests(llm: LLM) -> None:
     eng = Engine(llm, slots=1, max_queue=1)
     try:
-        assert eng.warm() == 3 and eng.batch._step.captures == 2 and eng.batch._fill.captures == 1
+        buckets = eng.prompt_buckets
+        assert buckets == [32, 64, 128, 192, 256]  # SmolLM2 is quantized: prompt steps on the tile path
+        assert eng.warm() == 2 + len(buckets) and eng.batch._step.captures == 1 + len(buckets)
+        assert eng.batch._fill.captures == 1
         assert eng.stats().blocks_used == 0
         first = eng.submit(_greedy(_ids(llm, PROMPTS[0]), 40))
         eng.submit(_greedy(_ids(llm, PROMPTS[1]), 40))
@@ -151,5 +171,7 @@ def test_the_queue_bound_and_bad_requests(llm: LLM) -> None:
             eng.submit(_greedy([1, 2], 0))
     finally:
         eng.close()
-    with pytest.raises(ParamError, match=f"slots must be an int in \\[1, {MAX_ROWS // 2}\\]"):
-        Engine(llm, slots=MAX_ROWS)
+    with pytest.raises(ParamError, match=f"slots must be an int in \\[1, {DECODE_ROWS}\\]"):
+        Engine(llm, slots=DECODE_ROWS + 1)
+    with pytest.raises(ParamError, match="prompt_rows must be an int in \\[32, "):
+        Engine(llm, prompt_rows=16)

@@ -26,7 +26,8 @@ def test_unknown_model_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--port", "70000"), ("--slots", "0"), ("--max-queue", "-1"),
-                                             ("--context", "x"), ("--embedding-model", "bert")])
+                                             ("--context", "x"), ("--embedding-model", "bert"),
+                                             ("--prompt-rows", "16")])
 def test_bad_options_are_argparse_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["serve", flag, value])

@@ -31,8 +31,8 @@ if typing.TYPE_CHECKING:
     from fuel.models import tokenizer_hf as tokenizer_hf
 
 MODULES = ("architectures", "bert", "catalog", "chat_template", "decoder_layer", "generate", "generate_args",
-           "generate_cli", "kv_sequence", "llama", "llama_weights", "mamba", "mamba_lm", "sampling", "sequence_pool", "tokenizer",
-           "tokenizer_hf")
+           "generate_cli", "kv_sequence", "llama", "llama_weights", "mamba", "mamba_lm", "sampling", "sequence_pool",
+           "tokenizer", "tokenizer_hf")
 
 
 def __getattr__(name: str) -> types.ModuleType:

@@ -12,10 +12,21 @@ its sequence's block table and context length `positions[r] + 1`): a decode toke
 chunk are the same kind of row, so a step mixes them freely. Only the rows in `logit_rows` go through the
 output norm and head.
 
-**Batch invariance.** Every kernel of the step computes each row with arithmetic that depends on neither M
-nor the other rows, up to `MAX_ROWS` rows (QMatMul's `ROW_INVARIANT_ROWS`; docs/kernels.md, "Batch
-invariance"), and attention reads a row's keys by position whatever blocks hold them. So a sequence's logits
-are the same bytes whatever else shares its steps, and the engine never runs more than `MAX_ROWS` rows.
+**Two kinds of step, each batch-invariant.** Every kernel of a step computes each row with arithmetic that
+depends on neither M nor the other rows, within each of two row ranges, and attention reads a row's keys by
+position whatever blocks hold them (docs/kernels.md, "Batch invariance"):
+- up to `DECODE_ROWS` (16) rows, a *decode step*: QMatMul's decode path (the one-row kernel's arithmetic,
+  `ROW_INVARIANT_ROWS`), and a float weight's row-invariant gemv;
+- `DECODE_ROWS + 1` to `prompt_rows` rows, a *prompt step*: QMatMul's tile path (dequantised tiles times
+  fuel's tile GEMM, whose every element is one fixed sequence of operations at any row count up to
+  `weight_tiles.OWN_MAX_ROWS`). About 2.3x cheaper a row than the decode path from 64 rows on
+  (docs/performance/serve.md), which is why prompts are read in such steps. A model with a float weight or
+  a LoRA adapter (dense products, OpenBLAS past 16 rows) or a host without the tile kernel has
+  `prompt_rows == DECODE_ROWS`: its prompts are read in decode-sized steps.
+The two ranges round a row differently, so a sequence must give each of its positions the same kind of step
+whatever else runs: the engine reads every prompt token in prompt steps and every generated one in decode
+steps, alone or batched (`fuel.serve.engine`). Within that rule a sequence's logits are the same bytes
+whatever else shares its steps.
 
 **Captures.** The step is one `fl.jit` function; each (rows, logit rows) shape is its own capture, traced on
 first use. The caches are `[num_blocks·block_size, kv_heads, D]` float32 arrays per layer, written in place.
@@ -44,16 +55,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 import fuel as fl
+from fuel.cpu.quant import weight_tiles
 from fuel.cpu.quant.qmatmul import ROW_INVARIANT_ROWS
 from fuel.errors import ParamError
 from fuel.graph.tensor import Tensor
 from fuel.models.llama import LlamaModel
 
-MAX_ROWS = ROW_INVARIANT_ROWS  # rows of one step
+DECODE_ROWS = ROW_INVARIANT_ROWS  # the most rows of a decode step (module doc)
+PROMPT_ROWS = weight_tiles.OWN_MAX_ROWS  # the most rows of a prompt step on the tile path (module doc)
+
+
+def projections(model: LlamaModel) -> list[dict[str, Any]]:
+    """Each layer's projections q, k, v, gate and up, each its own weight (views of the stacked rows)."""
+    return [lw["qkv"].parts() | lw["gate_up"].parts() for lw in model.layers]
+
+
+def prompt_rows_of(model: LlamaModel) -> int:
+    """The most rows of one prompt step (module doc): `PROMPT_ROWS` where every projection of every layer is
+    quantized (a float one's `rows` is None), no adapter applies and the host has the tile kernel, else
+    `DECODE_ROWS`."""
+    layers = zip(model.layers, projections(model), strict=True)
+    quantized = all(lin.rows is not None for lw, parts in layers for lin in (*parts.values(), lw["o"], lw["down"]))
+    return PROMPT_ROWS if quantized and model.adapter is None and weight_tiles.own_mode(PROMPT_ROWS) else DECODE_ROWS
 
 
 class BatchedLlama:
@@ -71,7 +99,8 @@ class BatchedLlama:
         self.k_cache = [np.full(slots, 0.0, np.float32) for _ in range(cfg.layers)]
         self.v_cache = [np.full(slots, 0.0, np.float32) for _ in range(cfg.layers)]
         # each layer's projections, each its own weight (views of the stacked rows): M > 1's layout (module doc)
-        self.linears = [lw["qkv"].parts() | lw["gate_up"].parts() for lw in model.layers]
+        self.linears = projections(model)
+        self.prompt_rows = prompt_rows_of(model)
         # the logits live in the capture's arena, so the head runs natively at any row count (module doc)
         self._step = fl.jit(self._forward, reuse_outputs=True)
         self._fill = fl.jit(self._fill_forward)
@@ -123,8 +152,8 @@ class BatchedLlama:
         `logit_rows` picks (none: the rows' K/V are written and nothing else is computed). `block_tables`
         `[rows, max_blocks]` holds each row's sequence's blocks."""
         m = len(tokens)
-        if not 1 <= m <= MAX_ROWS:
-            raise ParamError(f"batched step: 1 to {MAX_ROWS} rows per step, got {m}")
+        if not 1 <= m <= self.prompt_rows:
+            raise ParamError(f"batched step: 1 to {self.prompt_rows} rows per step, got {m}")
         if not 0 <= len(logit_rows) <= m:
             raise ParamError(f"batched step: 0 to {m} logit rows, got {len(logit_rows)}")
         model = self.model
@@ -144,8 +173,8 @@ class BatchedLlama:
         """Capture the step for each (rows, logit rows) in `shapes` (a first call traces and plans it),
         writing its rows into `blocks` (blocks no sequence holds, enough for the most rows)."""
         for m, r in shapes:
-            n = np.arange(m)
+            n = np.arange(m)  # one row a slot, positions within the context (the values do not matter)
             table = np.zeros((m, self.max_blocks), np.int64)
             table[:, :len(blocks)] = blocks
             slots = np.array(blocks)[n // self.block_size] * self.block_size + n % self.block_size
-            self.step(np.zeros(m, np.int64), n, slots, table, np.arange(r))
+            self.step(np.zeros(m, np.int64), n % self.max_context, slots, table, np.arange(r))

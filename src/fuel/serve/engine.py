@@ -8,18 +8,27 @@
 
 **Continuous batching.** One thread runs steps. Before each step it admits queued requests into free slots
 (up to `slots` sequences run at once), taking the cached blocks of each new prompt's longest cached prefix
-(`kv_blocks.BlockPool`). A step then gives one row to every decoding sequence and fills the rest of its
-`MAX_ROWS` rows with the next chunk of the prompts still being read, in arrival order: a new request joins at
-the next step, a long prompt is read a chunk per step while the running streams keep flowing, and a
-finished or cancelled sequence leaves at once, its blocks released (the sealed ones stay cached).
+(`kv_blocks.BlockPool`). A step is of one of two kinds (`batch_model`): a *decode step* gives one row to
+every decoding sequence; a *prompt step* reads up to `prompt_rows` rows of the prompts still being read, in
+arrival order, each prompt's next chunk. While both are pending the kinds alternate, so a new request joins
+at the next step, a long prompt is read a chunk per prompt step, and the running streams keep getting a token
+every other step. A finished or cancelled sequence leaves at once, its blocks released (the sealed ones stay
+cached).
 
-**Invariance.** A row's logits are the same bytes whatever shares its step (`batch_model`), each request
-samples with its own `Sampler` (its own seeded generator), and a cached prefix holds the bytes the prompt
-would have computed. So a request's tokens are the same whether it runs alone or among others.
+**Invariance.** The two kinds round a row differently (prompt steps run QMatMul's tile path, decode steps
+its decode path), so every prompt token is read in prompt steps and every generated token in decode steps,
+alone or batched; within a kind a row's logits are the same bytes whatever shares its step (`batch_model`).
+Each request samples with its own `Sampler` (its own seeded generator), and a cached block holds the bytes the
+prompt would have computed: only blocks of prompt tokens are sealed (a generated token's K/V, from a decode
+step, is not what a later prompt holding that token would compute). So a request's tokens are the same
+whether it runs alone or among others.
 
-**Sizing.** `slots` is at most `MAX_ROWS // 2`, so a step always has rows left for a prompt. The pool has
-room for every slot's full context plus one more context of cached prefixes, so a running sequence always
-finds a block.
+**Shapes.** Each (rows, logit rows) shape is a capture of its own: a prompt step is padded to the next of a
+few row counts (`prompt_buckets`; padding rows write spare slots and are never read) and its logit rows to
+a power of two (repeating the last), so a steady load runs few shapes, which `warm` captures ahead.
+
+**Sizing.** `slots` is at most `DECODE_ROWS`. The pool has room for every slot's full context plus one more
+context of cached prefixes, so a running sequence always finds a block.
 
 **Streams.** `submit` returns a `Stream` at once; the step thread puts events on it (through the caller's
 asyncio loop when one is given). Text is decoded as it settles: a character split across tokens is sent
@@ -33,6 +42,7 @@ import logging
 import threading
 import time
 from collections import deque
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -40,7 +50,7 @@ import numpy as np
 from fuel.errors import FuelError, ParamError
 from fuel.models.generate import LLM
 from fuel.models.generate_args import StopText
-from fuel.serve.batch_model import MAX_ROWS, BatchedLlama
+from fuel.serve.batch_model import DECODE_ROWS, BatchedLlama, prompt_rows_of
 from fuel.serve.kv_blocks import ROOT, BlockPool
 from fuel.serve.requests import Done, EngineStats, Piece, QueueFull, Request, Stream, TokenLogprob
 
@@ -48,7 +58,17 @@ __all__ = ["Done", "Engine", "EngineStats", "Piece", "QueueFull", "Request", "St
 
 log = logging.getLogger("fuel.serve")
 
-ROW_BUCKET = 4  # a step that reads a prompt runs a multiple of this many rows (padded; see Engine._step)
+PROMPT_STEP_ROWS = 256  # prompt rows a step reads by default: ~0.25 s of a 2-core step for SmolLM2
+SMALLEST_BUCKET = 32  # a tile-path prompt step's fewest rows (above DECODE_ROWS, so QMatMul tiles it)
+DECODE_BUCKET = 4  # a decode-sized prompt step (float models) runs a multiple of this many rows
+
+
+def _buckets(most: int) -> list[int]:
+    """The row counts a prompt step is padded to, reading at most `most` rows: multiples of DECODE_BUCKET for
+    decode-sized steps; else SMALLEST_BUCKET, 64, then multiples of 64 (at most 63 padding rows), and `most`."""
+    if most <= DECODE_ROWS:
+        return [*range(DECODE_BUCKET, most, DECODE_BUCKET), most]
+    return sorted({SMALLEST_BUCKET, *range(64, most, 64), most})
 
 
 class _Seq:
@@ -77,9 +97,10 @@ class Engine:
     """Continuous batching over one model (module doc). Thread-safe: `submit` from any thread."""
 
     def __init__(self, llm: LLM, *, slots: int = 4, block_size: int = 16, max_queue: int = 64,
-                 num_blocks: int | None = None, model_name: str = "fuel") -> None:
-        for name, v, lo, hi in (("slots", slots, 1, MAX_ROWS // 2), ("block_size", block_size, 1, 4096),
-                                ("max_queue", max_queue, 0, 1 << 20)):
+                 num_blocks: int | None = None, model_name: str = "fuel", prompt_rows: int = PROMPT_STEP_ROWS) -> None:
+        for name, v, lo, hi in (("slots", slots, 1, DECODE_ROWS), ("block_size", block_size, 1, 4096),
+                                ("max_queue", max_queue, 0, 1 << 20),
+                                ("prompt_rows", prompt_rows, SMALLEST_BUCKET, 1 << 20)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise ParamError(f"engine: {name} must be an int in [{lo}, {hi}], got {v!r}")
         self.llm, self.tokenizer, self.model_name = llm, llm.tokenizer, model_name
@@ -89,14 +110,17 @@ class Engine:
         if blocks < slots * per_sequence:
             raise ParamError(f"engine: num_blocks must be at least slots x blocks per sequence "
                              f"({slots} x {per_sequence}), got {blocks}")
-        spare_blocks = -(-(ROW_BUCKET - 1) // block_size)  # the padding rows' (see _step), held for life
+        self.prompt_buckets = _buckets(min(prompt_rows, prompt_rows_of(llm.model)))
+        most_padding = max(b - a for a, b in pairwise([0, *self.prompt_buckets])) - 1
+        spare_blocks = -(-most_padding // block_size)  # the padding rows' (see _step), held for life
         self.batch = BatchedLlama(llm.model, blocks + spare_blocks, block_size)
         self.context = self.batch.max_context
         self.pool = BlockPool(blocks + spare_blocks, block_size)
         spare = [self.pool.allocate() for _ in range(spare_blocks)]
         self._spare_blocks = len(spare)  # not counted as used: no request holds them
         self._padding = [(spare[j // block_size], spare[j // block_size] * block_size + j % block_size)
-                         for j in range(ROW_BUCKET - 1)]  # (block, slot) of each padding row
+                         for j in range(most_padding)]  # (block, slot) of each padding row
+        self._prompt_turn = True  # while both kinds are pending, steps alternate (module doc)
         self._waiting: deque[tuple[Request, Stream]] = deque()
         self._running: list[_Seq] = []
         self._cv = threading.Condition()
@@ -127,13 +151,17 @@ class Engine:
         return stream
 
     def warm(self) -> int:
-        """Capture the steps a steady load runs (each decoding count alone, and full prompt chunks) before
-        any request comes, so the first requests do not wait for their tracing. Returns the shapes taken."""
-        shapes = [(n, n) for n in range(1, self.slots + 1)] + [(MAX_ROWS, 0), (MAX_ROWS, 1)]
+        """Capture the steps a steady load runs (each decoding count alone, each prompt bucket with one logit
+        row, the largest with none) before any request comes, so the first requests do not wait for their
+        tracing. Returns the shapes taken."""
+        shapes = [(n, n) for n in range(1, self.slots + 1)]
+        shapes += [(b, 1) for b in self.prompt_buckets] + [(self.prompt_buckets[-1], 0)]
+        bs = self.pool.block_size
         with self._cv:
             if self._running or self._waiting:
                 raise ParamError("engine: warm before the first request")
-            blocks = [self.pool.allocate() for _ in range(-(-MAX_ROWS // self.pool.block_size))]
+            shapes = [(m, r) for m, r in shapes if -(-m // bs) <= self.pool.free]  # a tiny pool: what fits
+            blocks = [self.pool.allocate() for _ in range(-(-max(m for m, _ in shapes) // bs))]
             try:
                 self.batch.warm(shapes, blocks)
             finally:
@@ -201,29 +229,32 @@ class Engine:
             self._finish(s, "cancelled")
 
     def _step(self) -> None:
-        """One batched step: decode rows first, then prompt chunks (module doc)."""
+        """One batched step: a prompt step or a decode step, alternating while both are pending (module doc)."""
+        decoding = [s for s in self._running if s.decoding]
+        prompt = len(decoding) < len(self._running) and (self._prompt_turn or not decoding)
+        self._prompt_turn = not prompt
         rows: list[tuple[_Seq, int]] = []  # (sequence, position)
         logit_of: list[tuple[_Seq, int]] = []  # (sequence, row)
-        for s in self._running:
-            if s.decoding:
+        if prompt:  # each prompt's next chunk, in arrival order, up to the largest bucket
+            most = self.prompt_buckets[-1]
+            for s in self._running:
+                if s.decoding or len(rows) == most:
+                    continue
+                c = min(len(s.tokens) - s.computed, most - len(rows))
+                rows.extend((s, s.computed + j) for j in range(c))
+                if s.computed + c == len(s.tokens):
+                    logit_of.append((s, len(rows) - 1))
+        else:
+            for s in decoding:
                 rows.append((s, s.computed))
-                logit_of.append((s, len(rows) - 1))
-        decode_rows = len(rows)
-        for s in self._running:
-            if s.decoding or len(rows) >= MAX_ROWS:
-                continue
-            c = min(len(s.tokens) - s.computed, MAX_ROWS - len(rows))
-            rows.extend((s, s.computed + j) for j in range(c))
-            if s.computed + c == len(s.tokens):
                 logit_of.append((s, len(rows) - 1))
         bs = self.pool.block_size
         for s, p in rows:
             while len(s.blocks) <= p // bs:
                 s.blocks.append(self.pool.allocate())
-        # a step reading a prompt is padded to a multiple of ROW_BUCKET rows, so that the shapes captured stay
-        # few (each decoding count, and ROW_BUCKET-sized prompt steps): each padding row is position 0 of a
-        # spare block, its logits never read; no real row's bytes depend on it (batch_model's invariance)
-        pad = -len(rows) % ROW_BUCKET if len(rows) > decode_rows else 0
+        # a prompt step is padded to its bucket (module doc): each padding row is a distinct slot of the spare
+        # blocks at position 0, its logits never read; no real row's bytes depend on it (batch_model)
+        pad = next(b for b in self.prompt_buckets if b >= len(rows)) - len(rows) if prompt else 0
         m = len(rows) + pad
         tokens = np.array([s.tokens[p] for s, p in rows] + [0] * pad, np.int64)
         positions = np.array([p for _, p in rows] + [0] * pad, np.int64)
@@ -234,20 +265,20 @@ class Engine:
             tables[r, :len(s.blocks)] = s.blocks
         for j, (b, _) in enumerate(self._padding[:pad]):
             tables[len(rows) + j, 0] = b
-        order = sorted(range(len(logit_of)), key=lambda j: logit_of[j][1])
-        logit_of = [logit_of[j] for j in order]
+        picked = [r for _, r in logit_of]
+        if prompt and picked:  # a power of two of logit rows, the last repeated (module doc)
+            picked += picked[-1:] * ((1 << (len(picked) - 1).bit_length()) - len(picked))
         start = time.perf_counter()
-        logits = self.batch.step(tokens, positions, slots, tables, np.array([r for _, r in logit_of], np.int64))
+        logits = self.batch.step(tokens, positions, slots, tables, np.array(picked, np.int64))
         spent = time.perf_counter() - start
         with self._cv:
-            m = len(rows)  # the real rows
-            self._counts["prompt_tokens"] += m - decode_rows
-            self._counts["prefill_s"] += spent * (m - decode_rows) / m
-            self._counts["decode_s"] += spent * decode_rows / m
+            if prompt:
+                self._counts["prompt_tokens"] += len(rows)
+            self._counts["prefill_s" if prompt else "decode_s"] += spent
         for s, _ in rows:
             s.computed += 1
         for s in {id(s): s for s, _ in rows}.values():
-            while (s.sealed + 1) * bs <= s.computed:
+            while (s.sealed + 1) * bs <= min(s.computed, s.prompt_len):  # prompt blocks only (module doc)
                 b = s.sealed
                 s.parent = self.pool.seal(s.blocks[b], s.parent, s.tokens[b * bs:(b + 1) * bs])
                 s.sealed += 1

@@ -28,6 +28,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000)")
     p.add_argument("--slots", type=_positive, default=4, help="sequences decoded together in each step (default 4)")
+    p.add_argument("--prompt-rows", type=number(int, 32, what="an integer >= 32"), default=None,
+                   help="prompt tokens read in one step: more reads prompts faster, fewer keeps the pauses of "
+                        "the streams running meanwhile shorter (default: the engine's, 256)")
     p.add_argument("--context", type=_positive, default=2048,
                    help="tokens of one sequence, prompt and output together (default 2048)")
     p.add_argument("--max-queue", type=_count, default=64,
@@ -71,7 +74,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from fuel.models import bert
 
         embedder = bert.load()
-    engine = Engine(llm, slots=args.slots, max_queue=args.max_queue, model_name=served_name(args.model))
+    rows = {} if args.prompt_rows is None else {"prompt_rows": args.prompt_rows}
+    engine = Engine(llm, slots=args.slots, max_queue=args.max_queue, model_name=served_name(args.model), **rows)
     sys.stderr.write("Capturing the batched steps ...\n")
     sys.stderr.write(f"  {engine.warm()} step shapes ready\n")
     try:
