@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
+from fuel.cpu.prims.gemv import GEMV_MAX_ROWS
 from fuel.cpu.quant import gguf_decode, gguf_units
 from fuel.cpu.quant import gguf_kernels as gk
 from fuel.cpu.quant.qmatmul import ROW_INVARIANT_ROWS
@@ -125,6 +126,38 @@ def test_qmatmul_prompt_step_rows_are_the_same_bytes_at_any_row_count(qt: QuantT
     assert product(other)[at].tobytes() == batch[r].tobytes()
     w64 = gguf_f64(raw, qt)
     assert_close_contraction(batch, a.astype(np.float64) @ w64.T, np.abs(a.astype(np.float64)) @ np.abs(w64).T,
+                             DType.F32)
+
+
+@settings(max_examples=12, deadline=None)
+@given(transposed=st.booleans(), n=st.integers(1, 70), k=st.integers(1, 300), seed=st.integers(0, 2**16),
+       data=st.data())
+def test_fused_linear_rows_are_the_same_bytes_at_any_row_count(transposed: bool, n: int, k: int, seed: int,
+                                                               data: st.DataObject) -> None:
+    """An f32 `x @ w.T + b` (a [n, k] weight, BERT's layers) at any row count, or `x @ W + b` (a contiguous
+    [k, n] weight) past GEMV_MAX_ROWS (up to it, the gemv's rows: test_gemv): row r the same bytes at any
+    other such row count and position (fuel's tile GEMM, `dense_tiles`; chunks of OWN_MAX_ROWS past it), and
+    within the contraction bound of torch float64 per element."""
+    low = 1 if transposed else GEMV_MAX_ROWS + 1
+    m, m2 = (data.draw(st.integers(low, 700), name) for name in ("rows", "other rows"))
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+
+    def linear(x: np.ndarray) -> np.ndarray:
+        weight = fl.tensor(w).T if transposed else fl.tensor(w)
+        return (fl.tensor(x) @ weight + fl.tensor(bias)).numpy()
+
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    batch = linear(a)
+    r, at = data.draw(st.integers(0, m - 1), "row"), data.draw(st.integers(0, m2 - 1), "position")
+    other = rng.standard_normal((m2, k)).astype(np.float32)
+    other[at] = a[r]
+    assert linear(other)[at].tobytes() == batch[r].tobytes()
+    w64 = torch.from_numpy((w.T if transposed else w).astype(np.float64))
+    a64 = torch.from_numpy(a.astype(np.float64))
+    b64 = torch.from_numpy(bias.astype(np.float64))
+    assert_close_contraction(batch, (a64 @ w64 + b64).numpy(), (a64.abs() @ w64.abs() + b64.abs()).numpy(),
                              DType.F32)
 
 

@@ -86,14 +86,23 @@ def test_single_sentence(reference: np.ndarray) -> None:
 
 
 def test_padding_is_exact(embedded: np.ndarray) -> None:
-    """A short sentence padded to 256 next to the long one gives its embedding alone (to f32
-    rounding); a leaking mask would move it by ~1e-2."""
+    """A short sentence padded to 256 in one batch with the long one gives its embedding alone (to f32
+    rounding; a leaking mask would move it by ~1e-2)."""
+    model = bert.load()
     alone = bert.embed([SENTENCES[4]])
-    beside_long = bert.embed([SENTENCES[4], SENTENCES[-1]])[:1]
+    ids = model.token_ids([SENTENCES[4], SENTENCES[-1]])
+    beside_long = model._run(bert.pack(ids, model.config.max_seq_length))[1].numpy()[:1]
     assert np.abs(alone - beside_long).max() <= 1e-6
-    # Any batching gives the same rows: every sentence in its own batch (no padding), or two per batch.
-    for batch_size in (1, 2):
-        assert np.abs(bert.embed(SENTENCES[:-1], batch_size=batch_size) - embedded[:-1]).max() <= 1e-6
+
+
+def test_any_batching_gives_the_same_bytes(embedded: np.ndarray) -> None:
+    """Every sentence in its own batch, two or three per batch, or all at once: the same bytes (embed groups
+    sentences by padded length and every product is row-invariant), as Ray Data's batches rely on."""
+    for batch_size in (1, 2, 3):
+        assert bert.embed(SENTENCES, batch_size=batch_size).tobytes() == embedded.tobytes()
+    shuffled = [5, 0, 3, 1, 4, 2] + list(range(6, len(SENTENCES)))
+    again = bert.embed([SENTENCES[i] for i in shuffled])
+    assert again.tobytes() == embedded[shuffled].tobytes()
 
 
 def test_unnormalised_is_the_mean_of_token_embeddings(oracle: SentenceTransformer) -> None:

@@ -8,11 +8,12 @@
 - f32/f64 run BLAS straight into `out` and add the bias to each piece of it as soon as it is done,
   while it is in cache. bf16/f16 widen exactly to f32, run one sgemm into an f32 scratch buffer, add
   the bias in f32 and round once on store.
-Up to `GEMV_MAX_ROWS` rows times a 2-D f32/f64 weight run through MATMUL's row-invariant gemv loop instead
-(docs/kernels.md, "Batch invariance"). Otherwise the product runs as one-thread OpenBLAS GEMMs on fixed pieces
-of the output (`row_blocks`), so an
-element's bytes do not depend on the thread count (OpenBLAS's own threading cuts a GEMM by it). The bf16
-store (bias added, one rounding) is a task over the rows.
+Up to `GEMV_MAX_ROWS` rows times a C-contiguous 2-D f32/f64 weight run through MATMUL's row-invariant gemv loop
+instead (docs/kernels.md, "Batch invariance"); any other f32 product with a 2-D weight runs on fuel's tile GEMM
+(`dense_tiles`), whose rows are the same bytes at any row count, so a sentence's embedding does not depend on
+the sentences batched with it. Otherwise the product runs as one-thread OpenBLAS GEMMs on fixed pieces
+of the output (`row_blocks`), so an element's bytes do not depend on the thread count (OpenBLAS's own
+threading cuts a GEMM by it). The bf16 store (bias added, one rounding) is a task over the rows.
 
 The impl takes strided inputs: BLAS reads a transposed matrix through its trans flag, so the
 common `x @ w.T + b` (a [N, K] weight) costs no copy of the weight. Only a matrix BLAS cannot
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 from numba import carray
 
+from fuel.cpu import dense_tiles
 from fuel.cpu.prims.gemv import gemv, takes
 from fuel.cpu.simd import row_blocks
 from fuel.cpu.simd.half import bits, narrow_bf16_row, widened
@@ -122,6 +124,11 @@ def _gemm_bias(a: np.ndarray, b: np.ndarray, bias: np.ndarray, out: np.ndarray) 
         gemv(va, vb, vo)
         np.add(vo, bias, out=vo)
         return
+    if (dense_tiles.AVAILABLE and va.ndim == 2 and vb.ndim == 2 and va.dtype == vb.dtype == vo.dtype == np.float32
+            and min(vb.strides) >= 0):
+        dense_tiles.matmul(np.ascontiguousarray(va), vb, vo)
+        np.add(vo, bias, out=vo)
+        return
     row_blocks.matmul(va, vb, vo, bias)
 
 
@@ -163,7 +170,8 @@ def linear_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: Any) -
 # at least the unit roundoff of the output. The half types widen exactly and run sgemm, so their
 # absolute part is the f32 impl's.
 LINEAR_PRECISION = {
-    DType.F32: PrecisionGuarantee(True, None, 6.6e-7, 4.1e-7, "OpenBLAS sgemm, f32 accumulation; bias added after"),
+    DType.F32: PrecisionGuarantee(True, None, 6.6e-7, 4.1e-7, "fuel's tile GEMM (or OpenBLAS sgemm for a batched "
+                                  "weight), f32 accumulation; bias added after"),
     DType.F64: PrecisionGuarantee(True, None, 2.3e-16, 7.7e-16, "OpenBLAS dgemm, f64 accumulation"),
     DType.BF16: PrecisionGuarantee(True, None, 7.9e-3, 4.1e-7, "exact widening, sgemm, one RNE rounding on store"),
     DType.F16: PrecisionGuarantee(True, None, 9.8e-4, 4.1e-7, "exact widening, sgemm, one rounding on store"),

@@ -227,12 +227,20 @@ class MiniLM:
                                  "text must be valid Unicode (encodable as UTF-8)")
         out = np.empty((len(sentences), self.config.hidden), np.float32)
         encoded = self.token_ids(sentences)
-        # Longest first, so each batch pads its sentences to lengths close to their own.
-        order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            pooled, unit = self._run(pack([encoded[i] for i in rows], self.config.max_seq_length))
-            out[rows] = (unit if normalize else pooled).numpy()
+        # Batches hold sentences of one padded length (`padded_length`), longest first: a sentence's
+        # attention then runs over the same padded keys whatever else is embedded (FlashAttn's bytes
+        # depend on the padded length), and every product is row-invariant, so its embedding is the same
+        # bytes in any batch.
+        limit = self.config.max_seq_length
+        order = sorted(range(len(encoded)), key=lambda i: (-padded_length(len(encoded[i]), limit), i))
+        groups: dict[int, list[int]] = {}
+        for i in order:
+            groups.setdefault(padded_length(len(encoded[i]), limit), []).append(i)
+        for group in groups.values():
+            for start in range(0, len(group), batch_size):
+                rows = group[start:start + batch_size]
+                pooled, unit = self._run(pack([encoded[i] for i in rows], limit))
+                out[rows] = (unit if normalize else pooled).numpy()
         return out
 
 
@@ -246,6 +254,12 @@ class Batch(NamedTuple):
     mask: np.ndarray  # [B, S] f32: 1 real, 0 padding
 
 
+def padded_length(tokens: int, max_length: int) -> int:
+    """A sentence's padded length in a batch: its token count rounded up to a multiple of 8, at most
+    max_length (a batch holds sentences of one padded length: `MiniLM.embed`)."""
+    return min(-(-min(tokens, max_length) // 8) * 8, max_length)
+
+
 def pack(batch: Sequence[Sequence[int]], max_length: int) -> Batch:
     """A batch's tokens packed, its padded length S rounded up to a multiple of 8 (at most max_length) and
     its token count T up to one of 16 steps per power of two (at least 8: at most 1/16 spare rows), so
@@ -253,7 +267,7 @@ def pack(batch: Sequence[Sequence[int]], max_length: int) -> Batch:
     cost as much as a real one."""
     batch = [tokens[:max_length] for tokens in batch]  # the tokenizer truncates already; a caller may not
     lengths = [len(tokens) for tokens in batch]
-    s = min(-(-max(lengths) // 8) * 8, max_length)
+    s = padded_length(max(lengths), max_length)
     total = sum(lengths)
     step = max(8, 1 << max(0, total.bit_length() - 5))
     t = -(-total // step) * step
@@ -288,7 +302,8 @@ def embed(sentences: Sequence[str], *, normalize: bool = True, batch_size: int =
     """Sentence embeddings `[n, 384]` float32, L2-normalised unless `normalize=False`.
 
     Each sentence is tokenised ([CLS] … [SEP], truncated at the model's max_seq_length), encoded and
-    mean-pooled over its own tokens; sentences run `batch_size` at a time, sorted by length.
+    mean-pooled over its own tokens; sentences of one padded length run `batch_size` at a time, so each
+    sentence's embedding is the same bytes however the sentences are batched.
     """
     return load().embed(sentences, normalize=normalize, batch_size=batch_size)
 
