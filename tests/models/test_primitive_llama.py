@@ -32,9 +32,14 @@ from tests.models.primitive_llama import PrimitiveLlama
 
 VOCAB = 48
 # Both models are f32 end to end. The losses differ only in how each sums the same f32 terms; a gradient row goes
-# through two layers of products in either order of rounding, bounded against the float64 oracle per row.
+# through two layers of products in either order of rounding, bounded against the other model per row (GRAD_ROW_TOL)
+# and against the float64 oracle per row (ORACLE_ROW_TOL). The oracle's bound is looser: with two positions a
+# weight-gradient row is the sum of two outer-product rows that can cancel, so the f32 rounding of the terms is
+# large against the row's own largest value (both models, bit-identical there, were 1.37e-5 from float64 on
+# gate_proj at x = [[40, 30]] on a host whose OpenBLAS ran its Haswell kernels).
 LOSS_RTOL = 2e-6
 GRAD_ROW_TOL = 1e-5
+ORACLE_ROW_TOL = 3e-5
 
 
 def config(n_kv_heads: int, tie: bool) -> LlamaConfig:
@@ -122,8 +127,8 @@ def test_loss_and_gradients_equal_the_hand_fused_model_and_transformers(
         assert truth is not None
         t = truth.numpy()
         assert row_error(g, f_grads[name], t) <= GRAD_ROW_TOL, name
-        assert row_error(g, t, t) <= GRAD_ROW_TOL, name
-        assert row_error(f_grads[name], t, t) <= GRAD_ROW_TOL, name
+        assert row_error(g, t, t) <= ORACLE_ROW_TOL, name
+        assert row_error(f_grads[name], t, t) <= ORACLE_ROW_TOL, name
 
 
 def test_the_models_share_one_state_dict() -> None:
