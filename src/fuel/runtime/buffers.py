@@ -27,9 +27,11 @@ class BufferPool:
         self._held = 0
         self._lock = threading.Lock()
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any], min_bytes: int = POOL_MIN_BYTES) -> np.ndarray:
+        """An array of `shape`, a free pooled buffer of its size where there is one; below `min_bytes` a fresh
+        array (a scratch its caller makes every call passes 0, so a repeated call allocates nothing)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < POOL_MIN_BYTES:
+        if nbytes < min_bytes:
             return np.empty(shape, dtype)
         with self._lock:
             bucket = self._by_size.setdefault(nbytes, [])

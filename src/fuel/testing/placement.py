@@ -68,8 +68,8 @@ class Placement:
         self._up = at + like.nbytes + self.gap
         return x
 
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        """`BufferPool.empty`'s contract (uninitialised, C-contiguous), placed by the layout."""
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any], min_bytes: int = 0) -> np.ndarray:
+        """`BufferPool.empty`'s contract (uninitialised, C-contiguous), placed by the layout at any size."""
         dtype = np.dtype(dtype)
         n = int(np.prod(shape)) * dtype.itemsize
         self.taken += 1

@@ -193,9 +193,9 @@ def tiles_jobs(task: pool.Task, a2: np.ndarray, n: int, out: np.ndarray,
     t = lay.tile
     tiles = -(-n // t)
     slots = min(tiles, threads.get_num_threads())  # a part holds one; more parts at once wait for one
-    scratch = POOL.empty((slots, t, k), F32)
-    a_t = POOL.empty((k * lay.a_t_cols,), F32)
-    c_scratch = POOL.empty((slots, t, lay.a_t_cols), F32)
+    scratch = POOL.empty((slots, t, k), F32, 0)  # pooled at any size: a repeated product allocates nothing
+    a_t = POOL.empty((k * lay.a_t_cols,), F32, 0)
+    c_scratch = POOL.empty((slots, t, lay.a_t_cols), F32, 0)
     claims = np.zeros(slots + 1, np.int64)  # the slots' claim words, then the tile counter
     argv, prep = jobs.argv_of(TILE_ARGS), jobs.argv_of(PACK_ARGS)
     for name, value in zip(WEIGHT_FIELDS, weight, strict=False):
