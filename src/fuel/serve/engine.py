@@ -10,12 +10,12 @@
 (up to `slots` sequences run at once), taking the cached blocks of each new prompt's longest cached prefix
 (`kv_blocks.BlockPool`). A step is of one of two kinds (`batch_model`): a *decode step* gives one row to
 every decoding sequence; a *prompt step* reads up to `prompt_rows` rows of the prompts still being read, in
-arrival order, each prompt's next chunk. Waiting prompts go first, for at most `PROMPT_RUN` prompt steps in
-a row while streams decode: a new request joins at the next step, a burst of prompts (clients that came
-together) is read before decoding resumes, so its streams then decode in step and the running ones pause once
-rather than at every prompt step, and a long prompt is read a chunk per prompt step with the running streams
-getting a token at least every `PROMPT_RUN + 1` steps. A finished or cancelled sequence leaves at once, its
-blocks released (the sealed ones stay cached).
+arrival order, each prompt's next chunk. Waiting prompts go first while streams decode, until
+`PAUSE_STEPS · prompt_rows` prompt rows have been read since their last token: a new request joins at the
+next step, a burst of prompts (clients that came together) is read before decoding resumes, so its streams
+then decode in step and the running ones pause once rather than at every prompt step, and a long prompt is
+read a chunk per prompt step with the running streams getting a token at least after every such pause. A
+finished or cancelled sequence leaves at once, its blocks released (the sealed ones stay cached).
 
 **Invariance.** The two kinds round a row differently (prompt steps run QMatMul's tile path, decode steps
 its decode path), so every prompt token is read in prompt steps and every generated token in decode steps,
@@ -63,7 +63,7 @@ log = logging.getLogger("fuel.serve")
 PROMPT_STEP_ROWS = 256  # prompt rows a step reads by default: ~0.25 s of a 2-core step for SmolLM2
 SMALLEST_BUCKET = 32  # a tile-path prompt step's fewest rows (above DECODE_ROWS, so QMatMul tiles it)
 DECODE_BUCKET = 4  # a decode-sized prompt step (float models) runs a multiple of this many rows
-PROMPT_RUN = 4  # prompt steps in a row while streams decode (module doc): a pause of ~1 s at most for SmolLM2
+PAUSE_STEPS = 4  # full prompt steps' rows read at most while streams wait for a token (module doc): ~1 s at most
 
 
 def _buckets(most: int) -> list[int]:
@@ -123,7 +123,7 @@ class Engine:
         self._spare_blocks = len(spare)  # not counted as used: no request holds them
         self._padding = [(spare[j // block_size], spare[j // block_size] * block_size + j % block_size)
                          for j in range(most_padding)]  # (block, slot) of each padding row
-        self._prompt_run = 0  # prompt steps since the last decode step (module doc)
+        self._pause_rows, self._paused = PAUSE_STEPS * self.prompt_buckets[-1], 0  # (module doc)
         self._waiting: deque[tuple[Request, Stream]] = deque()
         self._running: list[_Seq] = []
         self._cv = threading.Condition()
@@ -232,11 +232,10 @@ class Engine:
             self._finish(s, "cancelled")
 
     def _step(self) -> None:
-        """One batched step: a prompt step while prompts wait (at most PROMPT_RUN in a row while streams
-        decode), else a decode step (module doc)."""
+        """One batched step: a prompt step while prompts wait (while streams decode, until PAUSE_STEPS full
+        prompt steps' rows are read), else a decode step (module doc)."""
         decoding = [s for s in self._running if s.decoding]
-        prompt = len(decoding) < len(self._running) and (self._prompt_run < PROMPT_RUN or not decoding)
-        self._prompt_run = self._prompt_run + 1 if prompt else 0
+        prompt = len(decoding) < len(self._running) and (self._paused < self._pause_rows or not decoding)
         rows: list[tuple[_Seq, int]] = []  # (sequence, position)
         logit_of: list[tuple[_Seq, int]] = []  # (sequence, row)
         if prompt:  # each prompt's next chunk, in arrival order, up to the largest bucket
@@ -279,6 +278,7 @@ class Engine:
             if prompt:
                 self._counts["prompt_tokens"] += len(rows)
             self._counts["prefill_s" if prompt else "decode_s"] += spent
+        self._paused = self._paused + len(rows) if prompt else 0
         for s, _ in rows:
             s.computed += 1
         for s in {id(s): s for s, _ in rows}.values():
