@@ -35,6 +35,7 @@ from ray import serve
 from fuel.cli import EXIT_INTERRUPTED, main
 from fuel.errors import ParamError
 from fuel.models import bert
+from fuel.serve.engine import PROMPT_STEP_ROWS
 from fuel.serve.ray import ReplicaSpec, app_builder, application, embed_dataset, embed_texts, threads_for
 
 MODEL, CONTEXT, SLOTS = "smollm2", 256, 2
@@ -213,10 +214,11 @@ class TestServeReplicas:
 def test_app_builder_takes_serve_runs_arguments() -> None:
     """`serve run fuel.serve.ray:app_builder key=value ...` hands the builder the values as strings."""
     deployment = app_builder({"model": "gemma3", "replicas": "3", "num_cpus": "0.5", "embeddings": "true",
-                              "slots": "2", "max_queue": "0", "context": "512"})._bound_deployment
+                              "slots": "2", "max_queue": "0", "context": "512", "prompt_rows": "64"})._bound_deployment
     assert deployment.name == "FuelReplica" and deployment.num_replicas == 3
     assert deployment.ray_actor_options == {"num_cpus": 0.5} and deployment.max_ongoing_requests == 2
-    assert deployment.init_args == (ReplicaSpec("gemma3", 512, 2, 0, True, 0.5),)
+    assert deployment.init_args == (ReplicaSpec("gemma3", 512, 2, 0, True, 0.5, 64),)
+    assert ReplicaSpec.prompt_rows == PROMPT_STEP_ROWS  # the engine's default, written out for Ray's CLI
     assert threads_for(0.5) == 1 and threads_for(3.0) == 3
 
 
@@ -227,6 +229,8 @@ def test_application_arguments_are_checked() -> None:
         application(num_cpus=-1)
     with pytest.raises(ParamError, match=r"fuel\.serve\.ray: max_queue must be an int >= 0, got -2"):
         application(max_queue=-2)
+    with pytest.raises(ParamError, match=r"fuel\.serve\.ray: prompt_rows must be at least 32, got 8"):
+        application(prompt_rows=8)
     with pytest.raises(ParamError, match=r"fuel\.serve\.ray: unknown argument 'replica'; expected some of"):
         app_builder({"replica": "2"})
     with pytest.raises(ParamError, match="invalid literal for int"):

@@ -170,15 +170,20 @@ class ReplicaSpec:
     max_queue: int = 64
     embeddings: bool = False  # serve /v1/embeddings with MiniLM
     num_cpus: float = 1
+    prompt_rows: int = 256  # the engine's PROMPT_STEP_ROWS (tests/serve/test_ray.py checks they agree)
 
     def checked(self) -> ReplicaSpec:
         op = "fuel.serve.ray"
         if not isinstance(self.model, str) or not self.model:
             raise ParamError(f"{op}: model must be a model name or a .gguf path, got {self.model!r}")
-        for name in ("context", "slots"):
+        for name in ("context", "slots", "prompt_rows"):
             _positive_int(op, name, getattr(self, name))
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ParamError(f"{op}: max_queue must be an int >= 0, got {self.max_queue!r}")
+        from fuel.serve.engine import SMALLEST_BUCKET
+
+        if self.prompt_rows < SMALLEST_BUCKET:
+            raise ParamError(f"{op}: prompt_rows must be at least {SMALLEST_BUCKET}, got {self.prompt_rows}")
         _cpus(op, self.num_cpus)
         return self
 
@@ -193,7 +198,7 @@ class FuelReplica:
 
         fl.set_num_threads(threads_for(spec.num_cpus))
         self.engine = Engine(load(spec.model, context=spec.context), slots=spec.slots, max_queue=spec.max_queue,
-                             model_name=served_name(spec.model))
+                             model_name=served_name(spec.model), prompt_rows=spec.prompt_rows)
         self.embedder: Any = None
         if spec.embeddings:
             from fuel.models import bert
@@ -212,12 +217,13 @@ class FuelReplica:
 
 
 def application(model: str = "smollm2", *, replicas: int = 2, num_cpus: float = 1, context: int = 2048,
-                slots: int = 4, max_queue: int = 64, embeddings: bool = False) -> Application:
+                slots: int = 4, max_queue: int = 64, embeddings: bool = False,
+                prompt_rows: int = ReplicaSpec.prompt_rows) -> Application:
     """The Ray Serve application: `replicas` copies of `FuelReplica`, each reserving `num_cpus` CPUs (and
     running fuel on as many threads). A replica takes up to slots + max_queue requests at once, so that
     its engine queues them and answers 429 past its bound, as `fuel serve` does."""
     serve = _ray().serve
-    spec = ReplicaSpec(model, context, slots, max_queue, embeddings, num_cpus).checked()
+    spec = ReplicaSpec(model, context, slots, max_queue, embeddings, num_cpus, prompt_rows).checked()
     replicas = _positive_int("fuel.serve.ray", "replicas", replicas)
     deployment = serve.deployment(name="FuelReplica", num_replicas=replicas, max_ongoing_requests=slots + max_queue,
                                   ray_actor_options={"num_cpus": float(num_cpus)})
@@ -241,12 +247,12 @@ def app_builder(args: Mapping[str, str]) -> Application:
 
 
 def deploy(model: str = "smollm2", *, replicas: int = 2, num_cpus: float = 1, context: int = 2048, slots: int = 4,
-           max_queue: int = 64, embeddings: bool = False, host: str = "127.0.0.1", port: int = 8000,
-           name: str = "fuel", route_prefix: str = "/") -> DeploymentHandle:
+           max_queue: int = 64, embeddings: bool = False, prompt_rows: int = ReplicaSpec.prompt_rows,
+           host: str = "127.0.0.1", port: int = 8000, name: str = "fuel", route_prefix: str = "/") -> DeploymentHandle:
     """Deploys `application(...)` on the connected cluster (connecting first if needed) behind Ray Serve's
     HTTP proxy on host:port, and returns once every replica is up. `serve.delete(name)` removes it."""
     app = application(model, replicas=replicas, num_cpus=num_cpus, context=context, slots=slots,
-                      max_queue=max_queue, embeddings=embeddings)
+                      max_queue=max_queue, embeddings=embeddings, prompt_rows=prompt_rows)
     _connect()
     serve = _ray().serve
     serve.start(http_options={"host": host, "port": port})
@@ -270,7 +276,7 @@ def run_serve_ray(args: argparse.Namespace) -> int:
     try:
         deploy(args.model, replicas=args.ray_replicas, num_cpus=args.ray_cpus, context=args.context,
                slots=args.slots, max_queue=args.max_queue, embeddings=args.embedding_model == "minilm",
-               host=args.host, port=args.port)
+               prompt_rows=args.prompt_rows or ReplicaSpec.prompt_rows, host=args.host, port=args.port)
         print(f"fuel serve: {args.ray_replicas} Ray Serve replicas of {args.model} on "
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         while True:  # until Ctrl-C: `fuel` answers it with its interrupted status
