@@ -43,3 +43,20 @@ def test_the_gradient_ignores_where_the_pool_puts_it(dt: DType, rows: int, v: in
     (F.cross_entropy(x64, torch.from_numpy(t), reduction=reduction) * float(g)).backward()
     assert x64.grad is not None
     assert_close_rowwise(np.frombuffer(got.pop(), dt.np).reshape(x.shape), x64.grad.numpy(), dt, backward=True)
+
+
+@given(dt=st.sampled_from(DTYPES), rows=st.integers(1, 3), v=st.integers(2, 40), seed=st.integers(0, 2**16))
+def test_the_gradient_goes_into_a_given_buffer(dt: DType, rows: int, v: int, seed: int) -> None:
+    """A capture hands its arena buffer (`out`): the gradient is written there, no second logits-sized
+    array is made, and its bytes are those of a fresh output; an `out` of another layout is left alone."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, v)) * 3).astype(dt.np)
+    t = rng.integers(0, v, rows)
+    g = np.asarray(0.7, np.float32)
+    params = FusedSoftmaxCrossEntropyParams(ignore_index=-100, reduction="mean")
+    fresh = cross_entropy_grad([x, t, g], params)
+    out = np.full(x.shape, np.nan, dt.np)
+    assert cross_entropy_grad([x, t, g], params, out) is out and out.tobytes() == fresh.tobytes()
+    wrong = np.full((rows, 2 * v), np.nan, dt.np)[:, ::2]  # not contiguous: a fresh array instead
+    got = cross_entropy_grad([x, t, g], params, wrong)
+    assert got is not wrong and got.tobytes() == fresh.tobytes() and np.isnan(wrong.astype(np.float32)).all()

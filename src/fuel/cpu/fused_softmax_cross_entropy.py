@@ -308,12 +308,15 @@ def row_scales(targets: np.ndarray, g: np.ndarray, params: Any) -> np.ndarray:
     return np.full(rows, scale, np.float64)
 
 
-def cross_entropy_grad(inputs: list[np.ndarray], params: Any) -> np.ndarray:
-    """d loss / d logits for inputs (logits, targets, g): a fresh array of the logits' shape and dtype."""
+def cross_entropy_grad(inputs: list[np.ndarray], params: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """d loss / d logits for inputs (logits, targets, g), written into `out` when it is given (C-contiguous, of
+    the logits' shape and dtype: a capture's arena buffer, so no second logits-sized array is resident), else
+    into a fresh array."""
     logits, targets, g = inputs
     v = logits.shape[-1]
     check_targets(targets, v, params.ignore_index)
-    out = POOL.empty(logits.shape, logits.dtype)  # pooled as the executor's outputs: no page faults
+    if out is None or not (out.flags.c_contiguous and out.shape == logits.shape and out.dtype == logits.dtype):
+        out = POOL.empty(logits.shape, logits.dtype)  # pooled as the executor's outputs: no page faults
     if out.size == 0:
         return out
     scales = row_scales(targets, g, params)

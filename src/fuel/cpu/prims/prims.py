@@ -303,6 +303,17 @@ def _index_add(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     return _store(out, n)
 
 
+def _index_add_into(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+    """`_index_add` straight into `out` where one is given and nothing is widened (the same additions in the
+    same order, so the same bytes): no base-sized copy besides it (an embedding's gradient in a train step)."""
+    if out is None or n.dtype.is_half or not out.flags.c_contiguous:
+        return _copy_into(_index_add(xs, n), out)
+    idx = _check_index("index_add", xs[1], n.shape[n.arg])
+    np.copyto(out, xs[0])
+    np.add.at(out, (slice(None),) * n.arg + (idx,), xs[2])
+    return out
+
+
 def _pad(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     widths, value = n.arg
     return np.pad(xs[0], widths, mode="constant", constant_values=np.asarray(value, dtype=n.dtype.np))
@@ -322,13 +333,13 @@ def _cache_write(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.
     return cache
 
 
-def _grad_kernel(module: str, name: str, as_is: bool = False) -> PrimKernel:
+def _grad_kernel(module: str, name: str, as_is: bool = False, into: bool = False) -> PrimKernel:
     """A fused op's gradient kernel, `kernel(inputs, arg) -> array or tuple of arrays`, living beside the
     op's forward kernels in module `module` of `fuel.cpu` (imported on first use: it compiles Numba code,
     then kept). Inputs arrive contiguous (those the autograd built as broadcast zeros included), or as they
     are for a kernel that reads any layout (`as_is`). A one-array result is copied into `out` when one is
     given, as every primitive's: an fl.jit capture reads that buffer through views of it that it folded at
-    capture."""
+    capture; a kernel that writes `out` itself (`into`: `kernel(inputs, arg, out)`) is handed it instead."""
     found: list[Callable[..., Any]] = []
 
     def run(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> Any:
@@ -336,8 +347,9 @@ def _grad_kernel(module: str, name: str, as_is: bool = False) -> PrimKernel:
             import importlib
 
             found.append(getattr(importlib.import_module(f"fuel.cpu.{module}"), name))
-        res = found[0](xs if as_is else [np.ascontiguousarray(x) for x in xs], n.arg)
-        return res if isinstance(res, tuple) else _copy_into(res, out)
+        args = xs if as_is else [np.ascontiguousarray(x) for x in xs]
+        res = found[0](args, n.arg, out) if into else found[0](args, n.arg)
+        return res if isinstance(res, tuple) else _copy_into(res, out) if res is not out else res
     return run
 
 
@@ -384,11 +396,12 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.GATHER: _into(_gather),
     Op.INDEX_SELECT: _index_select,
     Op.SCATTER_ADD: _into(_scatter_add),
-    Op.INDEX_ADD: _into(_index_add),
+    Op.INDEX_ADD: _index_add_into,
     Op.CACHE_WRITE: _cache_write,
     Op.INDEX_COPY: index_copy_kernel,
     Op.VIEW: lambda xs, n, out: xs[0][n.arg[0]],
-    Op.CROSS_ENTROPY_GRAD: _grad_kernel("fused_softmax_cross_entropy", "cross_entropy_grad", as_is=True),
+    Op.CROSS_ENTROPY_GRAD: _grad_kernel("fused_softmax_cross_entropy", "cross_entropy_grad", as_is=True,
+                                        into=True),
     Op.SELECTIVE_SCAN_GRAD: _grad_kernel("scans.selective_scan", "selective_scan_grad"),
     Op.SSD_CHUNK_SCAN_GRAD: _grad_kernel("scans.ssd_chunk_scan", "ssd_chunk_scan_grad"),
     Op.CONST: _no_kernel,
