@@ -218,3 +218,39 @@ def silu_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def tanh_f32(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """tanh(x) of f32 x, as `sigmoid_f32`."""
     return _apply(x, out, _tanh_part, "tanh")
+
+
+# ---- any dtype: the primitives' kernels (`fuel.cpu.prims.prims`) ----------------------------------------
+
+def _one_plus_exp_neg(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """1 + e^-x in one buffer (`out`, or a fresh one). Sigmoid is 1 / this and SiLU x / this: e^-x
+    overflows to inf for very negative x, which gives 0 as it should, and the relative error stays a few
+    ulp everywhere. A two-branch form allocates five large temporaries, each page-faulted
+    (docs/performance/runtime.md, "prims"). The fresh buffer is an array even for 0-d x (a ufunc returns a
+    scalar)."""
+    d = np.negative(x, out=np.empty(np.shape(x), x.dtype) if out is None else out)
+    np.exp(d, out=d)
+    return np.add(d, 1, out=d)
+
+
+def sigmoid_any(x: np.ndarray) -> np.ndarray:
+    """SIGMOID of any float dtype: the f32 kernel, else NumPy's spelling in one buffer."""
+    if x.dtype == np.float32:
+        return sigmoid_f32(x)
+    d = _one_plus_exp_neg(x)
+    return np.divide(1, d, out=d)
+
+
+def silu_any(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """SILU of any float dtype into `out` (or a fresh array): the f32 kernel, else NumPy's spelling."""
+    if x.dtype == np.float32 and (out is None or out.flags.c_contiguous):
+        return silu_f32(x, out)
+    d = _one_plus_exp_neg(x, out)
+    return np.divide(x, d, out=d)
+
+
+def tanh_any(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """TANH of any float dtype into `out` (or a fresh array): the f32 kernel, else NumPy's."""
+    if x.dtype == np.float32 and (out is None or out.flags.c_contiguous):
+        return tanh_f32(x, out)
+    return np.tanh(x) if out is None else np.tanh(x, out=out)

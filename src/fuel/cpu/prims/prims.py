@@ -17,7 +17,9 @@ from fuel.cpu.prims.bits import BIT_KERNELS
 from fuel.cpu.prims.erf import erf_into
 from fuel.cpu.prims.gemv import gemv, takes
 from fuel.cpu.prims.index_copy import index_copy_kernel
-from fuel.cpu.prims.logistic import sigmoid_f32, silu_f32, tanh_f32
+from fuel.cpu.prims.logistic import sigmoid_any as _sigmoid
+from fuel.cpu.prims.logistic import silu_any as _silu
+from fuel.cpu.prims.logistic import tanh_any as _tanh
 from fuel.cpu.simd import row_blocks
 from fuel.dtype import DType
 from fuel.errors import IndexOutOfRange, KernelError
@@ -35,37 +37,6 @@ def _work(x: np.ndarray, dtype: DType) -> np.ndarray:
 
 def _store(y: np.ndarray, node: OpSpec) -> np.ndarray:
     return y if y.dtype == node.dtype.np else y.astype(node.dtype.np)
-
-
-def _one_plus_exp_neg(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """1 + e^-x in one buffer (`out`, or a fresh one). Sigmoid is 1 / this and SiLU x / this: e^-x
-    overflows to inf for very negative x, which gives 0 as it should, and the relative error stays a few
-    ulp everywhere. A two-branch form allocates five large temporaries, each page-faulted
-    (docs/performance/runtime.md, "prims"). The fresh buffer is an array even for 0-d x (a ufunc returns a
-    scalar)."""
-    d = np.negative(x, out=np.empty(np.shape(x), x.dtype) if out is None else out)
-    np.exp(d, out=d)
-    return np.add(d, 1, out=d)
-
-
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    if x.dtype == np.float32:
-        return sigmoid_f32(x)
-    d = _one_plus_exp_neg(x)
-    return np.divide(1, d, out=d)
-
-
-def _silu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    if x.dtype == np.float32 and (out is None or out.flags.c_contiguous):
-        return silu_f32(x, out)
-    d = _one_plus_exp_neg(x, out)
-    return np.divide(x, d, out=d)
-
-
-def _tanh(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    if x.dtype == np.float32 and (out is None or out.flags.c_contiguous):
-        return tanh_f32(x, out)
-    return np.tanh(x) if out is None else np.tanh(x, out=out)
 
 
 _UNARY: dict[Op, Callable[[np.ndarray], np.ndarray]] = {
