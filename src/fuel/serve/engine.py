@@ -60,10 +60,10 @@ __all__ = ["Done", "Engine", "EngineStats", "Piece", "QueueFull", "Request", "St
 
 log = logging.getLogger("fuel.serve")
 
-PROMPT_STEP_ROWS = 256  # prompt rows a step reads by default: ~0.25 s of a 2-core step for SmolLM2
+PROMPT_STEP_ROWS = 256  # prompt rows a step reads by default (a step's cost: docs/performance/serve.md)
 SMALLEST_BUCKET = 32  # a tile-path prompt step's fewest rows (above DECODE_ROWS, so QMatMul tiles it)
 DECODE_BUCKET = 4  # a decode-sized prompt step (float models) runs a multiple of this many rows
-PAUSE_STEPS = 4  # full prompt steps' rows read at most while streams wait for a token (module doc): ~1 s at most
+PAUSE_STEPS = 4  # full prompt steps' rows read at most while streams wait for a token (module doc)
 
 
 def _buckets(most: int) -> list[int]:
