@@ -57,35 +57,20 @@ def _f32_tiles(part: int, parts: int, argv: int) -> None:
     release_slot(v, slot)
 
 
-def product_jobs(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> list[tuple[jobs.Job, jobs.Job]]:
-    """The (prep, tile) jobs of out [R, n] <- a [R, k] @ b [k, n], f32, one pair per chunk of rows; a and out
-    C-contiguous, b any layout with non-negative strides (a transposed view `w.T` reads w's rows), k and n
-    at least 1. They hold their scratch and read the arrays' memory: run them (`run`) while those live.
-    Needs `AVAILABLE`."""
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """out [R, n] <- a [R, k] @ b [k, n], f32, every row the same bytes at any R; a and out C-contiguous, b any
+    layout with non-negative strides (a transposed view `w.T` reads w's rows). Needs `AVAILABLE`."""
     rows, k = a.shape
     n = b.shape[1]
-    rs, cs = (s // b.itemsize for s in b.strides)
-    extent = (k - 1) * rs + (n - 1) * cs + 1
-    weight: Any = (b.ctypes.data, rs, extent, cs)
-    found = []
-    for r0 in range(0, rows, OWN_MAX_ROWS):
-        r1 = min(rows, r0 + OWN_MAX_ROWS)
-        pair = tiles_jobs(_f32_tiles, a[r0:r1], n, out[r0:r1], weight)
-        assert pair is not None, "dense_tiles: the tile kernel multiplies every chunk (own mode)"
-        found.append(pair)
-    return found
-
-
-def run(found: list[tuple[jobs.Job, jobs.Job]]) -> None:
-    for pair in found:
-        jobs.run(pair)
-
-
-def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """out [R, n] <- a [R, k] @ b [k, n] (`product_jobs`' layouts), every row the same bytes at any R."""
-    if a.shape[0] == 0 or b.shape[1] == 0:
+    if rows == 0 or n == 0:
         return
-    if a.shape[1] == 0:
+    if k == 0:
         out.fill(0)
         return
-    run(product_jobs(a, b, out))
+    rs, cs = (s // b.itemsize for s in b.strides)
+    weight: Any = (b.ctypes.data, rs, (k - 1) * rs + (n - 1) * cs + 1, cs)  # address, strides, extent
+    for r0 in range(0, rows, OWN_MAX_ROWS):
+        r1 = min(rows, r0 + OWN_MAX_ROWS)
+        found = tiles_jobs(_f32_tiles, a[r0:r1], n, out[r0:r1], weight)
+        assert found is not None, "dense_tiles: the tile kernel multiplies every chunk (own mode)"
+        jobs.run(found)

@@ -266,23 +266,19 @@ def _scatter_add(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
     return _store(out, n)
 
 
-def _index_add(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
-    base, src = _work(xs[0], n.dtype), _work(xs[2], n.dtype)
+def _index_add(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
+    """base with src's rows added at idx in index order (np.add.at), straight into `out` where one is given
+    and nothing is widened (an embedding's gradient in a train step: no base-sized copy besides it); half
+    types add in f32 and round once."""
     idx = _check_index("index_add", xs[1], n.shape[n.arg])
-    out = np.array(base, copy=True)
-    np.add.at(out, (slice(None),) * n.arg + (idx,), src)
-    return _store(out, n)
-
-
-def _index_add_into(xs: list[np.ndarray], n: OpSpec, out: np.ndarray | None) -> np.ndarray:
-    """`_index_add` straight into `out` where one is given and nothing is widened (the same additions in the
-    same order, so the same bytes): no base-sized copy besides it (an embedding's gradient in a train step)."""
-    if out is None or n.dtype.is_half or not out.flags.c_contiguous:
-        return _copy_into(_index_add(xs, n), out)
-    idx = _check_index("index_add", xs[1], n.shape[n.arg])
-    np.copyto(out, xs[0])
-    np.add.at(out, (slice(None),) * n.arg + (idx,), xs[2])
-    return out
+    at = (slice(None),) * n.arg + (idx,)
+    if out is not None and not n.dtype.is_half and out.flags.c_contiguous:
+        np.copyto(out, xs[0])
+        np.add.at(out, at, xs[2])
+        return out
+    res = np.array(_work(xs[0], n.dtype), copy=True)
+    np.add.at(res, at, _work(xs[2], n.dtype))
+    return _copy_into(_store(res, n), out)
 
 
 def _pad(xs: list[np.ndarray], n: OpSpec) -> np.ndarray:
@@ -367,7 +363,7 @@ PRIM_KERNELS: dict[Op, PrimKernel] = {
     Op.GATHER: _into(_gather),
     Op.INDEX_SELECT: _index_select,
     Op.SCATTER_ADD: _into(_scatter_add),
-    Op.INDEX_ADD: _index_add_into,
+    Op.INDEX_ADD: _index_add,
     Op.CACHE_WRITE: _cache_write,
     Op.INDEX_COPY: index_copy_kernel,
     Op.VIEW: lambda xs, n, out: xs[0][n.arg[0]],
