@@ -6,13 +6,16 @@ or 32 elements of a K-quant super-block; the decoders are in `gguf_units`): a un
 masks in 8-bit lanes, one widening convert), with its scale s and offset b (gguf-py's value: code·s + b).
 Nothing dequantised is stored; the accumulators are vector values in registers.
 
-- R = 1 (a decode token): where a unit shares one scale (32-element blocks, Q4_K/Q5_K sub-blocks) it is
-  factored out, acc = fma(s, Σ code·x, acc) in 16 lanes, and the offset term b·Σx (Q4_1, Q5_1, Q4_K,
-  Q5_K) goes to a separate accumulator, with the 32-element sums of x computed once per call for all W
-  rows: 3 vector operations per 32 weights besides the conversion, where the values cost 6. Its rounding
-  is ~u·(|s·code| + |b|)·|x| rather than ~u·|s·code + b|·|x|: larger only where code·s + b cancels (the
-  impl's PrecisionGuarantee). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the values: the same cost
-  there. W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
+- R = 1 (a decode token): where a unit shares one scale (Q4_0, Q5_0, Q8_0, Q8_1, Q4_K/Q5_K sub-blocks) it
+  is factored out, acc = fma(s, Σ code·x, acc) in 16 lanes, and the offset term b·Σx (Q4_K, Q5_K) goes to a
+  separate accumulator, with the sums of x computed once per call for all W rows: 3 vector operations per
+  32 weights besides the conversion. Its rounding is ~u·(|s·code| + |b|)·|x| rather than ~u·|s·code + b|·|x|:
+  larger only where code·s + b cancels (the impl's PrecisionGuarantee). Q4_1 and Q5_1 (AFFINE) form each
+  unit's values by one FMA, code·s + b (gguf-py's values exactly, `unit_value`), then two FMAs a row: one
+  operation more at R = 1, which measured no slower there, and a third fewer a row from R = 2 on
+  (docs/performance/quant.md, "affine values"). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the
+  values, formed as gguf-py forms them.
+  W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
   prefetching its share of a later pair's bytes into L1 (the next pair, or the first at least 4 KiB on:
   `driver.ahead_of`), so that pair is in L1 when it starts (`rows_one`; the layouts measured against it:
   docs/performance/quant.md, "gguf_gemv"). K-quants go super-block by super-block (`_super`), the units
@@ -41,6 +44,7 @@ from numba import carray, njit
 from fuel.cpu.simd.driver import ahead_of, pair_bounds, pair_chunk_count
 from fuel.cpu.simd.simd16 import (
     adds,
+    affine,
     fma,
     fmas,
     hi8,
@@ -64,12 +68,17 @@ Z = np.float32(0)
 
 # ---- the driver -------------------------------------------------------------------------------------
 
-SHARED, BIAS, FACTOR_BIAS, SUPER = 1, 2, 4, 8  # kind bits: one scale per unit, offsets, offsets factored, K-quant
+# kind bits: one scale per unit, offsets, offsets factored, K-quant, values by one FMA (`unit_value`)
+SHARED, BIAS, FACTOR_BIAS, SUPER, AFFINE = 1, 2, 4, 8, 16
 
 
 @njit(inline="always", cache=True)
 def unit_value(q: Any, s: Any, b: Any, kind: int) -> Any:
-    """gguf-py's values: q * s, then + b where the type has offsets (two roundings, as gguf-py)."""
+    """gguf-py's values: q * s, then + b where the type has offsets (two roundings, as gguf-py); with AFFINE
+    as one FMA, the same values: q * s is exact in f32 for every type that uses it (an f16 scale times a
+    code of at most 5 bits), so gguf-py's first rounding is none."""
+    if kind & AFFINE:
+        return affine(q, s, b)
     v = muls(q, s)
     return adds(v, b) if kind & BIAS else v
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fuel.cpu.quant import gguf_dequant
 from fuel.cpu.quant.gguf_dequant import dequant_rows, dequant_tiles
-from fuel.cpu.quant.gguf_gemv import BIAS, FACTOR_BIAS, SHARED, SUPER, bpair, kpair, one_row, one_row_permuted
+from fuel.cpu.quant.gguf_gemv import AFFINE, BIAS, FACTOR_BIAS, SHARED, SUPER, bpair, kpair, one_row, one_row_permuted
 from fuel.cpu.quant.gguf_many import (
     SCALED_OFFSETS,
     SCALED_SUM,
@@ -106,14 +106,12 @@ def _q4_1_rows(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_1_one(part: int, parts: int, argv: int) -> None:
-    one_row(unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, bpair, part, parts, argv)
+    one_row(unit_q4_1, prep_none, 20, SHARED | BIAS | AFFINE, bpair, part, parts, argv)
 
 
 @task()
 def _q4_1_many(part: int, parts: int, argv: int) -> None:
-    many_rows(
-            unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, bpair, bquad, super4, WITH_OFFSETS, part, parts,
-            argv)
+    many_rows(unit_q4_1, prep_none, 20, SHARED | BIAS | AFFINE, bpair, bquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()
@@ -123,13 +121,13 @@ def _q4_1_tiles(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_1_one_table(part: int, parts: int, argv: int) -> None:
-    one_row_permuted(table_unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, bpair, part, parts, argv)
+    one_row_permuted(table_unit_q4_1, prep_none, 20, SHARED | BIAS | AFFINE, bpair, part, parts, argv)
 
 
 @task()
 def _q4_1_many_table(part: int, parts: int, argv: int) -> None:
     many_rows_permuted(
-            table_unit_q4_1, prep_none, 20, SHARED | BIAS | FACTOR_BIAS, bpair, bquad, super4, WITH_OFFSETS,
+            table_unit_q4_1, prep_none, 20, SHARED | BIAS | AFFINE, bpair, bquad, super4, WITH_OFFSETS,
             UNIT_ORDER_Q4_0, part, parts, argv)
 
 
@@ -160,14 +158,12 @@ def _q5_1_rows(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q5_1_one(part: int, parts: int, argv: int) -> None:
-    one_row(unit_q5_1, prep_none, 24, SHARED | BIAS | FACTOR_BIAS, bpair, part, parts, argv)
+    one_row(unit_q5_1, prep_none, 24, SHARED | BIAS | AFFINE, bpair, part, parts, argv)
 
 
 @task()
 def _q5_1_many(part: int, parts: int, argv: int) -> None:
-    many_rows(
-            unit_q5_1, prep_none, 24, SHARED | BIAS | FACTOR_BIAS, bpair, bquad, super4, WITH_OFFSETS, part, parts,
-            argv)
+    many_rows(unit_q5_1, prep_none, 24, SHARED | BIAS | AFFINE, bpair, bquad, super4, WITH_OFFSETS, part, parts, argv)
 
 
 @task()

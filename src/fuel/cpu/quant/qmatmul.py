@@ -4,9 +4,10 @@ Two paths, chosen by the number of activation rows R (batch dims folded in: the 
 - R <= DECODE_ROWS (decode): `gguf_gemv`, one pass over the weight bytes, rows of W in fixed parallel
   chunks. Each 32 weights' integer codes are widened to exact floats in registers straight from the
   packed bytes (one row of Q4_0, Q4_1 or Q4_K on an AVX-512 host: looked up by table, `nibble_tables`)
-  and dotted with the activations, the block scale factored out where the block shares one (see that
-  module). No dequantised weight exists anywhere, and each output is one thread's fixed
-  sequence of f32 operations: the bytes never depend on the thread count.
+  and dotted with the activations, the block scale factored out where the block shares one, or (Q4_1,
+  Q5_1) the unit's values formed once by FMA (see that module). No dequantised weight exists anywhere,
+  and each output is one thread's fixed sequence of f32 operations: the bytes never depend on the thread
+  count.
   Row-invariant: for 1 <= R <= ROW_INVARIANT_ROWS (= DECODE_ROWS) each output row's bytes are those of
   its activation row alone (the same kernel's operations; 2 or more rows share each decoded weight unit,
   `gguf_many`), whatever the other rows are or where it sits. The server's batched step caps its rows
@@ -135,12 +136,13 @@ def qmatmul_cost(shapes: Sequence[Shape], dtypes: Sequence[DType], params: QMatM
 # |out - ref| <= max_relative·|ref| + max_absolute·S against float64 `a @ dequant(W)ᵀ` (dequantised by
 # gguf), S = |a| @ |dequant(W)|ᵀ per element. Twice the worst `python -m fuel.testing.measure QMatMul`
 # found over seeds 0-59: worst relative 6.2e-7 (from the sgemm), absolute still needed 2.2e-7·S (from
-# the decode path's factored offsets: Q4_1, Q5_1, Q4_K and Q5_K at R <= 16 sum d·Σq·x and m·Σx apart, so
-# their rounding scales with |d·q|·|x| + |m|·|x| rather than |d·q + m|·|x|; within ~2x of S for weights
-# as quantized, unbounded by S only for adversarial x large exactly where d·q + m cancels).
+# the decode path's factored offsets: Q4_K and Q5_K, and Q4_1 and Q5_1 when it was measured, at R <= 16
+# sum d·Σq·x and m·Σx apart, so their rounding scales with |d·q|·|x| + |m|·|x| rather than |d·q + m|·|x|;
+# within ~2x of S for weights as quantized, unbounded by S only for adversarial x large exactly where
+# d·q + m cancels).
 PRECISION = PrecisionGuarantee(True, None, 1.3e-6, 4.5e-7, "bit-exact gguf dequantisation, f32 products and "
                                "sums (fixed-order lanes when decoding, block scales and offsets factored out "
-                               "at R <= 16; tile kernel or sgemm per tile otherwise)")
+                               "or values formed by FMA at R <= 16; tile kernel or sgemm per tile otherwise)")
 
 
 def register(registry: FusedKernelRegistry) -> None:
