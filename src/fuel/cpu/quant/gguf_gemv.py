@@ -39,18 +39,22 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import carray, njit
+from numba import carray, njit, types
+from numba.extending import intrinsic
 
 from fuel.cpu.simd.driver import ahead_of, pair_bounds, pair_chunk_count
 from fuel.cpu.simd.simd16 import (
+    IR_VF,
+    VEC,
     adds,
-    affine,
     fma,
+    fma_lanes,
     fmas,
     hi8,
     hsum,
     muls,
     prefetch,
+    splat_lanes,
     stack_f32,
     vadd,
     vload,
@@ -70,6 +74,21 @@ Z = np.float32(0)
 
 # kind bits: one scale per unit, offsets, offsets factored, K-quant, values by one FMA (`unit_value`)
 SHARED, BIAS, FACTOR_BIAS, SUPER, AFFINE = 1, 2, 4, 8, 16
+
+
+@intrinsic
+def _affine(typingctx: Any, v: Any, s: Any, b: Any) -> Any:
+    """v * s + b for scalars s and b, fused: one rounding."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        s_, b_ = (splat_lanes(builder, context.cast(builder, args[i], signature.args[i], types.float32), IR_VF)
+                  for i in (1, 2))
+        return fma_lanes(builder, args[0], s_, b_)
+
+    return VEC(v, s, b), codegen
+
+
+affine: Any = _affine
 
 
 @njit(inline="always", cache=True)

@@ -241,17 +241,6 @@ def _fmas(typingctx: Any, s: Any, v: Any, acc: Any) -> Any:
 
 
 @intrinsic
-def _affine(typingctx: Any, v: Any, s: Any, b: Any) -> Any:
-    """v * s + b (s and b scalars), fused: one rounding."""
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        at = signature.args
-        return fma_lanes(builder, args[0], _sf(context, builder, args[1], at[1]), _sf(context, builder, args[2], at[2]))
-
-    return VEC(v, s, b), codegen
-
-
-@intrinsic
 def _fma_intrinsic(typingctx: Any, a: Any, b: Any, acc: Any) -> Any:
     """acc + a * b, fused."""
 
@@ -390,7 +379,6 @@ muls: Any = _muls
 muls2: Any = _muls2
 adds: Any = _adds
 fmas: Any = _fmas
-affine: Any = _affine
 fma: Any = _fma_intrinsic
 fmax: Any = _fmax
 vmul: Any = _mul
