@@ -5,8 +5,8 @@ the same bytes), and over bitsandbytes' NF4 re-quantisation of those weights for
 Tolerances are per row of logits (or of a gradient matrix): max |fuel − oracle| over the row's max |oracle|.
 The logits: 1e-3 over the GGUF base (the issue's bound; measured 3.6e-6) and 1e-4 over the NF4 base (both
 sides multiply the very same f32 weight values, NF4 table entry times absmax, and differ only in the order of
-the f32 sums; measured 4.5e-6). The gradients: 1e-3 (thirty layers of backward in f32 summed in different
-orders; measured under 7e-4)."""
+the f32 sums; measured 4.5e-6). The gradients, against peft in float64: 2e-4 (thirty layers of backward in f32; measured 6.4e-5, where
+torch's own f32 gradients were 1.2e-3 from float64 on an AVX2 host)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from tests.models.oracles import hf_greedy
 
 LOGITS_RTOL = 1e-3
 NF4_LOGITS_RTOL = 1e-4
-GRAD_RTOL = 1e-3
+GRAD_RTOL = 2e-4
 PROMPT = "Why is the sky blue?"
 
 
@@ -126,33 +126,25 @@ def test_adapter_gradients_match_peft(smol_gguf: Any, smol_hf: Any, tmp_path: Pa
     finally:
         model.set_adapter(None)
     torch.set_num_threads(1)
-    flags = {n: p.requires_grad for n, p in smol_hf.named_parameters()}
-    pm = peft.PeftModel.from_pretrained(smol_hf, str(tmp_path), is_trainable=True)
-    try:
-        logits = pm(torch.tensor(ids)).logits[0]
-        ref = torch.nn.functional.cross_entropy(logits, torch.tensor(targets[0]), ignore_index=-100)
-        ref.backward()
-        assert abs(float(got[0].numpy()) - float(ref.detach())) <= 1e-5 * float(ref.detach())
-        named = dict(pm.named_parameters())
-        keys = list(adapter.state_dict())
-        for key, g in zip(keys, got[1:], strict=True):
-            torch_name = key.replace(".weight", ".default.weight")
-            torch_grad = named[torch_name].grad
-            assert torch_grad is not None, key
-            want = torch_grad.double().numpy()
-            assert np.abs(want).max() > 0, key
-            # A [r, in] per row; B [out, r] per column (one rank component, `out` values): a row of B's
-            # gradient holds only r sums over the tokens, which can cancel to 1e-5 of its neighbours', so its
-            # own size does not bound its rounding
-            got_g = g.numpy() if ".lora_A." in key else g.numpy().T
-            want_g = want if ".lora_A." in key else want.T
-            assert row_error(got_g, want_g) <= GRAD_RTOL, key
-    finally:
-        pm.unload()
-        smol_hf.eval()  # the model is shared with tests/models: leave it as it was
-        for n, p in smol_hf.named_parameters():
-            p.requires_grad_(flags[n])
-            p.grad = None
+    # in float64: torch's own f32 gradients were 1.2e-3 (per row) from float64 on an AVX2 host, fuel's 6e-5
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(smol_hf).double(), str(tmp_path), is_trainable=True)
+    logits = pm(torch.tensor(ids)).logits[0]
+    ref = torch.nn.functional.cross_entropy(logits, torch.tensor(targets[0]), ignore_index=-100)
+    ref.backward()
+    assert abs(float(got[0].numpy()) - float(ref.detach())) <= 1e-5 * float(ref.detach())
+    named = dict(pm.named_parameters())
+    keys = list(adapter.state_dict())
+    for key, g in zip(keys, got[1:], strict=True):
+        torch_grad = named[key.replace(".weight", ".default.weight")].grad
+        assert torch_grad is not None, key
+        want = torch_grad.numpy()
+        assert np.abs(want).max() > 0, key
+        # A [r, in] per row; B [out, r] per column (one rank component, `out` values): a row of B's
+        # gradient holds only r sums over the tokens, which can cancel to 1e-5 of its neighbours', so its
+        # own size does not bound its rounding
+        got_g = g.numpy() if ".lora_A." in key else g.numpy().T
+        want_g = want if ".lora_A." in key else want.T
+        assert row_error(got_g, want_g) <= GRAD_RTOL, key
 
 
 def test_generate_with_the_adapter_continues_as_peft(smol_gguf: Any, smol_hf: Any, trained: Path,
