@@ -5,8 +5,8 @@ the same bytes), and over bitsandbytes' NF4 re-quantisation of those weights for
 Tolerances are per row of logits (or of a gradient matrix): max |fuel − oracle| over the row's max |oracle|.
 The logits: 1e-3 over the GGUF base (the issue's bound; measured 3.6e-6) and 1e-4 over the NF4 base (both
 sides multiply the very same f32 weight values, NF4 table entry times absmax, and differ only in the order of
-the f32 sums; measured 4.5e-6). The gradients, against peft in float64: 2e-4 (thirty layers of backward in f32; measured 6.4e-5, where
-torch's own f32 gradients were 1.2e-3 from float64 on an AVX2 host)."""
+the f32 sums; measured 4.5e-6). The gradients, against peft in float64: 2e-4 (thirty layers of backward in
+f32; measured 6.4e-5, where torch's own f32 gradients were 1.2e-3 from float64 on an AVX2 host)."""
 
 from __future__ import annotations
 

@@ -297,9 +297,11 @@ class Engine:
         req = s.req
         mask = req.grammar.mask() if req.grammar is not None else None
         k = req.logprobs
-        choice = req.sampler.choose(logits, s.tokens, prompt_len=s.prompt_len, mask=mask,
-                                    top_logprobs=k or 0)
-        t = choice.token
+        if k is None:  # the token alone: no log-sum-exp over the vocabulary (the same token either way)
+            choice, t = None, req.sampler(logits, s.tokens, prompt_len=s.prompt_len, mask=mask)
+        else:
+            choice = req.sampler.choose(logits, s.tokens, prompt_len=s.prompt_len, mask=mask, top_logprobs=k)
+            t = choice.token
         with self._cv:
             self._counts["generated_tokens"] += 1
         if t in self.tokenizer.eos_ids and not req.ignore_eos:
@@ -310,7 +312,7 @@ class Engine:
         if req.grammar is not None:
             req.grammar.advance(t)
         s.pending.token_ids.append(t)
-        if k is not None:
+        if choice is not None:
             s.pending.logprobs.append(TokenLogprob(t, choice.logprob, list(choice.top)))
         text, stopped = s.stop.push(s.text.push(t))
         s.pending.text += text
