@@ -15,6 +15,8 @@ from fuel.cpu.quant import gguf_dequant
 from fuel.cpu.quant.gguf_blocks import dequantize, dequantize_rows_into, rows_job, weight_rows
 from fuel.cpu.quant.gguf_dequant import dequant_q4_0, dequant_q4k, dequant_row, f16_bytes
 from fuel.cpu.quant.gguf_kernels import GGUF
+from fuel.cpu.quant.gguf_units import UNIT_ORDER_Q4_0, table_unit_q4_1
+from fuel.cpu.simd.simd16 import vstore
 from fuel.errors import ShapeError
 from fuel.quant import QuantType
 from fuel.runtime import pool
@@ -170,6 +172,37 @@ def test_edge_blocks_dequantize_bit_exactly(qt: QuantType, rng: np.random.Genera
     raw = blocks.reshape(len(patterns) * len(scales), -1)  # rows of len(scales) blocks
     n, k = raw.shape[0], len(scales) * qt.block_elements
     _assert_bits_equal(dequantize(raw, qt, n, k), _reference(raw, qt))
+
+
+@njit
+def _table_unit_values(raw: np.ndarray) -> np.ndarray:
+    """`gguf_units.table_unit_q4_1`'s two vectors of each Q4_1 block of raw (uint8 [blocks·20])."""
+    out = np.empty(raw.size // 20 * 32, np.float32)
+    for b in range(raw.size // 20):
+        first, second, _, _, _, _ = table_unit_q4_1(raw, 20 * b, 0, out)
+        vstore(out, 32 * b, first)
+        vstore(out, 32 * b + 16, second)
+    return out
+
+
+def test_q4_1_table_unit_values_are_gguf_pys_in_its_lanes(rng: np.random.Generator) -> None:
+    """Q4_1's table unit (each block's 16 values by one FMA, then looked up: the AVX-512 hosts' decoder,
+    the permute emulated elsewhere) gives gguf-py's values bit for bit, lane t holding element
+    UNIT_ORDER_Q4_0[t]: random finite scales, and every edge (d, m) pair on every code pattern."""
+    qt = QuantType.Q4_1
+    edges = np.array(FINITE_F16 + NONFINITE_F16, np.uint16)
+    blocks = rng.integers(0, 256, (64 + len(edges) ** 2, qt.block_bytes), dtype=np.uint8)
+    _with_scales(blocks[:64], qt, _random_scales(rng, 64))
+    pairs = np.stack([np.repeat(edges, len(edges)), np.tile(edges, len(edges))], axis=1).astype("<u2")
+    blocks[64:, :4] = pairs.view(np.uint8).reshape(-1, 4)
+    blocks[64::3, 4:] = 0xFF  # the highest code times inf, NaN and extreme scales
+    want = _reference(blocks, qt).reshape(-1, 32)[:, UNIT_ORDER_Q4_0]
+    got = _table_unit_values(blocks.reshape(-1)).reshape(-1, 32)
+    # a NaN where gguf-py's is, its payload aside: which NaN an operation carries is the hardware's choice
+    # (inf·0 + NaN: an FMA keeps the offset's, a multiply then an add the multiply's default NaN)
+    nan = np.isnan(want)
+    assert np.isnan(got[nan]).all()
+    _assert_bits_equal(got[~nan], want[~nan])
 
 
 def test_q8_1_follows_ggml_block_layout(rng: np.random.Generator) -> None:

@@ -11,10 +11,11 @@ Nothing dequantised is stored; the accumulators are vector values in registers.
   separate accumulator, with the sums of x computed once per call for all W rows: 3 vector operations per
   32 weights besides the conversion. Its rounding is ~u·(|s·code| + |b|)·|x| rather than ~u·|s·code + b|·|x|:
   larger only where code·s + b cancels (the impl's PrecisionGuarantee). Q4_1 and Q5_1 (AFFINE) form each
-  unit's values by one FMA, code·s + b (gguf-py's values exactly, `unit_value`), then two FMAs a row: one
-  operation more at R = 1, which measured no slower there, and a third fewer a row from R = 2 on
-  (docs/performance/quant.md, "affine values"). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the
-  values, formed as gguf-py forms them.
+  unit's values by one FMA, code·s + b (gguf-py's values exactly, `unit_value`), then two FMAs a row: a
+  third fewer operations a row from R = 2 on, and one more at R = 1, which Q4_1's table decoder saves by
+  forming the block's 16 possible values (one FMA) and looking its values up (VALUES; docs/performance/
+  quant.md, "affine values"). Q2_K, Q3_K and Q6_K (a scale per 16 elements) use the values, formed as
+  gguf-py forms them.
   W rows j and j + 1 run together: independent FMA chains over one sequential stream, each unit
   prefetching its share of a later pair's bytes into L1 (the next pair, or the first at least 4 KiB on:
   `driver.ahead_of`), so that pair is in L1 when it starts (`rows_one`; the layouts measured against it:
@@ -39,12 +40,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import carray, njit, types
+from numba import carray, njit
 from numba.extending import intrinsic
 
 from fuel.cpu.simd.driver import ahead_of, pair_bounds, pair_chunk_count
 from fuel.cpu.simd.simd16 import (
-    IR_VF,
     VEC,
     adds,
     fma,
@@ -54,7 +54,7 @@ from fuel.cpu.simd.simd16 import (
     hsum,
     muls,
     prefetch,
-    splat_lanes,
+    splat_f32,
     stack_f32,
     vadd,
     vload,
@@ -72,8 +72,9 @@ Z = np.float32(0)
 
 # ---- the driver -------------------------------------------------------------------------------------
 
-# kind bits: one scale per unit, offsets, offsets factored, K-quant, values by one FMA (`unit_value`)
-SHARED, BIAS, FACTOR_BIAS, SUPER, AFFINE = 1, 2, 4, 8, 16
+# kind bits: one scale per unit, offsets, offsets factored, K-quant, values by one FMA (`unit_value`), values
+# looked up by the unit decoder
+SHARED, BIAS, FACTOR_BIAS, SUPER, AFFINE, VALUES = 1, 2, 4, 8, 16, 32
 
 
 @intrinsic
@@ -81,8 +82,7 @@ def _affine(typingctx: Any, v: Any, s: Any, b: Any) -> Any:
     """v * s + b for scalars s and b, fused: one rounding."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        s_, b_ = (splat_lanes(builder, context.cast(builder, args[i], signature.args[i], types.float32), IR_VF)
-                  for i in (1, 2))
+        s_, b_ = (splat_f32(context, builder, args[i], signature.args[i]) for i in (1, 2))
         return fma_lanes(builder, args[0], s_, b_)
 
     return VEC(v, s, b), codegen
@@ -96,6 +96,8 @@ def unit_value(q: Any, s: Any, b: Any, kind: int) -> Any:
     """gguf-py's values: q * s, then + b where the type has offsets (two roundings, as gguf-py); with AFFINE
     as one FMA, the same values: q * s is exact in f32 for every type that uses it (an f16 scale times a
     code of at most 5 bits), so gguf-py's first rounding is none."""
+    if kind & VALUES:  # the decoder looked the values up (`nibble_tables.nibble_values`)
+        return q
     if kind & AFFINE:
         return affine(q, s, b)
     v = muls(q, s)

@@ -8,7 +8,18 @@ from __future__ import annotations
 
 from fuel.cpu.quant import gguf_dequant
 from fuel.cpu.quant.gguf_dequant import dequant_rows, dequant_tiles
-from fuel.cpu.quant.gguf_gemv import AFFINE, BIAS, FACTOR_BIAS, SHARED, SUPER, bpair, kpair, one_row, one_row_permuted
+from fuel.cpu.quant.gguf_gemv import (
+    AFFINE,
+    BIAS,
+    FACTOR_BIAS,
+    SHARED,
+    SUPER,
+    VALUES,
+    bpair,
+    kpair,
+    one_row,
+    one_row_permuted,
+)
 from fuel.cpu.quant.gguf_many import (
     SCALED_OFFSETS,
     SCALED_SUM,
@@ -121,14 +132,14 @@ def _q4_1_tiles(part: int, parts: int, argv: int) -> None:
 
 @task()
 def _q4_1_one_table(part: int, parts: int, argv: int) -> None:
-    one_row_permuted(table_unit_q4_1, prep_none, 20, SHARED | BIAS | AFFINE, bpair, part, parts, argv)
+    one_row_permuted(table_unit_q4_1, prep_none, 20, VALUES, bpair, part, parts, argv)
 
 
 @task()
 def _q4_1_many_table(part: int, parts: int, argv: int) -> None:
     many_rows_permuted(
-            table_unit_q4_1, prep_none, 20, SHARED | BIAS | AFFINE, bpair, bquad, super4, WITH_OFFSETS,
-            UNIT_ORDER_Q4_0, part, parts, argv)
+            table_unit_q4_1, prep_none, 20, VALUES, bpair, bquad, super4, WITH_OFFSETS, UNIT_ORDER_Q4_0, part, parts,
+            argv)
 
 
 @task()
@@ -359,33 +370,23 @@ GGUF: dict[QuantType, GGUFKernels] = {
                 BYTE_ORDER_Q4_0) if BYTE_LUT else None,
         None),
     QuantType.Q4_1: GGUFKernels(gguf_dequant.dequant_q4_1, _q4_1_rows, _q4_1_one, _q4_1_many, _q4_1_tiles,
-        (_q4_1_one_table, _q4_1_many_table, UNIT_ORDER_Q4_0) if LUT16 else None,
-        None),
+        (_q4_1_one_table, _q4_1_many_table, UNIT_ORDER_Q4_0) if LUT16 else None, None),
     QuantType.Q5_0: GGUFKernels(gguf_dequant.dequant_q5_0, _q5_0_rows, _q5_0_one, _q5_0_many, _q5_0_tiles,
-        None,
-        None),
+        None, None),
     QuantType.Q5_1: GGUFKernels(gguf_dequant.dequant_q5_1, _q5_1_rows, _q5_1_one, _q5_1_many, _q5_1_tiles,
-        None,
-        None),
+        None, None),
     QuantType.Q8_0: GGUFKernels(gguf_dequant.dequant_q8_0, _q8_0_rows, _q8_0_one, _q8_0_many, _q8_0_tiles,
-        None,
-        None),
+        None, None),
     QuantType.Q8_1: GGUFKernels(gguf_dequant.dequant_q8_1, _q8_1_rows, _q8_1_one, _q8_1_many, _q8_1_tiles,
-        None,
-        None),
+        None, None),
     QuantType.Q2K: GGUFKernels(gguf_dequant.dequant_q2k, _q2k_rows, _q2k_one, _q2k_many, _q2k_tiles,
-        None,
-        None),
+        None, None),
     QuantType.Q3K: GGUFKernels(gguf_dequant.dequant_q3k, _q3k_rows, _q3k_one, _q3k_many, _q3k_tiles,
-        None,
-        None),
+        None, None),
     QuantType.Q4K: GGUFKernels(gguf_dequant.dequant_q4k, _q4k_rows, _q4k_one, _q4k_many, _q4k_tiles,
-        (_q4k_one_table, _q4k_many_table, UNIT_ORDER_Q4K) if LUT16 else None,
-        (_q4k_one_words, _q4k_many_words)),
+        (_q4k_one_table, _q4k_many_table, UNIT_ORDER_Q4K) if LUT16 else None, (_q4k_one_words, _q4k_many_words)),
     QuantType.Q5K: GGUFKernels(gguf_dequant.dequant_q5k, _q5k_rows, _q5k_one, _q5k_many, _q5k_tiles,
-        None,
-        None),
+        None, None),
     QuantType.Q6K: GGUFKernels(gguf_dequant.dequant_q6k, _q6k_rows, _q6k_one, _q6k_many, _q6k_tiles,
-        None,
-        (_q6k_one_words, _q6k_many_words)),
+        None, (_q6k_one_words, _q6k_many_words)),
 }

@@ -81,12 +81,14 @@ class Variant(NamedTuple):
     host: str = ""
     order: str = ""
     layout: str = ""
+    kind: str = ""  # where not the type's own (`TYPES`)
 
 
 VARIANTS = (
     Variant(QuantType.Q4_0, "table", "table_unit_q4_0", "bpair", "LUT16", "UNIT_ORDER_Q4_0"),
     Variant(QuantType.Q4_0, "bytes", "bytes_unit_q4_0", "bpair", "BYTE_LUT", "BYTE_ORDER_Q4_0"),
-    Variant(QuantType.Q4_1, "table", "table_unit_q4_1", "bpair", "LUT16", "UNIT_ORDER_Q4_0"),
+    # each unit's 16 values formed once (one FMA) and looked up: Q4_1's affine values at fewer operations
+    Variant(QuantType.Q4_1, "table", "table_unit_q4_1", "bpair", "LUT16", "UNIT_ORDER_Q4_0", kind="VALUES"),
     Variant(QuantType.Q4K, "table", "unit_q4k", "kpair_q4k_table", "LUT16", "UNIT_ORDER_Q4K"),
     Variant(QuantType.Q4K, "words", "unit_q4k", "kpair_q4k", layout="Q4K_LAYOUT"),
     Variant(QuantType.Q6K, "words", "unit_q6k", "kpair_q6k", layout="Q6K_LAYOUT"),
@@ -198,7 +200,8 @@ def _table_entry(qt: QuantType) -> str:
 
 def _imports() -> dict[str, set[str]]:
     """The names the generated module imports, by module."""
-    kinds = {k.strip() for row in TYPES.values() for k in row.kind.split("|")}
+    kind_texts = [row.kind for row in TYPES.values()] + [v.kind for v in VARIANTS]
+    kinds = {k.strip() for text in kind_texts for k in text.split("|") if k.strip()}
     units = {r.unit for r in TYPES.values()} | {r.prep for r in TYPES.values()} | {v.unit for v in VARIANTS}
     return {
         "fuel.cpu.quant": {"gguf_dequant"},  # its per-type decoders by module: one import line for any number
@@ -238,15 +241,16 @@ def render() -> str:
                 template = _TABLE_TASK if v.order else _WORDS_TASK
                 quad, sup, how = MANY[v.pair]
                 text += template.format(**{**fields, "name": v.name, "unit": v.unit, "pair": v.pair,
-                                           "layout": v.layout, "order": v.order, "quad": quad, "sup": sup, "how": how})
+                                           "layout": v.layout, "order": v.order, "quad": quad, "sup": sup, "how": how,
+                                           "kind": v.kind or row.kind})
     text += "\n\nGGUF: dict[QuantType, GGUFKernels] = {\n"
     for qt in TYPES:
         t = _lower(qt)
         words = next((f"(_{t}_one_{v.name}, _{t}_many_{v.name})" for v in VARIANTS if v.qt == qt and v.layout),
                      "None")
+        last = f"        {_table_entry(qt)}, {words}),\n"  # the host-dependent fields, on one line where they fit
         text += (f"    QuantType.{qt.name}: GGUFKernels(gguf_dequant.dequant_{t}, _{t}_rows, _{t}_one, _{t}_many, "
-                 f"_{t}_tiles,\n"
-                 f"        {_table_entry(qt)},\n        {words}),\n")
+                 f"_{t}_tiles,\n" + (last if len(last) <= 121 else f"        {_table_entry(qt)},\n        {words}),\n"))
     return _wrapped(text + "}\n")
 
 

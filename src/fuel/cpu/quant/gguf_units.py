@@ -18,7 +18,15 @@ import numpy as np
 from numba import njit
 
 from fuel.cpu.quant.gguf_gemv import pair_supers
-from fuel.cpu.quant.nibble_tables import CODES32_LANES, nibble_codes, nibble_codes32, nibble_lanes, pair_scales
+from fuel.cpu.quant.nibble_tables import (
+    CODES32_LANES,
+    nibble_codes,
+    nibble_codes32,
+    nibble_lanes,
+    nibble_values,
+    pair_scales,
+    value_table,
+)
 from fuel.cpu.simd.simd16 import (
     bytes16,
     codes,
@@ -82,8 +90,9 @@ def table_unit_q4_0(row: Any, o: int, j: int, sc: Any) -> Any:
 
 @njit(inline="always", cache=True)
 def table_unit_q4_1(row: Any, o: int, j: int, sc: Any) -> Any:
-    d, m = f16_value_at(row, o), f16_value_at(row, o + 2)
-    return nibble_codes(row, o + 4, 0), nibble_codes(row, o + 12, 0), d, d, m, m
+    """The unit's values (kind VALUES): its 16 possible values formed once, then looked up."""
+    t = value_table(f16_value_at(row, o), f16_value_at(row, o + 2))
+    return nibble_values(row, o + 4, t), nibble_values(row, o + 12, t), Z, Z, Z, Z
 
 
 # The byte-table decoder (`nibble_tables.nibble_codes32`, AVX2): a block's 32 codes from one lookup, lanes in

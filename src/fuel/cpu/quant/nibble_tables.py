@@ -27,7 +27,7 @@ from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from fuel.cpu.simd.simd16 import IR_F32, IR_I8, IR_I32, IR_V8, IR_VF, LANES, VEC, element_pointer
+from fuel.cpu.simd.simd16 import IR_F32, IR_I8, IR_I32, IR_V8, IR_VF, LANES, VEC, element_pointer, fma_lanes, splat_f32
 from fuel.runtime import jobs, pool
 from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, record_at
@@ -137,6 +137,30 @@ def _nibble_codes(typingctx: Any, src: Any, off: Any, sub: Any) -> Any:
         return permute16(builder, table, _nibble_index(context, builder, signature.args[0], args[0], args[1]))
 
     return VEC(src, off, sub), codegen
+
+
+@intrinsic
+def _value_table(typingctx: Any, s: Any, b: Any) -> Any:
+    """The 16 values code·s + b of the codes 0-15 by one FMA, a unit's table for `nibble_values`: each
+    value `gguf_gemv.affine` forms from its code, where code·s is exact (an f16 scale, a 4-bit code)."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        codes = ir.Constant(IR_VF, [float(i) for i in range(16)])
+        return fma_lanes(builder, codes, *(splat_f32(context, builder, args[i], signature.args[i]) for i in (0, 1)))
+
+    return VEC(s, b), codegen
+
+
+@intrinsic
+def _nibble_values(typingctx: Any, src: Any, off: Any, table: Any) -> Any:
+    """table[code] for the 16 four-bit codes of the 8 bytes at src[off], in `nibble_codes`' lanes and at
+    its cost (AVX-512 only): a unit's values straight from its `value_table`, one FMA a unit where forming
+    them from the codes takes one a 16 codes."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return permute16(builder, args[2], _nibble_index(context, builder, signature.args[0], args[0], args[1]))
+
+    return VEC(src, off, table), codegen
 
 
 # The unpacks in `_lookup_index` leave index positions 0-3, 16-19, 4-7, 20-23 in its first vector's lanes and
@@ -323,6 +347,8 @@ def _nibble_codes32(typingctx: Any, src: Any, off: Any, sub: Any) -> Any:
 
 
 nibble_codes: Any = _nibble_codes
+nibble_values: Any = _nibble_values
+value_table: Any = _value_table
 nibble_codes32: Any = _nibble_codes32
 nibble_lookup32: Any = _nibble_lookup32
 nibble_lookup64: Any = _nibble_lookup64

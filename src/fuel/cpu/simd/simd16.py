@@ -69,7 +69,8 @@ def _s8(context: Any, builder: Any, v: Any, ty: Any) -> Any:
     return splat_lanes(builder, context.cast(builder, v, ty, types.int8), IR_V8)
 
 
-def _sf(context: Any, builder: Any, v: Any, ty: Any) -> Any:
+def splat_f32(context: Any, builder: Any, v: Any, ty: Any) -> Any:
+    """The scalar v (of numba type ty) as f32 in every lane of a 16-float vector."""
     return splat_lanes(builder, context.cast(builder, v, ty, types.float32), IR_VF)
 
 
@@ -204,7 +205,7 @@ def _with_scalar(op: str) -> Any:
 
     def typer(typingctx: Any, v: Any, s: Any) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return getattr(builder, op)(args[0], _sf(context, builder, args[1], signature.args[1]))
+            return getattr(builder, op)(args[0], splat_f32(context, builder, args[1], signature.args[1]))
 
         return VEC(v, s), codegen
 
@@ -235,7 +236,7 @@ def _fmas(typingctx: Any, s: Any, v: Any, acc: Any) -> Any:
     """acc + s * v (s a scalar), fused."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return fma_lanes(builder, _sf(context, builder, args[0], signature.args[0]), args[1], args[2])
+        return fma_lanes(builder, splat_f32(context, builder, args[0], signature.args[0]), args[1], args[2])
 
     return VEC(s, v, acc), codegen
 
