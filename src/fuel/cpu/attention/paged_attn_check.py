@@ -44,7 +44,10 @@ def find_problem(bt: Any, cl: Any, blocks: Any, block_size: Any, sq: Any, window
 
 
 def raise_problem(status: np.ndarray, block_size: int, table: int, blocks: int) -> None:
-    """Raise the IndexOutOfRange `find_problem` recorded, if any."""
+    """Raise the IndexOutOfRange `find_problem` recorded, if any (nothing recorded: one read; replay calls it
+    a step)."""
+    if not status[0]:
+        return
     code, b, ln, j, block, first = (int(v) for v in status)
     if code == TOO_LONG:
         raise IndexOutOfRange(f"paged_attn: context_lens[{b}] = {ln} exceeds the block table's capacity of {table} "

@@ -94,7 +94,9 @@ def _write(part: int, parts: int, argv: int) -> None:
 
 
 def raise_problem(status: np.ndarray, n: int) -> None:
-    """Raise the error `find_problem` recorded, if any."""
+    """Raise the error `find_problem` recorded, if any (nothing recorded: one read; replay calls it a step)."""
+    if not status[0]:
+        return
     code, r, v, first = (int(s) for s in status)
     if code == OUT_OF_RANGE:
         raise IndexOutOfRange(f"index_copy: index[{r}] = {v} is outside the target's {n} rows [0, {n})")
