@@ -248,9 +248,10 @@ def render() -> str:
         t = _lower(qt)
         words = next((f"(_{t}_one_{v.name}, _{t}_many_{v.name})" for v in VARIANTS if v.qt == qt and v.layout),
                      "None")
-        last = f"        {_table_entry(qt)}, {words}),\n"  # the host-dependent fields, on one line where they fit
+        last = f"        {_table_entry(qt)}, {words}),"  # the host-dependent fields, on one line where they fit
         text += (f"    QuantType.{qt.name}: GGUFKernels(gguf_dequant.dequant_{t}, _{t}_rows, _{t}_one, _{t}_many, "
-                 f"_{t}_tiles,\n" + (last if len(last) <= 121 else f"        {_table_entry(qt)},\n        {words}),\n"))
+                 f"_{t}_tiles,\n" + (last if len(last) <= 120 else f"        {_table_entry(qt)},\n        {words}),")
+                 + "\n")
     return _wrapped(text + "}\n")
 
 
