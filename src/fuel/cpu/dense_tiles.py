@@ -16,17 +16,13 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import carray
+from numba import carray, njit
 
 from fuel.cpu.quant.weight_tiles import (
     OWN_KERNEL,
     OWN_MAX_ROWS,
-    first_claim,
-    multiply_tile,
-    next_tile,
-    release_slot,
+    each_tile,
     tile_args,
-    tile_span,
     tiles_jobs,
 )
 from fuel.runtime import jobs, pool
@@ -42,19 +38,16 @@ def _f32_tiles(part: int, parts: int, argv: int) -> None:
     fields: weight (its address), weight_cols (its row stride in elements), scale_cols (its column stride),
     scales (its extent in elements)."""
     v = tile_args(argv)
-    b = carray(pointer(v.weight, np.float32), (v.scales,))
-    rs, cs, k = v.weight_cols, v.scale_cols, v.k
-    i, slot, tile = first_claim(v)
-    if slot < 0:
-        return
-    while i < v.tiles:
-        r0, r1 = tile_span(v, i)
-        for r in range(r0, r1):
-            for kk in range(k):
-                tile[r - r0, kk] = b[kk * rs + r * cs]
-        multiply_tile(v, slot, r0, r1)
-        i = next_tile(v)
-    release_slot(v, slot)
+    each_tile(v, _columns, 0, (carray(pointer(v.weight, np.float32), (v.scales,)), v.weight_cols, v.scale_cols, v.k))
+
+
+@njit(inline="always", cache=True)
+def _columns(tile: Any, r0: int, r1: int, how: int, state: Any) -> None:
+    """tile row j <- column r0 + j of b (state: b's elements, its row and column strides, k)."""
+    b, rs, cs, k = state
+    for r in range(r0, r1):
+        for kk in range(k):
+            tile[r - r0, kk] = b[kk * rs + r * cs]
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

@@ -26,14 +26,7 @@ from numba import carray, njit
 
 from fuel.cpu.quant.gguf_kquants import Emit, block_intrinsic, ir_q2k, ir_q3k, ir_q4k, ir_q5k, ir_q6k
 from fuel.cpu.quant.gguf_kquants import f16_bytes as f16_bytes  # re-exported, for kernels reading scales
-from fuel.cpu.quant.weight_tiles import (
-    first_claim,
-    multiply_tile,
-    next_tile,
-    release_slot,
-    tile_args,
-    tile_span,
-)
+from fuel.cpu.quant.weight_tiles import each_tile, tile_args
 from fuel.runtime import jobs
 from fuel.runtime.atomics import pointer
 from fuel.runtime.jobs import ADDRESS, INT, record_at
@@ -174,14 +167,12 @@ def dequant_tiles(block_fn: Any, blk: int, bpb: int, part: int, parts: int, argv
     multiplied. W's own fields: its raw rows (`weight`) and their bytes
     (`weight_cols`)."""
     v = tile_args(argv)
-    raw = carray(pointer(v.weight, np.uint8), (v.n, v.weight_cols))
-    i, slot, tile = first_claim(v)
-    if slot < 0:
-        return
-    while i < v.tiles:
-        r0, r1 = tile_span(v, i)
-        for r in range(r0, r1):
-            dequant_row(block_fn, blk, bpb, raw[r], tile[r - r0])
-        multiply_tile(v, slot, r0, r1)
-        i = next_tile(v)
-    release_slot(v, slot)
+    each_tile(v, _rows_of, block_fn, (carray(pointer(v.weight, np.uint8), (v.n, v.weight_cols)), blk, bpb))
+
+
+@njit(inline="always", cache=True)
+def _rows_of(tile: Any, r0: int, r1: int, block_fn: Any, state: Any) -> None:
+    """tile row j <- W row r0 + j dequantised (state: the raw rows, a block's elements and bytes)."""
+    raw, blk, bpb = state
+    for r in range(r0, r1):
+        dequant_row(block_fn, blk, bpb, raw[r], tile[r - r0])

@@ -44,13 +44,9 @@ from fuel.cpu.quant.nf4_intrinsics import DOT_MAX_ROWS, dequant_blocks, dot1, do
 from fuel.cpu.quant.nf4_table import DECODE_ARGS, WEIGHTS_PER_SECOND, fill_decode, table_jobs
 from fuel.cpu.quant.nibble_tables import LUT32
 from fuel.cpu.quant.weight_tiles import (
-    first_claim,
-    multiply_tile,
-    next_tile,
-    release_slot,
+    each_tile,
     run_tiles,
     tile_args,
-    tile_span,
     tiled_product,
     tiles_jobs,
 )
@@ -179,15 +175,14 @@ def _tiles(part: int, parts: int, argv: int) -> None:
     w = carray(pointer(v.weight, np.uint8), (n, kh))
     absmax = carray(pointer(v.scales, np.float32), (n, nb))
     lut = carray(pointer(v.table, np.float32), (16,))
-    i, slot, tile = first_claim(v)
-    if slot < 0:
-        return
-    while i < v.tiles:
-        r0, r1 = tile_span(v, i)
-        _dequant_tile(w, absmax, lut, 2 * kh // nb, r0, r1, 0, nb, tile)
-        multiply_tile(v, slot, r0, r1)
-        i = next_tile(v)
-    release_slot(v, slot)
+    each_tile(v, _tile_rows, 0, (w, absmax, lut, 2 * kh // nb, nb))
+
+
+@njit(inline="always", cache=True)
+def _tile_rows(tile: Any, r0: int, r1: int, how: int, state: Any) -> None:
+    """tile <- W rows [r0, r1) dequantised (state: codes, absmax, the table, the block size, blocks a row)."""
+    w, absmax, lut, bs, nb = state
+    _dequant_tile(w, absmax, lut, bs, r0, r1, 0, nb, tile)
 
 
 def _scratch(rows: int, cols: int, buf: np.ndarray | None) -> np.ndarray:

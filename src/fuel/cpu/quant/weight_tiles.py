@@ -301,3 +301,19 @@ def multiply_tile(v: Any, slot: int, r0: int, r1: int) -> None:
 def tile_span(v: Any, i: int) -> tuple[int, int]:
     """The W rows [r0, r1) of tile i."""
     return i * v.tile, min(v.n, (i + 1) * v.tile)
+
+
+@njit(inline="always", cache=True)
+def each_tile(v: Any, fill: Any, how: Any, state: Any) -> None:
+    """A tile task's part: tiles claimed one at a time (`next_tile`, so the threads end at most a tile apart),
+    each written into the part's scratch slot by `fill(tile, r0, r1, how, state)` (its W rows [r0, r1) as
+    f32 rows; `how` a function it calls, or unused) and multiplied; the slot is released at the end."""
+    i, slot, tile = first_claim(v)
+    if slot < 0:
+        return
+    while i < v.tiles:
+        r0, r1 = tile_span(v, i)
+        fill(tile, r0, r1, how, state)
+        multiply_tile(v, slot, r0, r1)
+        i = next_tile(v)
+    release_slot(v, slot)
