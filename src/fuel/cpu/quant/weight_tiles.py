@@ -6,8 +6,9 @@ tile.
 The product is two jobs of the pool (`tiles_jobs`): a prep job packing Aᵀ into scratch the job owns and
 resetting the tile counter, then the weight's own tile task (NF4's, or one per GGUF type), whose parts
 each hold a scratch slot and claim tiles one at a time (`next_tile`) until none is left, so the threads
-end at most a tile apart whatever the part count. The tasks read one typed record, `TILE_ARGS`: the
-generic fields, then the weight's own (`weight`, `weight_cols`, `scales`, `scale_cols`, `table`).
+end at most a tile apart whatever the part count (`each_tile`: the loop; a task gives how a tile is
+filled). The tasks read one typed record, `TILE_ARGS`: the generic fields, then the weight's own
+(`weight`, `weight_cols`, `scales`, `scale_cols`, `table`).
 
 How a tile is multiplied (`MODE`):
 - OWN, on AVX-512 and AVX2 hosts for up to `OWN_MAX_ROWS` activation rows: fuel's register-blocked
