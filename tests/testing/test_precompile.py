@@ -1,4 +1,5 @@
-"""`fuel compile`'s units cover every verification case of every impl once, and a failing unit is reported."""
+"""`fuel compile`'s units cover every verification case of every impl once, each a whole run of one group of
+cases (the cases that call the same kernels), and a failing unit is reported."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import pytest
 
 from fuel.dispatch.impls import default_kernel_registry
 from fuel.errors import ParamError
+from fuel.quant import QuantType
 from fuel.testing import precompile
-from fuel.testing.precompile import CASES_PER_UNIT, Unit, run_unit, units
+from fuel.testing.precompile import Unit, run_unit, units
 
 
 def test_units_cover_every_case_of_every_impl_once() -> None:
     impls = list(default_kernel_registry())
     spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for u in units():
-        assert 0 < u.stop - u.start <= CASES_PER_UNIT and u.name == impls[u.index].name
+        assert u.stop - u.start > 0 and u.name == impls[u.index].name
         spans[u.index].append((u.start, u.stop))
     assert set(spans) == set(range(len(impls)))
     for index, found in spans.items():
@@ -26,14 +28,25 @@ def test_units_cover_every_case_of_every_impl_once() -> None:
         assert found[-1][1] == len(precompile._impl_cases(index)[1])
 
 
-def test_the_impls_with_most_cases_come_first() -> None:
-    sizes: dict[int, int] = defaultdict(int)
-    order = []
+def test_a_unit_is_a_whole_run_of_one_group() -> None:
     for u in units():
-        sizes[u.index] += u.stop - u.start
-        order.append(u.index)
-    firsts = list(dict.fromkeys(order))
-    assert [sizes[i] for i in firsts] == sorted((sizes[i] for i in firsts), reverse=True)
+        cases = precompile._impl_cases(u.index)[1]
+        assert len({c.group for c in cases[u.start:u.stop]}) == 1
+        group = cases[u.start].group
+        assert u.start == 0 or cases[u.start - 1].group != group
+        assert u.stop == len(cases) or cases[u.stop].group != group
+
+
+def test_qmatmuls_quant_types_compile_apart_and_other_impls_whole() -> None:
+    names = [u.name for u in units()]
+    qmatmul = [n for n in names if n.startswith("QMatMul[")]
+    assert len(qmatmul) == len(QuantType) + 1  # its empty-weight cases are a group of their own
+    assert all(names.count(n) == 1 for n in names if not n.startswith("QMatMul["))
+
+
+def test_the_largest_units_come_first() -> None:
+    sizes = [u.stop - u.start for u in units()]
+    assert sizes == sorted(sizes, reverse=True)
 
 
 def test_a_unit_that_raises_is_reported_with_its_impl(monkeypatch: pytest.MonkeyPatch) -> None:

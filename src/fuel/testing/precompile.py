@@ -2,12 +2,13 @@
 
 Every kernel compiles on its first call, one function at a time per process. Here every registered impl
 runs once on its verification cases, so later processes load the compiled code from the cache instead.
-The cases are cut into units of at most `CASES_PER_UNIT` consecutive cases of one impl (consecutive cases
-share their kernels: QMatMul's are grouped by quant type), and the units are handed to `jobs` worker
-processes as they free up, the impls with the most cases first; an impl's first case also realises its
-gradients, for the backward kernels that only gradient graphs call. A unit that raises is reported, never
-hidden: the kernel it names would fail its tests too. The cases' inputs are writable: a kernel taking
-read-only arrays (memory-mapped GGUF weights) is another Numba specialisation, compiled on first use.
+A unit is an impl's run of consecutive cases of one group (`Case.group`: cases that call the same kernels,
+by default all of an impl's; QMatMul's quant types are groups of their own): two processes running cases
+of one group at once would both compile its kernels. The units are handed to `jobs` worker processes as
+they free up, the largest first; an impl's first case also realises its gradients, for the backward
+kernels that only gradient graphs call. A unit that raises is reported, never hidden: the kernel it names
+would fail its tests too. The cases' inputs are writable: a kernel taking read-only arrays (memory-mapped
+GGUF weights) is another Numba specialisation, compiled on first use.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from typing import Any
 import numpy as np
 
 from fuel.errors import ParamError
-
-CASES_PER_UNIT = 8
 
 
 @dataclass(frozen=True)
@@ -81,18 +80,15 @@ def _gradients(entry: Any, case: Any) -> None:
 
 
 def units() -> list[Unit]:
-    """Every impl's cases as units, the impls with the most cases first (their units take longest)."""
+    """Every impl's cases as units, one a run of consecutive cases of one group, the largest first."""
     from fuel.dispatch.impls import default_kernel_registry
 
     found = []
     for index in range(len(list(default_kernel_registry()))):
         name, cases, _ = _impl_cases(index)
-        found += [Unit(index, name, s, min(s + CASES_PER_UNIT, len(cases)))
-                  for s in range(0, len(cases), CASES_PER_UNIT)]
-    counts = {u.index: 0 for u in found}
-    for u in found:
-        counts[u.index] += u.stop - u.start
-    return sorted(found, key=lambda u: -counts[u.index])
+        starts = [i for i, c in enumerate(cases) if i == 0 or c.group != cases[i - 1].group]
+        found += [Unit(index, name, s, e) for s, e in zip(starts, [*starts[1:], len(cases)], strict=True)]
+    return sorted(found, key=lambda u: u.start - u.stop)
 
 
 def run_unit(unit: Unit) -> str:

@@ -22,11 +22,14 @@ from fuel.testing.check import row_max_scale
 
 @dataclass(frozen=True)
 class Case:
-    """One set of inputs (in the impl's dtypes) and params for an entry."""
+    """One set of inputs (in the impl's dtypes) and params for an entry. Consecutive cases of one `group`
+    call the same kernels (`fuel compile` compiles them in one process); an impl's cases are one group
+    unless their builder says otherwise."""
 
     label: str
     inputs: tuple[np.ndarray, ...]
     params: Any
+    group: str = ""
 
 
 RefFn = Callable[[list[np.ndarray], Any], Any]  # an array, or one per slot of a multi-output entry

@@ -117,7 +117,7 @@ def _cases(dtypes: tuple[DType, ...], rng: np.random.Generator) -> list[Case]:
             p = QMatMulParams(qt, k, n, transpose)
             a = rng.standard_normal((*lead, n if transpose else k)).astype(np.float32)
             label = f"{qt.ggml_name} a{[*lead, a.shape[-1]]} W[{n}, {k}]{'ᵀ' if transpose else ''}"
-            out.append(Case(label, (a, as_words(random_weight(rng, qt, n, k))), p))
+            out.append(Case(label, (a, as_words(random_weight(rng, qt, n, k))), p, group=qt.ggml_name))
     for n, k in ((0, 32), (5, 0)):
         p = QMatMulParams(QuantType.Q4_0, k, n)
         w = np.zeros(weight_words(p), np.uint32)
