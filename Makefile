@@ -7,7 +7,11 @@ STAMP := $(VENV)/.fuel-installed
 .PHONY: demo test bench bench-env lint verify inventory clean train-demo
 
 # --no-compile: Python writes the bytecode of the modules it imports on first import, not of every file of
-# torch, transformers and ray at install (124 s against 50 s for the whole install on a 2-core host).
+# torch, transformers and ray at install (124 s against 50 s for the whole install on a 2-core host). For that
+# the environment must let Python write bytecode: with PYTHONDONTWRITEBYTECODE set, every process (the test
+# workers, each server, CLI and Ray worker the tests start) compiled torch's and transformers' sources again,
+# ~2.5 s a process; the bytecode goes where Numba's cache already lies (__pycache__, ignored by git).
+export PYTHONDONTWRITEBYTECODE :=
 $(STAMP): pyproject.toml constraints.txt test-models.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
