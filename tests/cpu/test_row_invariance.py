@@ -9,8 +9,6 @@ on a wrong answer shared by both sides."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import gguf
@@ -22,8 +20,7 @@ from hypothesis import strategies as st
 
 import fuel as fl
 from fuel.cpu.prims.gemv import GEMV_MAX_ROWS
-from fuel.cpu.quant import gguf_decode, gguf_units
-from fuel.cpu.quant import gguf_kernels as gk
+from fuel.cpu.quant import gguf_decode
 from fuel.cpu.quant.qmatmul import ROW_INVARIANT_ROWS
 from fuel.dtype import DType
 from fuel.quant import QuantType, dequantize_rows_into
@@ -34,28 +31,7 @@ from fuel.testing.reference.qmatmul import random_weight
 M = st.integers(2, ROW_INVARIANT_ROWS)
 STEP_M = st.integers(2, 40) | st.just(PROMPT_ROWS)  # either kind of step's rows, for the per-row kernels
 
-# ---- QMatMul: each host's decode kernels, forced on any host ----------------------------------------------
-
-# The table kernels an AVX-512 host picks (one row, its many-row form, the activations' lane order), and an
-# AVX2 host's; both hosts take Q4_K (where no table serves it) and Q6_K by words, every other type portable.
-AVX512_TABLES = {QuantType.Q4_0: (gk._q4_0_one_table, gk._q4_0_many_table, gguf_units.UNIT_ORDER_Q4_0),
-                 QuantType.Q4_1: (gk._q4_1_one_table, gk._q4_1_many_table, gguf_units.UNIT_ORDER_Q4_0),
-                 QuantType.Q4K: (gk._q4k_one_table, gk._q4k_many_table, gguf_units.UNIT_ORDER_Q4K)}
-AVX2_TABLES = {QuantType.Q4_0: (gk._q4_0_one_bytes, gk._q4_0_many_bytes, gguf_units.BYTE_ORDER_Q4_0)}
-WAYS: dict[str, tuple[dict[QuantType, Any], bool]] = {
-    "avx512": (AVX512_TABLES, True), "avx2": (AVX2_TABLES, True), "portable": ({}, False)}
-
-
-@contextmanager
-def decode_way(way: str) -> Iterator[None]:
-    """gguf_decode's kernel choice as the named host makes it (hypothesis cannot share monkeypatch)."""
-    tables, words = WAYS[way]
-    before = gguf_decode.TABLE_KERNELS, gguf_decode.USE_TABLES, gguf_decode.USE_WORDS
-    gguf_decode.TABLE_KERNELS, gguf_decode.USE_TABLES, gguf_decode.USE_WORDS = tables, bool(tables), words
-    try:
-        yield
-    finally:
-        gguf_decode.TABLE_KERNELS, gguf_decode.USE_TABLES, gguf_decode.USE_WORDS = before
+# ---- QMatMul: each host's decode kernels, forced on any host (`gguf_decode.HOST_WAYS`) --------------------
 
 
 def gguf_f64(raw: np.ndarray, qt: QuantType) -> np.ndarray:
@@ -73,7 +49,7 @@ def decode(qt: QuantType, a: np.ndarray, raw: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("way", list(WAYS))
+@pytest.mark.parametrize("way", list(gguf_decode.HOST_WAYS))
 @pytest.mark.parametrize("qt", list(QuantType), ids=lambda q: q.ggml_name)
 @settings(max_examples=6)
 @given(m=M, n=st.integers(1, 9), blocks=st.integers(1, 3), seed=st.integers(0, 2**16), data=st.data())
@@ -86,7 +62,7 @@ def test_qmatmul_rows_are_the_one_row_bytes(qt: QuantType, way: str, m: int, n: 
     rng = np.random.default_rng(seed)
     raw = random_weight(rng, qt, n, k)
     a = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 50.0], (m, 1))).astype(np.float32)
-    with decode_way(way):
+    with gguf_decode.host_way(way):
         batch = decode(qt, a, raw)
         alone = np.concatenate([decode(qt, a[r:r + 1].copy(), raw) for r in range(m)])
         assert batch.tobytes() == alone.tobytes()

@@ -5,10 +5,12 @@ runs once on its verification cases, so later processes load the compiled code f
 A unit is an impl's run of consecutive cases of one group (`Case.group`: cases that call the same kernels,
 by default all of an impl's; QMatMul's quant types are groups of their own): two processes running cases
 of one group at once would both compile its kernels. The units are handed to `jobs` worker processes as
-they free up, the largest first; an impl's first case also realises its gradients, for the backward
-kernels that only gradient graphs call. A unit that raises is reported, never hidden: the kernel it names
-would fail its tests too. The cases' inputs are writable: a kernel taking read-only arrays (memory-mapped
-GGUF weights) is another Numba specialisation, compiled on first use.
+they free up, the largest first. An impl's first case also realises its gradients, for the backward
+kernels that only gradient graphs call, and QMatMul's cases run again as every other kind of host decodes
+them (`gguf_decode.HOST_WAYS`: the tests force each host's kernels on any host). A unit that raises is
+reported, never hidden: the kernel it names would fail its tests too. The cases' inputs are writable: a
+kernel taking read-only arrays (memory-mapped GGUF weights) is another Numba specialisation, compiled on
+first use.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,12 +51,27 @@ def _impl_cases(index: int) -> tuple[str, list[Any], Callable[[Any], object]]:
     entry = default_registry().entry(impl.op_id)
     found = cases(entry.name, impl.dtypes, np.random.default_rng(index))
 
+    ways = _other_hosts(entry.name)
+
     def run(case: Any) -> None:
         output_for(entry, impl, case.inputs, case.params)
+        for way in ways:
+            with way():
+                output_for(entry, impl, case.inputs, case.params)
         if entry.vjp is not None and case is found[0]:
             _gradients(entry, case)
 
     return impl.name, list(found), run
+
+
+def _other_hosts(entry_name: str) -> list[Callable[[], AbstractContextManager[None]]]:
+    """The kernel choices of other hosts that an entry's tests force on this one, each a context (QMatMul's
+    decode kernels, `gguf_decode.HOST_WAYS`): its cases run again under each, in the same unit."""
+    if entry_name != "QMatMul":
+        return []
+    from fuel.cpu.quant.gguf_decode import HOST_WAYS, host_way
+
+    return [partial(host_way, name) for name in HOST_WAYS]
 
 
 def _gradients(entry: Any, case: Any) -> None:

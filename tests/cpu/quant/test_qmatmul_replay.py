@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fuel as fl
-from fuel.cpu.quant import gguf_decode, gguf_units
-from fuel.cpu.quant import gguf_kernels as gk
+from fuel.cpu.quant import gguf_decode
 from fuel.cpu.quant import qmatmul as kernel_module
 from fuel.cpu.quant.qmatmul import ROW_INVARIANT_ROWS
 from fuel.dtype import DType
@@ -25,15 +24,8 @@ from fuel.quant import QuantType
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
 
-# The decode kernels of each host, forced on any host: the table kernels an AVX-512 host picks (one row, its
-# many-row form, the activations' lane order) and an AVX2 host's; both take Q4_K (where no table serves it)
-# and Q6_K by words, every other type portable.
-HOSTS: dict[str, tuple[dict[QuantType, Any], bool]] = {
-    "avx512": ({QuantType.Q4_0: (gk._q4_0_one_table, gk._q4_0_many_table, gguf_units.UNIT_ORDER_Q4_0),
-                QuantType.Q4_1: (gk._q4_1_one_table, gk._q4_1_many_table, gguf_units.UNIT_ORDER_Q4_0),
-                QuantType.Q4K: (gk._q4k_one_table, gk._q4k_many_table, gguf_units.UNIT_ORDER_Q4K)}, True),
-    "avx2": ({QuantType.Q4_0: (gk._q4_0_one_bytes, gk._q4_0_many_bytes, gguf_units.BYTE_ORDER_Q4_0)}, True),
-    "portable": ({}, False)}
+# The decode kernels of each host (`gguf_decode.HOST_WAYS`), forced on any host.
+HOSTS = gguf_decode.HOST_WAYS
 # (host, type): every kernel family (table, words, portable; 32-element blocks and super-blocks).
 WAYS = [("avx512", QuantType.Q4_0), ("avx512", QuantType.Q4_1), ("avx512", QuantType.Q4K), ("avx512", QuantType.Q6K),
         ("avx2", QuantType.Q4_0), ("avx2", QuantType.Q4K), ("portable", QuantType.Q5_1), ("portable", QuantType.Q8_0),

@@ -10,12 +10,16 @@ both paths compiled for several times as long (docs/performance/quant.md, "gguf_
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
+from fuel.cpu.quant import gguf_kernels as gk
 from fuel.cpu.quant.gguf_gemv import GEMV_ARGS, fill_gemv_args
 from fuel.cpu.quant.gguf_kernels import GGUF
+from fuel.cpu.quant.gguf_units import BYTE_ORDER_Q4_0, UNIT_ORDER_Q4_0, UNIT_ORDER_Q4K
 from fuel.cpu.quant.nibble_tables import permute_job, permuted
 from fuel.cpu.simd.driver import pair_chunk_count
 from fuel.quant import QuantType
@@ -32,6 +36,32 @@ USE_TABLES = bool(TABLE_KERNELS)  # tests turn it off to run the portable kernel
 # (each part its own copy), so their jobs can be posted again (docs/performance/quant.md, "gguf_words").
 WORD_KERNELS: dict[QuantType, tuple[Any, Any]] = {qt: k.words for qt, k in GGUF.items() if k.words}
 USE_WORDS = True  # tests turn it off to run the portable kernels on the same host
+
+# The kernels each kind of host picks, by its name: (`TABLE_KERNELS`, `USE_WORDS`) as an AVX-512 host, an AVX2
+# host and a host with neither set them (the first two take Q4_K where no table serves it, and Q6_K, by words;
+# every other type is portable). Every kernel runs on every host (a lookup the host lacks is emulated), so
+# the tests force each host's choice on any host (`host_way`), and `fuel compile` compiles them all.
+HOST_WAYS: dict[str, tuple[dict[QuantType, tuple[Any, Any, np.ndarray]], bool]] = {
+    "avx512": ({QuantType.Q4_0: (gk._q4_0_one_table, gk._q4_0_many_table, UNIT_ORDER_Q4_0),
+                QuantType.Q4_1: (gk._q4_1_one_table, gk._q4_1_many_table, UNIT_ORDER_Q4_0),
+                QuantType.Q4K: (gk._q4k_one_table, gk._q4k_many_table, UNIT_ORDER_Q4K)}, True),
+    "avx2": ({QuantType.Q4_0: (gk._q4_0_one_bytes, gk._q4_0_many_bytes, BYTE_ORDER_Q4_0)}, True),
+    "portable": ({}, False)}
+
+
+@contextmanager
+def host_way(name: str) -> Iterator[None]:
+    """Within it, QMatMul's decode jobs are the kernels host `name` of `HOST_WAYS` picks (this module's
+    choice, process-wide: for tests and `fuel compile`, never while another thread decodes)."""
+    global TABLE_KERNELS, USE_TABLES, USE_WORDS
+    tables, words = HOST_WAYS[name]
+    before = TABLE_KERNELS, USE_TABLES, USE_WORDS
+    TABLE_KERNELS, USE_TABLES, USE_WORDS = tables, bool(tables), words
+    try:
+        yield
+    finally:
+        TABLE_KERNELS, USE_TABLES, USE_WORDS = before
+
 
 WEIGHTS_PER_SECOND = 12e9  # one core's rate decoding and multiplying weights at R = 1, for the part count
 
