@@ -24,21 +24,13 @@ from fuel.quant import QuantType
 from fuel.testing.oracle import assert_close_contraction
 from fuel.testing.reference.qmatmul import as_words, random_weight
 
-# The decode kernels of each host (`gguf_decode.HOST_WAYS`), forced on any host.
-HOSTS = gguf_decode.HOST_WAYS
-# (host, type): every kernel family (table, words, portable; 32-element blocks and super-blocks).
+# (host of `gguf_decode.HOST_WAYS`, type), each host's decode kernels forced on any host: every kernel family
+# (table, words, portable; 32-element blocks and super-blocks).
 WAYS = [("avx512", QuantType.Q4_0), ("avx512", QuantType.Q4_1), ("avx512", QuantType.Q4K), ("avx512", QuantType.Q6K),
         ("avx2", QuantType.Q4_0), ("avx2", QuantType.Q4K), ("portable", QuantType.Q5_1), ("portable", QuantType.Q8_0),
         ("portable", QuantType.Q2K), ("portable", QuantType.Q3K), ("portable", QuantType.Q4K),
         ("portable", QuantType.Q5K)]
 N = 37  # W rows: an odd count, so the last chunk's row pair holds one row twice
-
-
-def _use(host: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    tables, words = HOSTS[host]
-    monkeypatch.setattr(gguf_decode, "TABLE_KERNELS", tables)
-    monkeypatch.setattr(gguf_decode, "USE_TABLES", bool(tables))
-    monkeypatch.setattr(gguf_decode, "USE_WORDS", words)
 
 
 def _weight(qt: QuantType, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -66,8 +58,7 @@ def test_captured_rows_replay_as_one_native_stretch(way: str, qt: QuantType, see
     """A captured `qmatmul` at every row count 1..16 (batch dims folded at odd counts) is one native
     stretch, the eager kernel's job (two at one row by table: the permute, then the kernel), and each call
     gives the eager bytes for its new activations."""
-    with pytest.MonkeyPatch.context() as m:
-        _use(way, m)
+    with gguf_decode.host_way(way):
         k = _k(qt)
         w, w64 = _weight(qt, k)
         f = fl.jit(lambda a: fl.ops.qmatmul(a, fl.tensor(w), qt, k, N))
@@ -84,15 +75,18 @@ def test_captured_rows_replay_as_one_native_stretch(way: str, qt: QuantType, see
             cap = f.capture_for(a)
             assert cap is not None and cap.native is not None
             assert [len(item) for item in cap.native.items] == [2]
-            assert len(cap.native.program.jobs) == (2 if rows == 1 and qt in HOSTS[way][0] else 1)
+            assert len(cap.native.program.jobs) == (2 if rows == 1 and qt in gguf_decode.TABLE_KERNELS else 1)
 
 
 @pytest.mark.parametrize(("way", "qt"), WAYS, ids=lambda v: getattr(v, "ggml_name", v))
-def test_eager_kernel_reposts_its_many_row_job_with_new_values(way: str, qt: QuantType,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_eager_kernel_reposts_its_many_row_job_with_new_values(way: str, qt: QuantType) -> None:
     """The eager kernel remembers a 2..16-row job for the same arrays (as a replayed Python step calls it)
     and the job reposted reads their current values: the bytes of a call on fresh copies."""
-    _use(way, monkeypatch)
+    with gguf_decode.host_way(way):
+        _reposts_its_many_row_job(qt)
+
+
+def _reposts_its_many_row_job(qt: QuantType) -> None:
     k = _k(qt)
     w, w64 = _weight(qt, k)
     params = QMatMulParams(quant_type=qt, k=k, n=N)
