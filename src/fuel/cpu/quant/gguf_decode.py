@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 
 from fuel.cpu.quant import gguf_kernels as gk
+from fuel.cpu.quant import gguf_units
 from fuel.cpu.quant.gguf_gemv import GEMV_ARGS, fill_gemv_args
 from fuel.cpu.quant.gguf_kernels import GGUF
-from fuel.cpu.quant.gguf_units import BYTE_ORDER_Q4_0, UNIT_ORDER_Q4_0, UNIT_ORDER_Q4K
+from fuel.cpu.quant.gguf_types import VARIANTS
 from fuel.cpu.quant.nibble_tables import permute_job, permuted
 from fuel.cpu.simd.driver import pair_chunk_count
 from fuel.quant import QuantType
@@ -37,16 +38,22 @@ USE_TABLES = bool(TABLE_KERNELS)  # tests turn it off to run the portable kernel
 WORD_KERNELS: dict[QuantType, tuple[Any, Any]] = {qt: k.words for qt, k in GGUF.items() if k.words}
 USE_WORDS = True  # tests turn it off to run the portable kernels on the same host
 
-# The kernels each kind of host picks, by its name: (`TABLE_KERNELS`, `USE_WORDS`) as an AVX-512 host, an AVX2
-# host and a host with neither set them (the first two take Q4_K where no table serves it, and Q6_K, by words;
-# every other type is portable). Every kernel runs on every host (a lookup the host lacks is emulated), so
-# the tests force each host's choice on any host (`host_way`), and `fuel compile` compiles them all.
+# The decode kernels by kind of host: (`TABLE_KERNELS`, `USE_WORDS`) as an AVX-512 host and an AVX2 host set
+# them (each takes the table variants of `gguf_types.VARIANTS` its `nibble_tables` flag enables, and the words
+# kernels: Q4_K where no table serves it, Q6_K), and the portable kernels alone (no table, no words), which a
+# host without either flag runs but for the words kernels. Every kernel runs on every host (a lookup the
+# host lacks is emulated), so the tests force each choice on any host (`host_way`), and `fuel compile`
+# compiles them all.
+HOST_FLAGS = {"avx512": "LUT16", "avx2": "BYTE_LUT", "portable": ""}
+
+
+def _tables(flag: str) -> dict[QuantType, tuple[Any, Any, np.ndarray]]:
+    return {v.qt: (*(getattr(gk, name) for name in v.tasks()), getattr(gguf_units, v.order))
+            for v in VARIANTS if v.order and v.host == flag}
+
+
 HOST_WAYS: dict[str, tuple[dict[QuantType, tuple[Any, Any, np.ndarray]], bool]] = {
-    "avx512": ({QuantType.Q4_0: (gk._q4_0_one_table, gk._q4_0_many_table, UNIT_ORDER_Q4_0),
-                QuantType.Q4_1: (gk._q4_1_one_table, gk._q4_1_many_table, UNIT_ORDER_Q4_0),
-                QuantType.Q4K: (gk._q4k_one_table, gk._q4k_many_table, UNIT_ORDER_Q4K)}, True),
-    "avx2": ({QuantType.Q4_0: (gk._q4_0_one_bytes, gk._q4_0_many_bytes, BYTE_ORDER_Q4_0)}, True),
-    "portable": ({}, False)}
+    host: (_tables(flag), bool(flag)) for host, flag in HOST_FLAGS.items()}
 
 
 @contextmanager

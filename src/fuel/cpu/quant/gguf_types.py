@@ -83,6 +83,11 @@ class Variant(NamedTuple):
     layout: str = ""
     kind: str = ""  # where not the type's own (`TYPES`)
 
+    def tasks(self) -> tuple[str, str]:
+        """The names of its one-row task and its many-row form in `gguf_kernels`."""
+        t = self.qt.name.lower()
+        return f"_{t}_one_{self.name}", f"_{t}_many_{self.name}"
+
 
 VARIANTS = (
     Variant(QuantType.Q4_0, "table", "table_unit_q4_0", "bpair", "LUT16", "UNIT_ORDER_Q4_0"),
@@ -193,9 +198,8 @@ def _wrapped(text: str) -> str:
 
 def _table_entry(qt: QuantType) -> str:
     """The host-dependent `table` field: the first variant whose flag the host has, else None."""
-    t = _lower(qt)
     tables = [v for v in VARIANTS if v.qt == qt and v.order]
-    return "".join(f"(_{t}_one_{v.name}, _{t}_many_{v.name}, {v.order}) if {v.host} else " for v in tables) + "None"
+    return "".join(f"({', '.join(v.tasks())}, {v.order}) if {v.host} else " for v in tables) + "None"
 
 
 def _imports() -> dict[str, set[str]]:
@@ -246,8 +250,7 @@ def render() -> str:
     text += "\n\nGGUF: dict[QuantType, GGUFKernels] = {\n"
     for qt in TYPES:
         t = _lower(qt)
-        words = next((f"(_{t}_one_{v.name}, _{t}_many_{v.name})" for v in VARIANTS if v.qt == qt and v.layout),
-                     "None")
+        words = next((f"({', '.join(v.tasks())})" for v in VARIANTS if v.qt == qt and v.layout), "None")
         last = f"        {_table_entry(qt)}, {words}),"  # the host-dependent fields, on one line where they fit
         text += (f"    QuantType.{qt.name}: GGUFKernels(gguf_dequant.dequant_{t}, _{t}_rows, _{t}_one, _{t}_many, "
                  f"_{t}_tiles,\n" + (last if len(last) <= 120 else f"        {_table_entry(qt)},\n        {words}),")
